@@ -1,0 +1,1 @@
+"""Pallas TPU kernels (Mosaic TPU)."""

@@ -1,0 +1,133 @@
+"""Backend table and dispatch.
+
+A backend is a function ``impl(call, *, chunk_size, policy, backward, interpret) -> (o, final)``
+taking an :class:`rewy_jax.ops.GeneralCall`, plus a ``supports(call, chunk_size, interpret)``
+predicate that returns ``None`` when it can serve the call or a reason string when it cannot.
+``backend=None`` walks the preference list of the current platform and takes the first backend
+that supports the call, logging why it skipped the others; an explicit ``backend=`` that cannot
+serve the call raises with the reason. Nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from rewy_jax import layout
+from rewy_jax.reference import reference_general
+from rewy_jax.xla_chunked import chunked_delta
+
+log = logging.getLogger("rewy_jax")
+
+
+class Backend(NamedTuple):
+    name: str
+    impl: Callable
+    supports: Callable  # (call, chunk_size, interpret) -> None | reason
+
+
+# ----------------------------------------------------------------------------------------------
+# xla: the chunked jnp path with ReWY's custom VJP
+# ----------------------------------------------------------------------------------------------
+def _expand(x, ndim):
+    return x if x.ndim == ndim else x[..., None]
+
+
+def _chunk_cumsum(g_chunks):
+    """Inclusive cumsum within each chunk. g: [B, H, N, C] or [B, H, N, C, K]."""
+    return jnp.cumsum(g_chunks, axis=3)
+
+
+def xla_impl(call, *, chunk_size, policy, backward, interpret=False):
+    del interpret
+    q, k, v, g, b, w, h0 = call.q, call.k, call.v, call.g, call.b, call.w, call.h0
+    T = q.shape[1]
+    # Gates enter only through these leaf maps: e = b ⊙ k, z = w ⊙ v (their VJPs give db, dw, dβ).
+    f32 = jnp.float32
+    e = _expand(b, 4).astype(f32) * k.astype(f32)
+    z = _expand(w, 4).astype(f32) * v.astype(f32)
+    plan = layout.plan_chunks(T, chunk_size, call.cu_seqlens)
+    to = lambda x: layout.to_chunks(x, plan)  # noqa: E731
+    G = None if g is None else _chunk_cumsum(to(g.astype(f32)))
+    h0 = h0[None] if call.cu_seqlens is not None else h0[:, None]  # [B, n_seq, H, K, V]
+    o, final = chunked_delta(to(q), to(k), to(e), to(z), G, h0, plan.chunk_reset, plan.chunk_seq,
+                             plan.end_chunk, policy, backward)
+    o = layout.from_chunks(o, plan, T)
+    final = final[0] if call.cu_seqlens is not None else final[:, 0]
+    return o, final
+
+
+def _always(call, chunk_size, interpret):
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# reference: the token recurrence (slow; the oracle)
+# ----------------------------------------------------------------------------------------------
+def reference_impl(call, *, chunk_size, policy, backward, interpret=False):
+    del chunk_size, policy, backward, interpret
+    o, final = reference_general(call.q, call.k, call.v, call.g, call.b, call.w, scale=1.0,
+                                 initial_state=call.h0, cu_seqlens=call.cu_seqlens,
+                                 dtype=jnp.promote_types(call.out_dtype, jnp.float32))
+    return o, final.astype(jnp.float32)
+
+
+def _reference_supports(call, chunk_size, interpret):
+    if call.cu_seqlens is not None and isinstance(call.cu_seqlens, jax.core.Tracer):
+        return "the reference runs sequences one by one and needs concrete cu_seqlens (not traced)"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Table and selection
+# ----------------------------------------------------------------------------------------------
+_TABLE: dict[str, Backend] = {
+    "xla": Backend("xla", xla_impl, _always),
+    "reference": Backend("reference", reference_impl, _reference_supports),
+}
+
+# Preference per platform for backend=None (kernels first once registered, xla always last).
+_PREFERENCE = {"gpu": ["pallas_gpu", "xla"], "tpu": ["pallas_tpu", "xla"], "cpu": ["xla"]}
+
+
+def register(backend: Backend):
+    """Add (or replace) a backend; kernel packages call this when they import."""
+    _TABLE[backend.name] = backend
+
+
+def _platform():
+    return jax.default_backend()
+
+
+def select(name, call, *, chunk_size, interpret):
+    """The backend implementation that serves this call (see module docstring)."""
+    if name == "pallas":
+        name = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(_platform())
+        if name is None and interpret:
+            name = "pallas_gpu"
+        if name is None:
+            raise NotImplementedError(
+                f"backend='pallas' needs a GPU or TPU (this device is {_platform()!r}); "
+                "pass interpret=True to run a Pallas backend on CPU, or use backend='xla'")
+    if name is not None:
+        be = _TABLE.get(name)
+        if be is None:
+            raise NotImplementedError(
+                f"backend={name!r} is not available in this build of rewy_jax "
+                f"(available: {sorted(_TABLE)}); use backend='xla' or backend=None")
+        reason = be.supports(call, chunk_size, interpret)
+        if reason is not None:
+            raise NotImplementedError(f"backend={name!r} cannot serve this call: {reason}")
+        return be.impl
+    for cand in _PREFERENCE.get(_platform(), ["xla"]):
+        be = _TABLE.get(cand)
+        if be is None:
+            continue
+        reason = be.supports(call, chunk_size, interpret)
+        if reason is None:
+            return be.impl
+        log.info("rewy_jax: backend %r skipped: %s", cand, reason)
+    return _TABLE["xla"].impl

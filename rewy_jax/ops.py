@@ -1,0 +1,228 @@
+"""Public ops: ``chunk_delta_rule``, ``chunk_gated_delta_rule``, ``chunk_kda``, ``chunk_gdn2``.
+
+Each op is one member of the general recurrence (rewy-math §2)
+
+    S_t = (I − k_t e_tᵀ) Diag(α_t) S_{t−1} + k_t z_tᵀ,      o_t = scale · S_tᵀ q_t
+
+| op                       | α_t = exp(g_t)        | e_t (erase) | z_t (write) |
+|--------------------------|-----------------------|-------------|-------------|
+| chunk_delta_rule         | 1                     | β_t k_t     | β_t v_t     |
+| chunk_gated_delta_rule   | scalar g [B, T, H]    | β_t k_t     | β_t v_t     |
+| chunk_kda                | vector g [B, T, H, K] | β_t k_t     | β_t v_t     |
+| chunk_gdn2               | vector g [B, T, H, K] | b_t ⊙ k_t   | w_t ⊙ v_t   |
+
+Every op returns ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32 or None)``, is
+safe under ``jit``/``grad``/``vmap``/``checkpoint`` and differentiable in every array input.
+The ``fused_recurrent_*`` twins run the token recurrence (for decoding a few tokens with a
+carried state).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from rewy_jax import backends, validate
+from rewy_jax.reference import l2norm
+
+__all__ = [
+    "chunk_delta_rule",
+    "chunk_gated_delta_rule",
+    "chunk_kda",
+    "chunk_gdn2",
+    "fused_recurrent_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+    "fused_recurrent_kda",
+    "fused_recurrent_gdn2",
+]
+
+log = logging.getLogger("rewy_jax")
+
+
+class GeneralCall(NamedTuple):
+    """An op call in the general form, ready for a backend (q normalised and scaled)."""
+
+    q: jax.Array  # [B, T, H, K]
+    k: jax.Array  # [B, T, H, K]
+    v: jax.Array  # [B, T, H, V]
+    g: jax.Array | None  # None, [B, T, H] or [B, T, H, K] log-decay (clamped, ≤ 0 expected)
+    b: jax.Array  # [B, T, H] or [B, T, H, K] erase gate
+    w: jax.Array  # [B, T, H] or [B, T, H, V] write gate
+    h0: jax.Array  # [B or N, H, K, V] fp32
+    cu_seqlens: jax.Array | None
+    out_dtype: jnp.dtype
+
+
+# A gate below this is a reset for every purpose in fp32 (exp(-40) ≈ 4e-18). Clamping keeps −inf
+# (full reset) from turning exp(G_r − G_s) into exp(−inf + inf) = NaN, and keeps the chunk-local
+# cumulative sums small enough that their differences stay accurate.
+GATE_FLOOR = -40.0
+
+
+def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, use_qk_l2norm,
+             cu_seqlens, gate_names):
+    validate.check_qkv(q, k, v)
+    K, V = q.shape[-1], v.shape[-1]
+    g_name, b_name, w_name = gate_names
+    if g_kind == "scalar":
+        validate.check_per_token(g_name, g, q, None, "")
+    elif g_kind == "vector":
+        validate.check_per_token(g_name, g, q, K, "K")
+    validate.check_per_token(b_name, b, q, K if b_kind == "vector" else None, "K")
+    if w_name is not None:
+        validate.check_per_token(w_name, w, q, V if w_kind == "vector" else None, "V")
+    n_seq = validate.check_cu_seqlens(cu_seqlens, q)
+    validate.check_initial_state(initial_state, q, v, n_seq)
+    if scale is None:
+        scale = K ** -0.5
+    out_dtype = q.dtype
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = (q * scale).astype(q.dtype)
+    if g is not None:
+        g = jnp.maximum(g.astype(jnp.float32), GATE_FLOOR)
+    B, _, H, _ = q.shape
+    lead = B if n_seq is None else n_seq
+    h0 = (jnp.zeros((lead, H, K, V), jnp.float32) if initial_state is None
+          else initial_state.astype(jnp.float32))
+    return GeneralCall(q, k, v, g, b, w, h0, cu_seqlens, out_dtype)
+
+
+def _run_chunk(call: GeneralCall, *, chunk_size, policy, backward, backend, interpret,
+               output_final_state, scale):
+    validate.check_options(chunk_size=chunk_size, policy=policy, backward=backward,
+                           backend=backend, scale=scale)
+    impl = backends.select(backend, call, chunk_size=chunk_size, interpret=interpret)
+    o, final = impl(call, chunk_size=chunk_size, policy=policy, backward=backward,
+                    interpret=interpret)
+    return o.astype(call.out_dtype), (final if output_final_state else None)
+
+
+_COMMON_DOC = """
+    Args (shapes: B batch, T time, H heads, K key dim, V value dim):
+      q, k: [B, T, H, K]; v: [B, T, H, V] (bf16, fp16, fp32 or fp64).
+{gates}
+      scale: multiplies q; default K^-1/2.
+      initial_state: [B, H, K, V] (or [N, H, K, V] with cu_seqlens); fp32 recommended.
+      output_final_state: also return the final state [B (or N), H, K, V] fp32.
+      use_qk_l2norm: L2-normalise q and k over the feature axis first (VJP included).
+      chunk_size: rows per chunk, a power of two ≥ 16 (default 64).
+      policy: "recompute" (least memory; backward recomputes the chunk states) or "save"
+        (forward keeps chunk states and residuals; faster backward).
+      backward: "rewy" (the reduced backward, three local WY products) or "wy" (the standard
+        seven-product backward, for ablations). Both give the same gradients.
+      backend: None (fastest that supports the call on this device), "pallas" (this device's
+        kernels), "pallas_gpu", "pallas_tpu", "xla" (chunked jnp; runs anywhere) or
+        "reference" (token recurrence).
+      interpret: run a Pallas backend in interpret mode (on CPU).
+      cu_seqlens: [N+1] int offsets of N packed sequences (FLA convention, B must be 1).
+    Returns:
+      (o [B, T, H, V] in q's dtype, final_state fp32 or None).
+"""
+
+
+def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False,
+                     use_qk_l2norm=False, chunk_size=64, policy="recompute", backward="rewy",
+                     backend=None, interpret=False, cu_seqlens=None):
+    call = _prepare(q, k, v, None, beta, beta, g_kind=None, b_kind="scalar", w_kind="scalar",
+                    scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
+                    cu_seqlens=cu_seqlens, gate_names=(None, "beta", None))
+    return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
+                      backend=backend, interpret=interpret, output_final_state=output_final_state,
+                      scale=scale)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
+                           output_final_state=False, use_qk_l2norm=False, chunk_size=64,
+                           policy="recompute", backward="rewy", backend=None, interpret=False,
+                           cu_seqlens=None):
+    call = _prepare(q, k, v, g, beta, beta, g_kind="scalar", b_kind="scalar", w_kind="scalar",
+                    scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
+                    cu_seqlens=cu_seqlens, gate_names=("g", "beta", None))
+    return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
+                      backend=backend, interpret=interpret, output_final_state=output_final_state,
+                      scale=scale)
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm=False, chunk_size=64, policy="recompute", backward="rewy",
+              backend=None, interpret=False, cu_seqlens=None):
+    call = _prepare(q, k, v, g, beta, beta, g_kind="vector", b_kind="scalar", w_kind="scalar",
+                    scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
+                    cu_seqlens=cu_seqlens, gate_names=("g", "beta", None))
+    return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
+                      backend=backend, interpret=interpret, output_final_state=output_final_state,
+                      scale=scale)
+
+
+def chunk_gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm=False, chunk_size=64, policy="recompute", backward="rewy",
+               backend=None, interpret=False, cu_seqlens=None):
+    call = _prepare(q, k, v, g, b, w, g_kind="vector", b_kind="vector", w_kind="vector",
+                    scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
+                    cu_seqlens=cu_seqlens, gate_names=("g", "b", "w"))
+    return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
+                      backend=backend, interpret=interpret, output_final_state=output_final_state,
+                      scale=scale)
+
+
+chunk_delta_rule.__doc__ = "DeltaNet: α = 1, e = βk, z = βv (chunked).\n" + _COMMON_DOC.format(
+    gates="      beta: [B, T, H] write strength β ∈ [0, 2].")
+chunk_gated_delta_rule.__doc__ = "Gated DeltaNet (GDN): scalar decay per head (chunked).\n" + \
+    _COMMON_DOC.format(gates="      g: [B, T, H] log-decay ≤ 0 (−inf = reset); beta: [B, T, H] in [0, 2].")
+chunk_kda.__doc__ = "Kimi Delta Attention (KDA): per-key-channel decay (chunked).\n" + \
+    _COMMON_DOC.format(gates="      g: [B, T, H, K] log-decay ≤ 0 (−inf = reset); beta: [B, T, H] in [0, 2].")
+chunk_gdn2.__doc__ = "Gated DeltaNet-2 (GDN2): per-channel decay, erase gate b, write gate w.\n" + \
+    _COMMON_DOC.format(gates=("      g: [B, T, H, K] log-decay ≤ 0; b: [B, T, H, K] erase gate in [0, 2];\n"
+                              "      w: [B, T, H, V] write gate."))
+
+
+# ----------------------------------------------------------------------------------------------
+# Recurrent (decode) form
+# ----------------------------------------------------------------------------------------------
+def _run_recurrent(call: GeneralCall, output_final_state):
+    from rewy_jax.reference import reference_general  # the recurrence, in fp32 state
+
+    o, final = reference_general(call.q, call.k, call.v, call.g, call.b, call.w, scale=1.0,
+                                 initial_state=call.h0, cu_seqlens=call.cu_seqlens,
+                                 dtype=jnp.promote_types(call.out_dtype, jnp.float32))
+    return o.astype(call.out_dtype), (final.astype(jnp.float32) if output_final_state else None)
+
+
+def fused_recurrent_delta_rule(q, k, v, beta, *, scale=None, initial_state=None,
+                               output_final_state=True, use_qk_l2norm=False, cu_seqlens=None):
+    """Token-by-token DeltaNet (decode form); arguments as ``chunk_delta_rule``."""
+    call = _prepare(q, k, v, None, beta, beta, g_kind=None, b_kind="scalar", w_kind="scalar",
+                    scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
+                    cu_seqlens=cu_seqlens, gate_names=(None, "beta", None))
+    return _run_recurrent(call, output_final_state)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
+                                     output_final_state=True, use_qk_l2norm=False, cu_seqlens=None):
+    """Token-by-token GDN (decode form); arguments as ``chunk_gated_delta_rule``."""
+    call = _prepare(q, k, v, g, beta, beta, g_kind="scalar", b_kind="scalar", w_kind="scalar",
+                    scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
+                    cu_seqlens=cu_seqlens, gate_names=("g", "beta", None))
+    return _run_recurrent(call, output_final_state)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
+                        output_final_state=True, use_qk_l2norm=False, cu_seqlens=None):
+    """Token-by-token KDA (decode form); arguments as ``chunk_kda``."""
+    call = _prepare(q, k, v, g, beta, beta, g_kind="vector", b_kind="scalar", w_kind="scalar",
+                    scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
+                    cu_seqlens=cu_seqlens, gate_names=("g", "beta", None))
+    return _run_recurrent(call, output_final_state)
+
+
+def fused_recurrent_gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None,
+                         output_final_state=True, use_qk_l2norm=False, cu_seqlens=None):
+    """Token-by-token GDN2 (decode form); arguments as ``chunk_gdn2``."""
+    call = _prepare(q, k, v, g, b, w, g_kind="vector", b_kind="vector", w_kind="vector",
+                    scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
+                    cu_seqlens=cu_seqlens, gate_names=("g", "b", "w"))
+    return _run_recurrent(call, output_final_state)

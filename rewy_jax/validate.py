@@ -1,0 +1,103 @@
+"""Argument checks for the public ops: every mistake gets an error naming the argument."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BACKENDS = ("pallas", "pallas_gpu", "pallas_tpu", "xla", "reference")
+POLICIES = ("recompute", "save")
+BACKWARDS = ("rewy", "wy")
+
+
+def _shape(x):
+    return tuple(x.shape)
+
+
+def check_float(name: str, x):
+    if x is None:
+        return
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+        dtype = getattr(x, "dtype", type(x).__name__)
+        raise TypeError(f"{name} must be a floating-point array (bf16, fp16, fp32 or fp64); got dtype {dtype}")
+
+
+def check_qkv(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_float(name, x)
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have shape [B, T, H, D]; got shape {_shape(x)}")
+    if _shape(k) != _shape(q):
+        raise ValueError(f"k must have the shape of q {_shape(q)} = [B, T, H, K]; got {_shape(k)}")
+    if _shape(v)[:3] != _shape(q)[:3]:
+        raise ValueError(f"v must have shape [B, T, H, V] with B, T, H = {_shape(q)[:3]} of q; got {_shape(v)}")
+    if q.shape[1] < 1:
+        raise ValueError(f"the sequence length T (axis 1 of q) must be ≥ 1; got shape {_shape(q)}")
+
+
+def check_per_token(name: str, x, q, last_dim: int | None, what: str):
+    """x must be [B, T, H] (last_dim None) or [B, T, H, last_dim]."""
+    check_float(name, x)
+    B, T, H = q.shape[:3]
+    want = (B, T, H) if last_dim is None else (B, T, H, last_dim)
+    if _shape(x) != want:
+        spec = "[B, T, H]" if last_dim is None else f"[B, T, H, {what}]"
+        raise ValueError(f"{name} must have shape {spec} = {want} to match q {_shape(q)}; got {_shape(x)}")
+
+
+def check_options(*, chunk_size, policy, backward, backend, scale):
+    if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two ≥ 16; got {chunk_size!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}; got {policy!r}")
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}; got {backward!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be None or one of {BACKENDS}; got {backend!r}")
+    if scale is not None and not isinstance(scale, jax.core.Tracer) and not float(scale) > 0:
+        raise ValueError(f"scale must be a positive number; got {scale!r}")
+
+
+def _concrete(x):
+    """A numpy copy of x if its value is known now (not traced under jit), else None."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def check_cu_seqlens(cu_seqlens, q):
+    """FLA-style offsets: 1-D integers [N+1], B = 1, 0 = c_0 < c_1 < … < c_N = T."""
+    if cu_seqlens is None:
+        return None
+    if getattr(cu_seqlens, "ndim", None) != 1 or not jnp.issubdtype(jnp.asarray(cu_seqlens).dtype, jnp.integer):
+        raise ValueError("cu_seqlens must be a 1-D integer array [N+1] of sequence offsets; got "
+                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} of shape "
+                         f"{getattr(cu_seqlens, 'shape', '?')}")
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must hold at least two offsets [0, T]; got shape {cu_seqlens.shape}")
+    if q.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences packed along T); q has B = {q.shape[0]}")
+    c = _concrete(cu_seqlens)
+    if c is not None:  # under jit the offsets are traced: they are trusted, as in FLA
+        T = q.shape[1]
+        if c[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0; got {c[0]}")
+        if c[-1] != T:
+            raise ValueError(f"cu_seqlens must end at T = {T} (axis 1 of q); got {c[-1]}")
+        if np.any(np.diff(c) <= 0):
+            raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequences); got {c.tolist()}")
+    return cu_seqlens.shape[0] - 1
+
+
+def check_initial_state(initial_state, q, v, n_seq):
+    if initial_state is None:
+        return
+    check_float("initial_state", initial_state)
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    want = (B if n_seq is None else n_seq, H, K, V)
+    lead = "B" if n_seq is None else "N (number of sequences in cu_seqlens)"
+    if _shape(initial_state) != want:
+        raise ValueError(f"initial_state must have shape [{lead}, H, K, V] = {want}; got {_shape(initial_state)}")
