@@ -1,0 +1,161 @@
+"""Accuracy tooling shared by the tests, the demo and the benchmarks (rewy-math §8).
+
+* :data:`OPS` — the four ops by short name, with the names of their gate arguments.
+* :func:`make_inputs` — random inputs for an op (fresh draws; strong decays optional).
+* :func:`ratio` — ``‖x − ref‖_rms / ‖ref‖_rms``.
+* :func:`accuracy_report` — every output and gradient of an op against the float64 token
+  recurrence, as ratios, with the §8 thresholds.
+
+The float64 oracle needs ``jax.config.update("jax_enable_x64", True)`` (done by
+:func:`accuracy_report` on entry when needed).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rewy_jax import ops
+
+
+class OpSpec(NamedTuple):
+    name: str
+    fn: callable
+    gates: tuple  # gate argument names in call order after q, k, v
+    gate_kinds: tuple  # per gate: "g_scalar", "g_vector", "beta", "b", "w"
+
+
+OPS = {
+    "deltanet": OpSpec("deltanet", ops.chunk_delta_rule, ("beta",), ("beta",)),
+    "gdn": OpSpec("gdn", ops.chunk_gated_delta_rule, ("g", "beta"), ("g_scalar", "beta")),
+    "kda": OpSpec("kda", ops.chunk_kda, ("g", "beta"), ("g_vector", "beta")),
+    "gdn2": OpSpec("gdn2", ops.chunk_gdn2, ("g", "b", "w"), ("g_vector", "b", "w")),
+}
+
+# rewy-math §8 thresholds on the ratio metric.
+FP32_TOL = 1e-4
+BF16_TOL = {"o": 5e-3, "final_state": 5e-3, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2,
+            "dinitial_state": 1e-2, "dg": 2e-2, "dbeta": 2e-2, "db": 2e-2, "dw": 2e-2}
+
+
+def tolerance(name: str, dtype) -> float:
+    if jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
+        return FP32_TOL
+    return BF16_TOL[name]
+
+
+def ratio(x, ref) -> float:
+    """‖x − ref‖_rms / ‖ref‖_rms in float64 (inf if x has NaN/Inf)."""
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64) if jnp.asarray(x).dtype == jnp.bfloat16 \
+        else np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(x)):
+        return float("inf")
+    den = np.sqrt(np.mean(ref ** 2))
+    num = np.sqrt(np.mean((x - ref) ** 2))
+    return float(num / den) if den > 0 else float(num)
+
+
+def make_inputs(op: str, B: int, T: int, H: int, K: int, V: int | None = None, *,
+                dtype=jnp.float32, seed: int = 0, decay: str = "normal",
+                initial_state: bool = True, n_seqs: int | None = None) -> dict:
+    """Random inputs for ``OPS[op]`` as a dict of keyword arrays.
+
+    decay: "normal" (g = log-sigmoid of N(2, 1)-ish, mild), "strong" (g down to −10, some −50
+    and −inf), or "none" (g = 0). β, b ∈ [0, 2]; w ∈ [0, 2]. q, k unnormalised (pass
+    use_qk_l2norm=True as the layers do). With ``n_seqs`` (B must be 1), also random
+    ``cu_seqlens`` of that many sequences and per-sequence initial states.
+    """
+    V = K if V is None else V
+    spec = OPS[op]
+    rng = np.random.default_rng(seed)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    out = {"q": f(B, T, H, K), "k": f(B, T, H, K), "v": f(B, T, H, V)}
+    for name, kind in zip(spec.gates, spec.gate_kinds):
+        if kind in ("g_scalar", "g_vector"):
+            shape = (B, T, H) if kind == "g_scalar" else (B, T, H, K)
+            if decay == "none":
+                g = np.zeros(shape, np.float32)
+            elif decay == "strong":
+                g = -rng.uniform(0, 10, shape).astype(np.float32)
+                flat = g.reshape(-1)
+                idx = rng.choice(flat.size, size=max(1, flat.size // 50), replace=False)
+                flat[idx[: len(idx) // 2]] = -50.0
+                flat[idx[len(idx) // 2:]] = -np.inf
+            else:
+                g = np.log(1 / (1 + np.exp(-(rng.standard_normal(shape) + 3.0)))).astype(np.float32)
+            out[name] = g
+        elif kind == "beta":
+            out[name] = rng.uniform(0, 2, (B, T, H)).astype(np.float32)
+        elif kind == "b":
+            out[name] = rng.uniform(0, 2, (B, T, H, K)).astype(np.float32)
+        elif kind == "w":
+            out[name] = rng.uniform(0, 2, (B, T, H, V)).astype(np.float32)
+    lead = B
+    if n_seqs is not None:
+        if B != 1:
+            raise ValueError("n_seqs needs B = 1")
+        cuts = np.sort(rng.choice(np.arange(1, T), size=n_seqs - 1, replace=False)) if n_seqs > 1 else []
+        out["cu_seqlens"] = np.concatenate([[0], cuts, [T]]).astype(np.int32)
+        lead = n_seqs
+    if initial_state:
+        out["initial_state"] = f(lead, H, K, V)
+    return {k: (jnp.asarray(v) if k == "cu_seqlens" else jnp.asarray(v, dtype if k in ("q", "k", "v") else jnp.float32))
+            for k, v in out.items()}
+
+
+def _diff_names(inputs: dict) -> list[str]:
+    return [k for k in inputs if k != "cu_seqlens"]
+
+
+def run_op(op: str, inputs: dict, **kw):
+    """Call ``OPS[op]`` on ``inputs`` (q, k, v, gates positionally; the rest by keyword)."""
+    spec = OPS[op]
+    args = [inputs["q"], inputs["k"], inputs["v"]] + [inputs[n] for n in spec.gates]
+    extra = {k: inputs[k] for k in ("initial_state", "cu_seqlens") if k in inputs}
+    return spec.fn(*args, output_final_state=True, **extra, **kw)
+
+
+def loss_and_grads(op: str, inputs: dict, cotangents: dict, **kw):
+    """Outputs (o, final) and gradients of ⟨o, dO⟩ + ⟨final, dS⟩ w.r.t. every float input."""
+    names = _diff_names(inputs)
+
+    def loss(*diff):
+        full = dict(inputs, **dict(zip(names, diff)))
+        o, s = run_op(op, full, **kw)
+        acc = jnp.promote_types(o.dtype, jnp.float32)
+        return (jnp.sum(o.astype(acc) * cotangents["o"].astype(acc))
+                + jnp.sum(s.astype(acc) * cotangents["final_state"].astype(acc))), (o, s)
+
+    grads, (o, s) = jax.grad(loss, argnums=tuple(range(len(names))), has_aux=True)(
+        *[inputs[n] for n in names])
+    return o, s, dict(zip(["d" + n for n in names], grads))
+
+
+def accuracy_report(op: str, inputs: dict, *, seed: int = 1, use_qk_l2norm: bool = True, **kw) -> dict:
+    """Ratios of every output and gradient of ``op`` (with ``kw``, e.g. backend=...) against the
+    float64 token recurrence on the same inputs. Returns {name: (ratio, tolerance)}."""
+    if not jax.config.jax_enable_x64:
+        jax.config.update("jax_enable_x64", True)
+    rng = np.random.default_rng(seed)
+    B, T, H, _ = inputs["q"].shape
+    V = inputs["v"].shape[-1]
+    K = inputs["q"].shape[-1]
+    lead = inputs["initial_state"].shape[0] if "initial_state" in inputs else (
+        len(inputs["cu_seqlens"]) - 1 if "cu_seqlens" in inputs else B)
+    cts = {"o": jnp.asarray(rng.standard_normal((B, T, H, V))),
+           "final_state": jnp.asarray(rng.standard_normal((lead, H, K, V)))}
+    dtype = inputs["q"].dtype
+    o, s, grads = loss_and_grads(op, inputs, {k: v.astype(jnp.float32) for k, v in cts.items()},
+                                 use_qk_l2norm=use_qk_l2norm, **kw)
+    ref_inputs = {k: (v if k == "cu_seqlens" else jnp.asarray(v, jnp.float64)) for k, v in inputs.items()}
+    o_r, s_r, grads_r = loss_and_grads(op, ref_inputs, cts, use_qk_l2norm=use_qk_l2norm,
+                                       backend="reference")
+    out = {"o": (ratio(o, o_r), tolerance("o", dtype)),
+           "final_state": (ratio(s, s_r), tolerance("final_state", dtype))}
+    for name, gval in grads.items():
+        out[name] = (ratio(gval, grads_r[name]), tolerance(name, dtype))
+    return out
