@@ -65,6 +65,7 @@ GATE_FLOOR = -40.0
 def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, use_qk_l2norm,
              cu_seqlens, gate_names):
     validate.check_qkv(q, k, v)
+    validate.check_scale(scale)
     K, V = q.shape[-1], v.shape[-1]
     g_name, b_name, w_name = gate_names
     if g_kind == "scalar":

@@ -55,6 +55,10 @@ def check_options(*, chunk_size, policy, backward, backend, scale):
         raise ValueError(f"backward must be one of {BACKWARDS}; got {backward!r}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be None or one of {BACKENDS}; got {backend!r}")
+    check_scale(scale)
+
+
+def check_scale(scale):
     if scale is not None and not isinstance(scale, jax.core.Tracer) and not float(scale) > 0:
         raise ValueError(f"scale must be a positive number; got {scale!r}")
 
