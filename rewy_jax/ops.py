@@ -80,9 +80,12 @@ def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, 
     if scale is None:
         scale = K ** -0.5
     out_dtype = q.dtype
+    # Normalise and scale in fp32 and keep fp32: rounding q and k back to bf16 here would add
+    # two bf16 roundings on top of the inputs' own (the kernels read them once either way).
+    f32 = jnp.promote_types(q.dtype, jnp.float32)
     if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = (q * scale).astype(q.dtype)
+        q, k = l2norm(q.astype(f32)), l2norm(k.astype(f32))
+    q = q.astype(f32) * scale
     if g is not None:
         g = jnp.maximum(g.astype(jnp.float32), GATE_FLOOR)
     B, _, H, _ = q.shape
