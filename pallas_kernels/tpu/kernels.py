@@ -1,0 +1,268 @@
+"""Mosaic TPU kernels of the general delta rule: chunked forward and ReWY's reduced backward.
+
+Chunk layout (as ``rewy_jax.xla_chunked``): q, k, e ``[B, H, N, C, K]``, z ``[B, H, N, C, V]``,
+gate g None / ``[B, H, N, C, 1]`` (scalar, a column so the block tail is 2-D) /
+``[B, H, N, C, K]`` (vector) holding the *raw* per-token log-decays — the chunk-local cumsum is a
+triangular ones matmul inside the kernel, and dg its transpose. Initial/final states
+``[B, S+1, H, K, V]`` fp32 (S sequences plus one dropped slot that padding chunks map to).
+
+Grid ``(B, H, N)``: batch and heads "parallel", chunks "arbitrary" (sequential); the state S (the
+state cotangent dS in the backward) lives in a ``[K, V]`` fp32 VMEM scratch across the chunk axis.
+Sequence structure comes in by scalar prefetch (SMEM): ``reset[N]`` (chunk starts a sequence:
+load h0), ``seq[N]`` (which sequence: selects the h0/final/dh0 block), ``end[N]`` (chunk ends a
+sequence: the backward injects d final there). A plain batch is one sequence per row; packed
+variable-length input (``cu_seqlens``) is the same kernel with other metadata.
+
+Kernels (all blocks are whole ``[C, D]`` / ``[K, V]`` tiles: last two dims equal the array's):
+  ``_fwd_kernel``  mode "fwd": o, final (+ S0 and R per chunk with policy "save");
+                   mode "states": only the chunk start states S0 (the recompute pass).
+  ``_bwd_kernel``  reverse chunk order: dq, dk, de, dz, dg, dh0 (ReWY or the seven-product WY).
+All matmuls are fp32 with ``Precision.HIGHEST`` (the fp32 accuracy contract, rewy-math §8).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.chunk_algebra import ChunkLocal, chunk_output
+from pallas_kernels.tpu import algebra as ta
+
+f32 = jnp.float32
+
+
+def _interpret_arg(interpret):
+    """``True`` -> the TPU interpreter (``pltpu.InterpretParams()``); params pass through."""
+    if interpret is True:
+        return pltpu.InterpretParams()
+    return interpret or False
+
+
+def _load(ref):
+    return ref[...].astype(f32)
+
+
+def _gate(g_ref):
+    """Chunk-local inclusive cumsum of the loaded gate block, or None."""
+    return None if g_ref is None else ta.cumsum_rows(_load(g_ref))
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+def _fwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, mode, save):
+    del seq_ref, end_ref  # used by the index maps only
+    it = iter(refs)
+    q_ref, k_ref, e_ref, z_ref = next(it), next(it), next(it), next(it)
+    g_ref = next(it) if has_g else None
+    h0_ref = next(it)
+    if mode == "fwd":
+        o_ref, final_ref = next(it), next(it)
+        s0_ref, r_ref = (next(it), next(it)) if save else (None, None)
+    else:
+        s0_ref = next(it)
+    S_scr = next(it)
+
+    n = pl.program_id(2)
+
+    @pl.when(reset_ref[n] != 0)
+    def _():
+        S_scr[...] = h0_ref[...]
+
+    S0 = S_scr[...]
+    q, k, e, z = _load(q_ref), _load(k_ref), _load(e_ref), _load(z_ref)
+    C = q.shape[0]
+    decay = ta.make_decay(_gate(g_ref), C)
+    loc = ta.chunk_local(q, k, e, z, decay)
+    O, R = chunk_output(loc, S0)
+    S_new = ta.next_state(loc, decay, S0, R)
+    S_scr[...] = S_new
+    if s0_ref is not None:
+        s0_ref[...] = S0
+    if mode == "fwd":
+        o_ref[...] = O.astype(o_ref.dtype)
+        # Written every chunk; the block (b, seq, h) is flushed after its sequence's last chunk.
+        final_ref[...] = S_new
+        if save:
+            r_ref[...] = R
+
+
+def _specs(B, H, N, C, K, V, has_g, g_cols, reverse=False):
+    """BlockSpecs of the chunk-layout inputs (q, k, e, z[, g]) and the per-sequence states."""
+    def chunk(b, h, n, *_):
+        return (b, h, N - 1 - n if reverse else n, 0, 0)
+
+    def state(b, h, n, reset, seq, end):
+        return (b, seq[N - 1 - n if reverse else n], h, 0, 0)
+
+    sq = pl.Squeezed() if hasattr(pl, "Squeezed") else None
+    kspec = pl.BlockSpec((sq, sq, sq, C, K), chunk)
+    vspec = pl.BlockSpec((sq, sq, sq, C, V), chunk)
+    ins = [kspec, kspec, kspec, vspec] + ([pl.BlockSpec((sq, sq, sq, C, g_cols), chunk)] if has_g else [])
+    st = pl.BlockSpec((sq, sq, sq, K, V), state)
+    s0 = pl.BlockSpec((sq, sq, sq, K, V), chunk)
+    return ins, vspec, st, s0
+
+
+_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+
+
+def forward_call(q, k, e, z, g, h0, meta, *, mode="fwd", save=False, interpret=False):
+    """Run the forward kernel. meta = (reset, seq, end) int32 [N].
+
+    mode "fwd": returns (o [B,H,N,C,V] in z.dtype, final [B,S+1,H,K,V] fp32, S0s, R) with S0s, R
+    None unless save. mode "states": returns S0s [B,H,N,K,V] fp32.
+    """
+    B, H, N, C, K = q.shape
+    V = z.shape[-1]
+    has_g = g is not None
+    ins, vspec, st, s0 = _specs(B, H, N, C, K, V, has_g, g.shape[-1] if has_g else 1)
+    in_specs = ins + [st]
+    args = [q, k, e, z] + ([g] if has_g else []) + [h0]
+    s0_shape = jax.ShapeDtypeStruct((B, H, N, K, V), f32)
+    if mode == "fwd":
+        out_specs = [vspec, st] + ([s0, vspec] if save else [])
+        out_shape = [jax.ShapeDtypeStruct((B, H, N, C, V), z.dtype),
+                     jax.ShapeDtypeStruct(h0.shape, f32)]
+        if save:
+            out_shape += [s0_shape, jax.ShapeDtypeStruct((B, H, N, C, V), f32)]
+    else:
+        out_specs, out_shape = [s0], [s0_shape]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3, grid=(B, H, N), in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((K, V), f32)])
+    kern = functools.partial(_fwd_kernel, has_g=has_g, mode=mode, save=save)
+    outs = pl.pallas_call(kern, grid_spec=grid_spec, out_shape=out_shape,
+                          compiler_params=_PARAMS, interpret=_interpret_arg(interpret))(*meta, *args)
+    if mode == "fwd":
+        return (outs[0], outs[1]) + ((outs[2], outs[3]) if save else (None, None))
+    return outs[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+def _bwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, has_r, scheme, n_chunks):
+    del seq_ref
+    it = iter(refs)
+    q_ref, k_ref, e_ref, z_ref = next(it), next(it), next(it), next(it)
+    g_ref = next(it) if has_g else None
+    s0_ref = next(it)
+    r_ref = next(it) if has_r else None
+    do_ref, dfinal_ref = next(it), next(it)
+    dq_ref, dk_ref, de_ref, dz_ref = next(it), next(it), next(it), next(it)
+    dg_ref = next(it) if has_g else None
+    dh0_ref = next(it)
+    dS_scr = next(it)
+
+    n = pl.program_id(2)
+    c = n_chunks - 1 - n  # chunks run in reverse
+
+    @pl.when(n == 0)
+    def _():
+        dS_scr[...] = jnp.zeros(dS_scr.shape, f32)
+
+    @pl.when(end_ref[c] != 0)
+    def _():
+        dS_scr[...] = dfinal_ref[...]  # a sequence's last chunk: the carry from the next is 0
+
+    dS = dS_scr[...]
+    S0 = s0_ref[...]
+    q, k, e, z = _load(q_ref), _load(k_ref), _load(e_ref), _load(z_ref)
+    C = q.shape[0]
+    decay = ta.make_decay(_gate(g_ref), C)
+    if has_r:  # policy "save": R and S0 come from the forward; only A, P, Qγ, Ē, K_tail rebuilt
+        T = decay.gram(e, k, strict=True)
+        Eg = decay.head(e)
+        loc = ChunkLocal(A=ta.unit_lower_inverse(T), W=None, U=None, P=decay.gram(q, k, False),
+                         Qg=decay.head(q), Eg=Eg, Kt=decay.tail(k))
+        R = r_ref[...]
+    else:
+        loc = ta.chunk_local(q, k, e, z, decay)
+        R = loc.U - ta.mm(loc.W, S0)
+    grads, dS0 = ta.backward_chunk(q, k, e, z, decay, loc, S0, R, _load(do_ref), dS, scheme)
+    dq_ref[...] = grads.dq.astype(dq_ref.dtype)
+    dk_ref[...] = grads.dk.astype(dk_ref.dtype)
+    de_ref[...] = grads.de.astype(de_ref.dtype)
+    dz_ref[...] = grads.dz.astype(dz_ref.dtype)
+    if has_g:
+        dg_ref[...] = ta.rev_cumsum_rows(grads.dG).astype(dg_ref.dtype)  # dG -> dg
+    dS_scr[...] = dS0
+    dh0_ref[...] = dS0  # flushed after the sequence's first chunk (the last one visited)
+
+
+def backward_call(q, k, e, z, g, S0s, R, dO, dfinal, meta, *, scheme="rewy", interpret=False):
+    """Run the backward kernel. Returns (dq, dk, de, dz, dg or None, dh0 [B,S+1,H,K,V])."""
+    B, H, N, C, K = q.shape
+    V = z.shape[-1]
+    has_g, has_r = g is not None, R is not None
+    ins, vspec, st, s0 = _specs(B, H, N, C, K, V, has_g, g.shape[-1] if has_g else 1, reverse=True)
+    kspec = ins[0]
+    in_specs = ins + [s0] + ([vspec] if has_r else []) + [vspec, st]
+    args = [q, k, e, z] + ([g] if has_g else []) + [S0s] + ([R] if has_r else []) + [dO, dfinal]
+    out_specs = [kspec, kspec, kspec, vspec] + ([ins[4]] if has_g else []) + [st]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, e, z)]
+    if has_g:
+        out_shape.append(jax.ShapeDtypeStruct(g.shape, g.dtype))
+    out_shape.append(jax.ShapeDtypeStruct(dfinal.shape, f32))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3, grid=(B, H, N), in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((K, V), f32)])
+    kern = functools.partial(_bwd_kernel, has_g=has_g, has_r=has_r, scheme=scheme, n_chunks=N)
+    outs = pl.pallas_call(kern, grid_spec=grid_spec, out_shape=out_shape,
+                          compiler_params=_PARAMS, interpret=_interpret_arg(interpret))(*meta, *args)
+    dq, dk, de, dz = outs[:4]
+    dg = outs[4] if has_g else None
+    return dq, dk, de, dz, dg, outs[-1]
+
+
+# ----------------------------------------------------------------------------------------------
+# The differentiable op
+# ----------------------------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def chunked_delta_tpu(q, k, e, z, g, h0, meta, policy="recompute", backward="rewy",
+                      interpret=False):
+    """The general delta rule on chunk-layout inputs, by the TPU kernels (module docstring).
+
+    Args:
+      q, k, e: [B, H, N, C, K] scaled query, key, erase vectors; z: [B, H, N, C, V] write vectors.
+      g: None, [B, H, N, C, 1] or [B, H, N, C, K] raw log-decays (≤ 0; cumsum done in-kernel).
+      h0: [B, S+1, H, K, V] fp32 initial states (slot S is for padding chunks).
+      meta: (reset, seq, end) int32 [N] chunk metadata (not differentiated).
+      policy: "recompute" | "save"; backward: "rewy" | "wy"; interpret: bool or InterpretParams.
+    Returns:
+      o [B, H, N, C, V] (z.dtype), final [B, S+1, H, K, V] fp32.
+    """
+    o, final, _, _ = forward_call(q, k, e, z, g, h0, meta, interpret=interpret)
+    return o, final
+
+
+def _fwd(q, k, e, z, g, h0, meta, policy, backward, interpret):
+    save = policy == "save"
+    o, final, S0s, R = forward_call(q, k, e, z, g, h0, meta, save=save, interpret=interpret)
+    return (o, final), (q, k, e, z, g, h0, meta, S0s, R)
+
+
+def _bwd(policy, backward, interpret, res, cts):
+    q, k, e, z, g, h0, meta, S0s, R = res
+    dO, dfinal = cts
+    if S0s is None:  # "recompute": one forward state pass for the chunk start states
+        S0s = forward_call(q, k, e, z, g, h0, meta, mode="states", interpret=interpret)
+    dq, dk, de, dz, dg, dh0 = backward_call(q, k, e, z, g, S0s, R, dO, dfinal.astype(f32), meta,
+                                            scheme=backward, interpret=interpret)
+    dmeta = jax.tree.map(lambda m: None, meta)
+    return dq, dk, de, dz, dg, dh0.astype(h0.dtype), dmeta
+
+
+chunked_delta_tpu.defvjp(_fwd, _bwd)
+
+
+def chunk_meta(chunk_reset, chunk_seq, end_chunk):
+    """(reset, seq, end) int32 [N] from ``rewy_jax.layout.ChunkPlan`` fields."""
+    N = chunk_reset.shape[0]
+    end = jnp.zeros((N,), jnp.int32).at[end_chunk].set(1)
+    return (chunk_reset.astype(jnp.int32), chunk_seq.astype(jnp.int32), end)
