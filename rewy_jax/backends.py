@@ -82,11 +82,40 @@ def _reference_supports(call, chunk_size, interpret):
 
 
 # ----------------------------------------------------------------------------------------------
+# pallas_tpu: the Mosaic TPU kernels (pallas_kernels.tpu), imported on first use
+# ----------------------------------------------------------------------------------------------
+def pallas_tpu_impl(call, *, chunk_size, policy, backward, interpret=False):
+    from pallas_kernels.tpu import chunk_meta, chunked_delta_tpu
+
+    f32 = jnp.float32
+    e = _expand(call.b, 4).astype(f32) * call.k.astype(f32)  # leaf maps stay in XLA (VJP: db, dw)
+    z = _expand(call.w, 4).astype(f32) * call.v.astype(f32)
+    plan = layout.plan_chunks(call.q.shape[1], chunk_size, call.cu_seqlens)
+    to = lambda x: layout.to_chunks(x, plan)  # noqa: E731
+    g = None if call.g is None else to(_expand(call.g.astype(f32), 4))  # raw gates; cumsum in-kernel
+    h0 = call.h0[None] if call.cu_seqlens is not None else call.h0[:, None]
+    h0 = jnp.concatenate([h0, jnp.zeros_like(h0[:, :1])], axis=1)  # + the padding chunks' slot
+    meta = chunk_meta(plan.chunk_reset, plan.chunk_seq, plan.end_chunk)
+    o, final = chunked_delta_tpu(to(call.q), to(call.k), to(e), to(z), g, h0, meta, policy,
+                                 backward, interpret)
+    final = final[0, :-1] if call.cu_seqlens is not None else final[:, 0]
+    return layout.from_chunks(o, plan, call.q.shape[1]), final
+
+
+def _pallas_tpu_supports(call, chunk_size, interpret):
+    from pallas_kernels.tpu import supports_reason
+
+    return supports_reason(call.q.shape[-1], call.v.shape[-1], chunk_size, call.q.dtype,
+                           _platform() == "tpu", interpret)
+
+
+# ----------------------------------------------------------------------------------------------
 # Table and selection
 # ----------------------------------------------------------------------------------------------
 _TABLE: dict[str, Backend] = {
     "xla": Backend("xla", xla_impl, _always),
     "reference": Backend("reference", reference_impl, _reference_supports),
+    "pallas_tpu": Backend("pallas_tpu", pallas_tpu_impl, _pallas_tpu_supports),
 }
 
 # Preference per platform for backend=None (kernels first once registered, xla always last).
