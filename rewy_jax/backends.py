@@ -110,12 +110,31 @@ def _pallas_tpu_supports(call, chunk_size, interpret):
 
 
 # ----------------------------------------------------------------------------------------------
+# pallas_gpu: the Triton-lowered Pallas kernels (pallas_kernels.gpu), imported lazily
+# ----------------------------------------------------------------------------------------------
+def pallas_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
+    from pallas_kernels.gpu import api
+
+    plan = (None if call.cu_seqlens is None
+            else layout.plan_chunks(call.q.shape[1], chunk_size, call.cu_seqlens))
+    return api.delta_rule_call(call, chunk_size=chunk_size, policy=policy, backward=backward,
+                               interpret=interpret, plan=plan)
+
+
+def _pallas_gpu_supports(call, chunk_size, interpret):
+    from pallas_kernels.gpu import api
+
+    return api.supports(call, chunk_size, interpret)
+
+
+# ----------------------------------------------------------------------------------------------
 # Table and selection
 # ----------------------------------------------------------------------------------------------
 _TABLE: dict[str, Backend] = {
     "xla": Backend("xla", xla_impl, _always),
     "reference": Backend("reference", reference_impl, _reference_supports),
     "pallas_tpu": Backend("pallas_tpu", pallas_tpu_impl, _pallas_tpu_supports),
+    "pallas_gpu": Backend("pallas_gpu", pallas_gpu_impl, _pallas_gpu_supports),
 }
 
 # Preference per platform for backend=None (kernels first once registered, xla always last).

@@ -1,0 +1,187 @@
+"""The Pallas GPU delta rule: kernels behind a ``jax.custom_vjp`` (ReWY or WY backward).
+
+``general_delta`` works on padded token-layout inputs (``[B, Tp, H, D]``, Tp a multiple of C):
+
+    q, k, e : [B, Tp, H, K]   scaled query, key, erase vectors (bf16 / fp16 / fp32)
+    z       : [B, Tp, H, V]   write vectors
+    G       : None, [B, Tp, H] or [B, Tp, H, K] fp32: chunk-local inclusive cumsum of log-decays
+    h0      : [B, H, n_seq + 1, K, V] fp32 initial states (last slot: padding chunks)
+    reset, end, seq : int32 [N] chunk metadata (kernels.py docstring)
+
+It returns ``o [B, Tp, H, V]`` (z's dtype) and ``final [B, H, n_seq + 1, K, V]`` fp32, and is
+differentiable in q, k, e, z, G and h0. ``delta_rule_call`` adapts a backend call of
+``rewy_jax`` (leaf maps e = b ⊙ k, z = w ⊙ v and the chunk cumsum of g are plain JAX, so their
+VJPs — dβ, db, dw, dg's reverse cumsum — come from autodiff around the kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.gpu import kernels as kn
+
+F32 = jnp.float32
+# Value-tile width of the state passes and the per-chunk kernels (a power of two ≥ 16; tests
+# lower it to exercise several tiles on small shapes).
+DEFAULT_BV = 64
+
+
+class Config(NamedTuple):
+    chunk_size: int
+    policy: str  # "recompute" | "save"
+    backward: str  # "rewy" | "wy"
+    interpret: bool
+    BV: int  # value-tile width of the state passes
+
+
+def _mode(G):
+    return "none" if G is None else ("scalar" if G.ndim == 3 else "vector")
+
+
+def _precision(dtype, interpret):
+    """Dot precision for fp32 operands inside the kernels.
+
+    fp32 inputs promise ~1e-4 (rewy-math §8): full fp32 (IEEE) dots. bf16/fp16 inputs promise
+    5e-3..2e-2: TF32 dots on fp32 operands are ample and run on tensor cores.
+    """
+    if interpret or jnp.dtype(dtype) == jnp.dtype(F32):
+        return lax.Precision.HIGHEST
+    return lax.Precision.DEFAULT
+
+
+def _shape(cfg, q, v, G, h0):
+    B, Tp, H, K = q.shape
+    V = v.shape[-1]
+    return kn.Shape(B, Tp, H, K, V, cfg.chunk_size, h0.shape[2], _mode(G),
+                    _precision(q.dtype, cfg.interpret), min(cfg.BV, V))
+
+
+def _forward(cfg, q, k, e, z, G, h0, reset, end, seq):
+    s = _shape(cfg, q, z, G, h0)
+    A, W, U = kn.intra(s, k, e, z, G, interpret=cfg.interpret)
+    S0, R, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret)
+    o = kn.output(s, q, k, G, S0, R, z.dtype, interpret=cfg.interpret)
+    return o, final, (A, W, S0, R)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def general_delta(cfg: Config, q, k, e, z, G, h0, reset, end, seq):
+    o, final, _ = _forward(cfg, q, k, e, z, G, h0, reset, end, seq)
+    return o, final
+
+
+def _fwd(cfg, q, k, e, z, G, h0, reset, end, seq):
+    o, final, saved = _forward(cfg, q, k, e, z, G, h0, reset, end, seq)
+    res = (q, k, e, z, G, h0, reset, end, seq, saved if cfg.policy == "save" else None)
+    return (o, final), res
+
+
+def _bwd(cfg, res, cts):
+    q, k, e, z, G, h0, reset, end, seq, saved = res
+    dO, dfin = cts
+    s = _shape(cfg, q, z, G, h0)
+    it = cfg.interpret
+    if saved is None:  # "recompute": one more chunk-local pass and forward state pass
+        A, W, U = kn.intra(s, k, e, z, G, interpret=it)
+        S0, R, _ = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=it)
+    else:
+        A, W, S0, R = saved
+    dRl = kn.bwd_local(s, q, k, G, dO, interpret=it)
+    dSe, dR, dh0 = kn.bwd_pass(s, q, k, G, W, dO, dRl, dfin.astype(F32), reset, end, seq,
+                               interpret=it)
+    dq, dk, de, dz, dG = kn.bwd_chunk(s, q, k, e, z, G, A, S0, dSe, R, dO, dR,
+                                      backward=cfg.backward,
+                                      dtypes=(q.dtype, k.dtype, e.dtype, z.dtype), interpret=it)
+    return dq, dk, de, dz, dG, dh0, None, None, None
+
+
+general_delta.defvjp(_fwd, _bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Adapter for rewy_jax's backend calls
+# ----------------------------------------------------------------------------------------------
+def supports(call, chunk_size, interpret):
+    """None if the kernels serve this call, else the reason (rewy_jax.backends protocol)."""
+    if not interpret and jax.default_backend() != "gpu":
+        return f"the Pallas Triton kernels need a CUDA GPU (this device: {jax.default_backend()!r}); pass interpret=True to run them on CPU"
+    K, V = call.q.shape[-1], call.v.shape[-1]
+    for name, d in (("K", K), ("V", V)):
+        if d < 16 or d & (d - 1):
+            return f"head dim {name}={d} must be a power of two ≥ 16 (Triton tiles)"
+        if d > 256:
+            return f"head dim {name}={d} > 256 is not supported by the kernels"
+    if chunk_size not in (16, 32, 64):
+        return f"chunk_size={chunk_size} must be 16, 32 or 64 for the Pallas GPU kernels"
+    dt = jnp.dtype(call.q.dtype)
+    if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(F32)):
+        return f"input dtype {dt} is not supported (bf16, fp16 or fp32)"
+    if call.k.dtype != call.q.dtype or call.v.dtype != call.q.dtype:
+        return "q, k and v must share one dtype"
+    return None
+
+
+def _expand(x, ndim):
+    return x if x.ndim == ndim else x[..., None]
+
+
+def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None, BV=None):
+    """Serve a ``rewy_jax.ops.GeneralCall``: returns (o [B,T,H,V], final [B or N,H,K,V] fp32).
+
+    ``plan``: a ``rewy_jax.layout.ChunkPlan`` for variable-length inputs (its ``gather`` and
+    ``scatter`` re-lay tokens so every sequence starts on a chunk boundary), else None.
+    """
+    q, k, v, g, b, w, h0 = call.q, call.k, call.v, call.g, call.b, call.w, call.h0
+    B, T, H, K = q.shape
+    dt = q.dtype
+    C = chunk_size
+    e = (_expand(b, 4).astype(F32) * k.astype(F32)).astype(dt)
+    z = (_expand(w, 4).astype(F32) * v.astype(F32)).astype(dt)
+    g = None if g is None else g.astype(F32)
+
+    if plan is None or plan.gather is None:
+        N = -(-T // C)
+        Tp = N * C
+
+        def lay(x):
+            if x is None:
+                return None
+            pad = [(0, 0)] * x.ndim
+            pad[1] = (0, Tp - T)
+            return jnp.pad(x, pad)
+
+        reset = (jnp.arange(N) == 0).astype(jnp.int32)
+        end = (jnp.arange(N) == N - 1).astype(jnp.int32)
+        seq = jnp.zeros((N,), jnp.int32)
+        h0x = jnp.stack([h0, jnp.zeros_like(h0)], axis=2)  # [B, H, 2, K, V]
+        n_seq = None
+    else:
+        N = plan.n_chunks
+        Tp = N * C
+
+        def lay(x):
+            if x is None:
+                return None
+            return jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)[:, plan.gather]
+
+        reset = plan.chunk_reset.astype(jnp.int32)
+        end = jnp.zeros((N,), jnp.int32).at[plan.end_chunk].set(1)
+        seq = plan.chunk_seq.astype(jnp.int32)
+        n_seq = h0.shape[0]
+        h0x = jnp.concatenate([h0, jnp.zeros_like(h0[:1])], axis=0)  # [n_seq + 1, H, K, V]
+        h0x = jnp.moveaxis(h0x, 0, 1)[None]  # [1, H, n_seq + 1, K, V]
+    G = None
+    if g is not None:
+        gc = lay(g)
+        gc = gc.reshape((B, N, C) + gc.shape[2:])
+        G = jnp.cumsum(gc, axis=2).reshape((B, Tp) + gc.shape[3:])
+    cfg = Config(C, policy, backward, bool(interpret), BV or DEFAULT_BV)
+    o, final = general_delta(cfg, lay(q), lay(k), lay(e), lay(z), G, h0x, reset, end, seq)
+    if n_seq is None:
+        return o[:, :T], final[:, :, 0]
+    return o[:, plan.scatter], jnp.moveaxis(final[0, :, :n_seq], 1, 0)

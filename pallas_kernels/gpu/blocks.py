@@ -1,0 +1,218 @@
+"""Lowerable per-chunk block algebra for the Pallas Triton kernels.
+
+This is :mod:`pallas_kernels.chunk_algebra` rewritten for what the Triton lowering accepts:
+every tensor a power-of-two tile, no reshape/einsum/concatenate of values, no scratch memory,
+``jnp.dot``-style 2-D contractions only (each side ≥ 16). A chunk of C rows is therefore held as
+``n = C / 16`` *sub-chunk blocks* of 16 rows (Python lists / dicts of ``[16, D]`` and
+``[16, 16]`` values), loaded from refs with static ``pl.ds`` slices — the same sub-chunk
+structure that ``chunk_algebra.VectorDecay`` expresses with reshapes and einsums:
+
+* off-diagonal blocks (s in an earlier sub-chunk than r): one matmul in the reference frame
+  m = first row of r's sub-chunk, ``(x_r ⊙ e^{G_r−G_m}) · (y_s ⊙ e^{G_m−G_s})`` (both ≤ 1);
+* diagonal blocks: exact per-pair factors ``e^{G_r−G_s}`` (s ≤ r), one column (or row) of the
+  block per loop step, reading row s from its ref — ``[16, K]`` elementwise work per step
+  instead of chunk_algebra's ``[16, 16, K]`` tensor (rank-3 tiles would not fit registers).
+
+No ``exp(−G)`` is ever formed, so everything is finite for any g ≤ 0 (rewy-math §3).
+The unit-lower inverse is chunk_algebra's blocked scheme (forward substitution on 16×16
+diagonal blocks, then block forward substitution) with the row updates written as masked
+reductions, since values cannot be indexed.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+BS = 16  # rows per sub-chunk (chunk_algebra.SUBCHUNK); the smallest tile tl.dot accepts
+F32 = jnp.float32
+
+
+def dot(a, b, prec, ta=False, tb=False):
+    """``a @ b`` (``aᵀ`` / ``bᵀ`` when ta / tb) with fp32 accumulation."""
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=F32)
+
+
+def iota(shape, dim):
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def load_rows(ref, start, rows=BS):
+    """Rows ``start .. start+rows`` of a [R, D] or [R] ref, as fp32."""
+    if len(ref.shape) == 1:
+        return ref[pl.ds(start, rows)].astype(F32)
+    return ref[pl.ds(start, rows), :].astype(F32)
+
+
+class Gates:
+    """Decay of one chunk whose cumulative gate G lives in ``G_ref`` from row ``base``.
+
+    mode: "none" (DeltaNet), "scalar" (G_ref [R]) or "vector" (G_ref [R, K]).
+    """
+
+    def __init__(self, mode, G_ref, base, C):
+        self.mode, self.G_ref, self.base, self.C = mode, G_ref, base, C
+        self._blk = {}
+
+    def blk(self, i):
+        if i not in self._blk:
+            self._blk[i] = load_rows(self.G_ref, self.base + i * BS)
+        return self._blk[i]
+
+    def row(self, r):  # [1] (scalar) or [1, K] (vector): G at chunk row r (r may be traced)
+        return load_rows(self.G_ref, self.base + r, 1)
+
+    def glast(self):
+        return self.row(self.C - 1)
+
+    # -- elementwise maps (all exponents ≤ 0) -------------------------------------------------
+    def head(self, i, x):  # γ ⊙ x
+        if self.mode == "none":
+            return x
+        G = self.blk(i)
+        return jnp.exp(G)[:, None] * x if self.mode == "scalar" else jnp.exp(G) * x
+
+    def tail(self, i, x):  # e^{G_C − G_r} ⊙ x_r
+        if self.mode == "none":
+            return x
+        d = self.glast() - self.blk(i)
+        return jnp.exp(d)[:, None] * x if self.mode == "scalar" else jnp.exp(d) * x
+
+    def last(self):  # γ_C: [1] or [1, K] (1.0 without gates)
+        return None if self.mode == "none" else jnp.exp(self.glast())
+
+    def _sdecay(self, i, j, mask):  # scalar gates: [BS, BS] e^{G_r − G_s}
+        d = self.blk(i)[:, None] - self.blk(j)[None, :]
+        if mask is not None:
+            d = jnp.where(mask, d, -jnp.inf)  # mask *before* exp (upper part is positive)
+        return jnp.exp(d)
+
+    # -- gram block M_ij[r, s] = Σ_c x_rc y_sc e^{G_rc − G_sc}, s ≤ r (s < r if strict) -------
+    def gram(self, i, j, x_i, y_j, y_ref, prec, strict):
+        mask = None
+        if i == j:
+            r, s = iota((BS, BS), 0), iota((BS, BS), 1)
+            mask = s < r if strict else s <= r
+        if self.mode == "none":
+            m = dot(x_i, y_j, prec, tb=True)
+            return m if mask is None else jnp.where(mask, m, 0.0)
+        if self.mode == "scalar":
+            return dot(x_i, y_j, prec, tb=True) * self._sdecay(i, j, mask)
+        Gi = self.blk(i)
+        if i > j:
+            Gm = self.row(i * BS)
+            return dot(x_i * jnp.exp(Gi - Gm), y_j * jnp.exp(Gm - self.blk(j)), prec, tb=True)
+        # diagonal block: per-pair exact factors, one column s = o per step
+        rr = iota((BS, 1), 0)
+        cc = iota((1, BS), 1)
+        base = self.base + i * BS
+
+        def body(o, m):
+            y_o = y_ref[pl.ds(base + o, 1), :].astype(F32)  # [1, K]
+            g_o = load_rows(self.G_ref, base + o, 1)  # [1, K]
+            keep = rr > o if strict else rr >= o
+            f = jnp.exp(jnp.where(keep, Gi - g_o, -jnp.inf))
+            col = jnp.sum(x_i * y_o * f, axis=1, keepdims=True)  # [BS, 1]
+            return jnp.where(cc == o, col, m)
+
+        return lax.fori_loop(0, BS, body, jnp.zeros((BS, BS), F32))
+
+    # -- Y_i = Σ_{j ≤ i} Σ_s P_ij[r, s] y_s ⊙ e^{G_r − G_s}   (P lower block-triangular) -------
+    def apply(self, P, i, y, y_ref, prec):
+        if self.mode != "vector":
+            acc = None
+            for j in range(i + 1):
+                Pij = P[i, j]
+                if self.mode == "scalar":
+                    Pij = Pij * self._sdecay(i, j, (iota((BS, BS), 1) <= iota((BS, BS), 0))
+                                             if i == j else None)
+                t = dot(Pij, y[j], prec)
+                acc = t if acc is None else acc + t
+            return acc
+        Gi = self.blk(i)
+        out = None
+        if i > 0:
+            Gm = self.row(i * BS)
+            off = None
+            for j in range(i):
+                t = dot(P[i, j], y[j] * jnp.exp(Gm - self.blk(j)), prec)
+                off = t if off is None else off + t
+            out = jnp.exp(Gi - Gm) * off
+        Pii = P[i, i]
+        rr = iota((BS, 1), 0)
+        cc = iota((1, BS), 1)
+        base = self.base + i * BS
+
+        def body(o, Y):
+            p_col = jnp.sum(jnp.where(cc == o, Pii, 0.0), axis=1, keepdims=True)  # [BS, 1]
+            y_o = y_ref[pl.ds(base + o, 1), :].astype(F32)
+            g_o = load_rows(self.G_ref, base + o, 1)
+            f = jnp.exp(jnp.where(rr >= o, Gi - g_o, -jnp.inf))
+            return Y + p_col * y_o * f
+
+        dia = lax.fori_loop(0, BS, body, jnp.zeros(y[i].shape, F32))
+        return dia if out is None else out + dia
+
+    # -- Y_j = Σ_{i ≥ j} Σ_r P_ij[r, s] x_r ⊙ e^{G_r − G_s} ------------------------------------
+    def apply_t(self, P, j, x, x_ref, prec, n):
+        if self.mode != "vector":
+            acc = None
+            for i in range(j, n):
+                Pij = P[i, j]
+                if self.mode == "scalar":
+                    Pij = Pij * self._sdecay(i, j, (iota((BS, BS), 1) <= iota((BS, BS), 0))
+                                             if i == j else None)
+                t = dot(Pij, x[i], prec, ta=True)
+                acc = t if acc is None else acc + t
+            return acc
+        Gj = self.blk(j)
+        out = None
+        for i in range(j + 1, n):
+            Gm = self.row(i * BS)
+            t = jnp.exp(Gm - Gj) * dot(P[i, j], x[i] * jnp.exp(self.blk(i) - Gm), prec, ta=True)
+            out = t if out is None else out + t
+        Pjj = P[j, j]
+        ss = iota((BS, 1), 0)  # output row s
+        rr = iota((BS, BS), 0)
+        base = self.base + j * BS
+
+        def body(o, Y):
+            p_row = jnp.sum(jnp.where(rr == o, Pjj, 0.0), axis=0)[:, None]  # P[o, s] as [BS, 1]
+            x_o = x_ref[pl.ds(base + o, 1), :].astype(F32)
+            g_o = load_rows(self.G_ref, base + o, 1)
+            f = jnp.exp(jnp.where(ss <= o, g_o - Gj, -jnp.inf))
+            return Y + p_row * x_o * f
+
+        dia = lax.fori_loop(0, BS, body, jnp.zeros(x[j].shape, F32))
+        return dia if out is None else out + dia
+
+
+def inv_diag(T):
+    """``(I + T)⁻¹`` of a strictly lower [BS, BS] block by forward substitution (masked rows)."""
+    r, c = iota((BS, BS), 0), iota((BS, BS), 1)
+    A0 = (r == c).astype(F32)
+
+    def body(o, A):
+        t = jnp.sum(jnp.where(r == o, T, 0.0), axis=0)  # row o of T, indexed by column j
+        upd = jnp.sum(t[:, None] * A, axis=0)  # Σ_j T_oj A_j
+        return jnp.where(r == o, A - upd[None, :], A)
+
+    return lax.fori_loop(1, BS, body, A0)
+
+
+def inv_blocks(T, n, prec):
+    """Blocked ``(I + T)⁻¹``: T dict {(i, j): [BS, BS]} for i ≥ j (diagonal blocks strict).
+
+    A_ii = inv(L_ii); A_ij = −A_ii Σ_{j ≤ k < i} T_ik A_kj (block forward substitution).
+    """
+    A = {(i, i): inv_diag(T[i, i]) for i in range(n)}
+    for i in range(1, n):
+        for j in range(i - 1, -1, -1):
+            acc = None
+            for k in range(j, i):
+                t = dot(T[i, k], A[k, j], prec)
+                acc = t if acc is None else acc + t
+            A[i, j] = -dot(A[i, i], acc, prec)
+    return A

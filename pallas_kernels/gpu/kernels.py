@@ -1,0 +1,464 @@
+"""Pallas (Triton lowering) kernels of the chunked delta rule and ReWY's reduced backward.
+
+Token layout throughout: ``[B, Tp, H, D]`` with Tp = N·C (padded by the caller); per-chunk
+kernels take ``[C, D]`` blocks through BlockSpecs, state passes take one (batch, head) column
+``[Tp, D]`` and slice chunk n with ``pl.ds(n·C, C)``. Gates: ``G`` is the chunk-local inclusive
+cumsum, ``[B, Tp, H]`` (scalar), ``[B, Tp, H, K]`` (vector) or None.
+
+    intra      grid (N, B·H)      T (decay-gram), A = (I+T)⁻¹, W = AĒ, U = AZ
+    fwd_pass   grid (B·H, V/BV)   loop over chunks: S0, R = U − W S0, S ← γ_C S0 + K_tailᵀ R
+    output     grid (N, B·H)      O = Qγ S0 + P R
+    bwd_local  grid (N, B·H)      Pᵀ dO (the state-free part of dR)
+    bwd_pass   grid (B·H, V/BV)   reverse loop: dS_end, dR = Pᵀ dO + K_tail dS_end,
+                                  dS0 = γ_C dS_end + Qγᵀ dO − Wᵀ dR   (Ēᵀ Λ = Wᵀ dR), dh0
+    bwd_chunk  grid (N, B·H)      Λ = Aᵀ dR, dT = −tril(Λ Rᵀ), −Λ S0ᵀ, leaf grads, dG
+                                  (or the seven-product WY form, backward="wy")
+
+Sequence metadata (per chunk, int32 [N]): ``reset`` (start state is an initial state), ``end``
+(end state is a final state), ``seq`` (which initial/final slot). Initial/final states are
+``[B, n_seq + 1, H, K, V]`` (the extra slot absorbs padding chunks).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.gpu.blocks import BS, F32, Gates, dot, inv_blocks, iota, load_rows
+
+try:  # the Triton lowering's params; it warns that it is deprecated (design.md): silence here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from jax.experimental.pallas import triton as _plt
+except ImportError:  # pragma: no cover
+    _plt = None
+
+
+def _compiler_params(num_warps, num_stages=None):
+    if _plt is None:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _call(kernel, *, grid, in_specs, out_specs, out_shape, interpret, num_warps, name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pl.pallas_call(
+            kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+            interpret=interpret, name=name,
+            compiler_params=None if interpret else _compiler_params(num_warps))
+
+
+class Shape:
+    """Static problem description shared by the kernels."""
+
+    def __init__(self, B, Tp, H, K, V, C, n_seq1, mode, prec, BV):
+        self.B, self.Tp, self.H, self.K, self.V, self.C = B, Tp, H, K, V, C
+        self.N, self.n = Tp // C, C // BS
+        self.n_seq1, self.mode, self.prec, self.BV = n_seq1, mode, prec, BV
+
+    # BlockSpecs ---------------------------------------------------------------------------
+    def chunk_tok(self, D):
+        H = self.H
+        return pl.BlockSpec((None, self.C, None, D), lambda n, bh: (bh // H, n, bh % H, 0))
+
+    def chunk_tok_v(self, BV):  # grid (N, B·H, V/BV): one value tile
+        H = self.H
+        return pl.BlockSpec((None, self.C, None, BV), lambda n, bh, v: (bh // H, n, bh % H, v))
+
+    def chunk_tok3(self, D):  # grid (N, B·H, V/BV), full feature dim
+        H = self.H
+        return pl.BlockSpec((None, self.C, None, D), lambda n, bh, v: (bh // H, n, bh % H, 0))
+
+    def chunk_gate3(self):
+        H = self.H
+        if self.mode == "scalar":
+            return pl.BlockSpec((None, self.C, None), lambda n, bh, v: (bh // H, n, bh % H))
+        return self.chunk_tok3(self.K)
+
+    def chunk_state_v(self, BV):  # [B, H, N, K, V] tile
+        H = self.H
+        return pl.BlockSpec((None, None, None, self.K, BV), lambda n, bh, v: (bh // H, bh % H, n, 0, v))
+
+    def chunk_gate(self):
+        H = self.H
+        if self.mode == "scalar":
+            return pl.BlockSpec((None, self.C, None), lambda n, bh: (bh // H, n, bh % H))
+        return self.chunk_tok(self.K)
+
+    def chunk_mat(self, r, c):  # [B, H, N, r, c]
+        H = self.H
+        return pl.BlockSpec((None, None, None, r, c), lambda n, bh: (bh // H, bh % H, n, 0, 0))
+
+    def col_tok(self, D, tiled):
+        H = self.H
+        if tiled:
+            return pl.BlockSpec((None, self.Tp, None, self.BV), lambda bh, v: (bh // H, 0, bh % H, v))
+        return pl.BlockSpec((None, self.Tp, None, D), lambda bh, v: (bh // H, 0, bh % H, 0))
+
+    def col_gate(self):
+        H = self.H
+        if self.mode == "scalar":
+            return pl.BlockSpec((None, self.Tp, None), lambda bh, v: (bh // H, 0, bh % H))
+        return self.col_tok(self.K, False)
+
+    def col_states(self, lead):  # [B, H, lead, K, V] tiled over V
+        H = self.H
+        return pl.BlockSpec((None, None, lead, self.K, self.BV), lambda bh, v: (bh // H, bh % H, 0, 0, v))
+
+    def col_meta(self):
+        return pl.BlockSpec((self.N,), lambda bh, v: (0,))
+
+    def sds_tok(self, D, dtype=F32):
+        return jax.ShapeDtypeStruct((self.B, self.Tp, self.H, D), dtype)
+
+    def sds_gate(self):
+        if self.mode == "scalar":
+            return jax.ShapeDtypeStruct((self.B, self.Tp, self.H), F32)
+        return self.sds_tok(self.K)
+
+
+def _blocks(ref, n, base=0):
+    return [load_rows(ref, base + i * BS) for i in range(n)]
+
+
+def _store_blocks(ref, blocks, base=0):
+    for i, b in enumerate(blocks):
+        if len(ref.shape) == 1:
+            ref[pl.ds(base + i * BS, BS)] = b.astype(ref.dtype)
+        else:
+            ref[pl.ds(base + i * BS, BS), :] = b.astype(ref.dtype)
+
+
+def _col(x):
+    """[1] or [1, K] gate row -> something that scales the rows of a [K, V] state."""
+    return x if x.ndim == 1 else x.reshape(x.shape[1], 1)
+
+
+def _sum(terms):
+    out = None
+    for t in terms:
+        out = t if out is None else out + t
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+def _split(refs, mode, n_in):
+    refs = list(refs)
+    if mode == "none":
+        refs.insert(n_in - 1, None)
+    return refs
+
+
+def intra(s: Shape, k, e, z, G, *, interpret):
+    """A [B,H,N,C,C], W [B,Tp,H,K], U [B,Tp,H,V] (fp32)."""
+    n, C, prec, mode = s.n, s.C, s.prec, s.mode
+
+    def kernel(*refs):
+        k_ref, e_ref, z_ref, G_ref, A_ref, W_ref, U_ref = _split(refs, mode, 4)
+        gt = Gates(mode, G_ref, 0, C)
+        ks, es, zs = _blocks(k_ref, n), _blocks(e_ref, n), _blocks(z_ref, n)
+        T = {(i, j): gt.gram(i, j, es[i], ks[j], k_ref, prec, strict=True)
+             for i in range(n) for j in range(i + 1)}
+        A = inv_blocks(T, n, prec)
+        Eg = [gt.head(i, es[i]) for i in range(n)]
+        W = [_sum(dot(A[i, j], Eg[j], prec) for j in range(i + 1)) for i in range(n)]
+        U = [_sum(dot(A[i, j], zs[j], prec) for j in range(i + 1)) for i in range(n)]
+        _store_blocks(W_ref, W)
+        _store_blocks(U_ref, U)
+        for i in range(n):
+            for j in range(n):
+                A_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
+                    A[i, j] if j <= i else jnp.zeros((BS, BS), F32))
+
+    ins = [k, e, z] + ([] if mode == "none" else [G])
+    in_specs = [s.chunk_tok(s.K), s.chunk_tok(s.K), s.chunk_tok(s.V)] + (
+        [] if mode == "none" else [s.chunk_gate()])
+    return _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
+                 out_specs=[s.chunk_mat(C, C), s.chunk_tok(s.K), s.chunk_tok(s.V)],
+                 out_shape=[jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32), s.sds_tok(s.K),
+                            s.sds_tok(s.V)],
+                 interpret=interpret, num_warps=4, name="rewy_intra")(*ins)
+
+
+def _chunk_decay(mode, G_ref, base, C):
+    """(G rows of the chunk, G of its last row) or (None, None)."""
+    if mode == "none":
+        return None, None
+    return load_rows(G_ref, base, C), load_rows(G_ref, base + C - 1, 1)
+
+
+def _kt(mode, Gc, gl, kc):
+    if mode == "none":
+        return kc
+    d = jnp.exp(gl - Gc)
+    return (d[:, None] if mode == "scalar" else d) * kc
+
+
+def _qg(mode, Gc, qc):
+    if mode == "none":
+        return qc
+    d = jnp.exp(Gc)
+    return (d[:, None] if mode == "scalar" else d) * qc
+
+
+def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret):
+    """S0 [B,H,N,K,V], R [B,Tp,H,V], final [B,H,n_seq1,K,V] (fp32)."""
+    C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BV, s.prec, s.mode
+
+    def kernel(*refs):
+        W_ref, U_ref, k_ref, G_ref, h0_ref, reset_ref, end_ref, seq_ref, S0_ref, R_ref, fin_ref = \
+            _split(refs, mode, 4)
+
+        def body(c, S):
+            sq = seq_ref[c]
+            S = jnp.where(reset_ref[c] != 0, h0_ref[sq], S)
+            S0_ref[c] = S
+            base = c * C
+            R = load_rows(U_ref, base, C) - dot(load_rows(W_ref, base, C), S, prec)
+            R_ref[pl.ds(base, C), :] = R
+            Gc, gl = _chunk_decay(mode, G_ref, base, C)
+            Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
+            S_new = dot(Kt, R, prec, ta=True)
+            S_new = S_new + (S if mode == "none" else _col(jnp.exp(gl)) * S)
+
+            @pl.when(end_ref[c] != 0)
+            def _():
+                fin_ref[sq] = S_new
+
+            return S_new
+
+        lax.fori_loop(0, N, body, jnp.zeros((K, BV), F32))
+
+    ins = [W, U, k] + ([] if mode == "none" else [G]) + [h0, reset, end, seq]
+    in_specs = [s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(K, False)] + (
+        [] if mode == "none" else [s.col_gate()]) + [s.col_states(s.n_seq1)] + [s.col_meta()] * 3
+    return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs,
+                 out_specs=[s.col_states(N), s.col_tok(s.V, True), s.col_states(s.n_seq1)],
+                 out_shape=[jax.ShapeDtypeStruct((s.B, s.H, N, K, s.V), F32), s.sds_tok(s.V),
+                            jax.ShapeDtypeStruct((s.B, s.H, s.n_seq1, K, s.V), F32)],
+                 interpret=interpret, num_warps=4, name="rewy_fwd_pass")(*ins)
+
+
+def output(s: Shape, q, k, G, S0, R, out_dtype, *, interpret):
+    """O = Qγ S0 + P R, [B,Tp,H,V] in out_dtype. Grid (N, B·H, V/BV): P is rebuilt per tile."""
+    n, C, prec, mode, BV = s.n, s.C, s.prec, s.mode, s.BV
+
+    def kernel(*refs):
+        q_ref, k_ref, G_ref, S0_ref, R_ref, o_ref = _split(refs, mode, 3)
+        gt = Gates(mode, G_ref, 0, C)
+        qs, ks, Rs = _blocks(q_ref, n), _blocks(k_ref, n), _blocks(R_ref, n)
+        S0 = S0_ref[...]
+        for i in range(n):
+            o = dot(gt.head(i, qs[i]), S0, prec)
+            for j in range(i + 1):
+                o = o + dot(gt.gram(i, j, qs[i], ks[j], k_ref, prec, strict=False), Rs[j], prec)
+            o_ref[pl.ds(i * BS, BS), :] = o.astype(o_ref.dtype)
+
+    ins = [q, k] + ([] if mode == "none" else [G]) + [S0, R]
+    in_specs = [s.chunk_tok3(s.K)] * 2 + ([] if mode == "none" else [s.chunk_gate3()]) + [
+        s.chunk_state_v(BV), s.chunk_tok_v(BV)]
+    return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
+                 out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V, out_dtype),
+                 interpret=interpret, num_warps=4, name="rewy_output")(*ins)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+def bwd_local(s: Shape, q, k, G, dO, *, interpret):
+    """Pᵀ dO per chunk, [B,Tp,H,V] fp32. Grid (N, B·H, V/BV)."""
+    n, C, prec, mode, BV = s.n, s.C, s.prec, s.mode, s.BV
+
+    def kernel(*refs):
+        q_ref, k_ref, G_ref, dO_ref, out_ref = _split(refs, mode, 3)
+        gt = Gates(mode, G_ref, 0, C)
+        qs, ks, dOs = _blocks(q_ref, n), _blocks(k_ref, n), _blocks(dO_ref, n)
+        P = {(i, j): gt.gram(i, j, qs[i], ks[j], k_ref, prec, strict=False)
+             for i in range(n) for j in range(i + 1)}
+        out = [_sum(dot(P[i, j], dOs[i], prec, ta=True) for i in range(j, n)) for j in range(n)]
+        _store_blocks(out_ref, out)
+
+    ins = [q, k] + ([] if mode == "none" else [G]) + [dO]
+    in_specs = [s.chunk_tok3(s.K)] * 2 + ([] if mode == "none" else [s.chunk_gate3()]) + [
+        s.chunk_tok_v(BV)]
+    return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
+                 out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V), interpret=interpret,
+                 num_warps=4, name="rewy_bwd_local")(*ins)
+
+
+def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret):
+    """dS_end [B,H,N,K,V], dR [B,Tp,H,V], dh0 [B,H,n_seq1,K,V] (fp32)."""
+    C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BV, s.prec, s.mode
+
+    def kernel(*refs):
+        (q_ref, k_ref, G_ref, W_ref, dO_ref, dRl_ref, dfin_ref, reset_ref, end_ref, seq_ref,
+         dSe_ref, dR_ref, dh0_ref) = _split(refs, mode, 3)
+
+        def body(m, carry):
+            c = N - 1 - m
+            sq = seq_ref[c]
+            dS = carry + jnp.where(end_ref[c] != 0, dfin_ref[sq], 0.0)
+            dSe_ref[c] = dS
+            base = c * C
+            Gc, gl = _chunk_decay(mode, G_ref, base, C)
+            Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
+            dR = load_rows(dRl_ref, base, C) + dot(Kt, dS, prec)
+            dR_ref[pl.ds(base, C), :] = dR
+            dOc = load_rows(dO_ref, base, C)
+            Qg = _qg(mode, Gc, load_rows(q_ref, base, C))
+            dS0 = dot(Qg, dOc, prec, ta=True) - dot(load_rows(W_ref, base, C), dR, prec, ta=True)
+            dS0 = dS0 + (dS if mode == "none" else _col(jnp.exp(gl)) * dS)
+            is_reset = reset_ref[c] != 0
+
+            @pl.when(is_reset)
+            def _():
+                dh0_ref[sq] = dS0
+
+            return jnp.where(is_reset, 0.0, dS0)
+
+        lax.fori_loop(0, N, body, jnp.zeros((K, BV), F32))
+
+    ins = [q, k] + ([] if mode == "none" else [G]) + [W, dO, dRl, dfin, reset, end, seq]
+    in_specs = [s.col_tok(K, False)] * 2 + ([] if mode == "none" else [s.col_gate()]) + [
+        s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(s.V, True),
+        s.col_states(s.n_seq1)] + [s.col_meta()] * 3
+    return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs,
+                 out_specs=[s.col_states(N), s.col_tok(s.V, True), s.col_states(s.n_seq1)],
+                 out_shape=[jax.ShapeDtypeStruct((s.B, s.H, N, K, s.V), F32), s.sds_tok(s.V),
+                            jax.ShapeDtypeStruct((s.B, s.H, s.n_seq1, K, s.V), F32)],
+                 interpret=interpret, num_warps=4, name="rewy_bwd_pass")(*ins)
+
+
+def bwd_chunk(s: Shape, q, k, e, z, G, A, S0, dSe, R, dO, dR, *, backward, dtypes, interpret):
+    """Per-chunk cotangents (raw frame): dq, dk, de [B,Tp,H,K], dz [B,Tp,H,V], dG (or None)."""
+    n, C, prec, mode, K, V, BV = s.n, s.C, s.prec, s.mode, s.K, s.V, s.BV
+    wy = backward == "wy"
+
+    def kernel(*refs):
+        refs = list(refs)
+        if not wy:
+            refs.insert(3, None)  # z
+        if mode == "none":
+            refs.insert(4, None)  # G
+        (q_ref, k_ref, e_ref, z_ref, G_ref, A_ref, S0_ref, dSe_ref, R_ref, dO_ref, dR_ref,
+         dq_ref, dk_ref, de_ref, dz_ref) = refs[:15]
+        dG_ref = refs[15] if mode != "none" else None
+        gt = Gates(mode, G_ref, 0, C)
+        qs, ks, es = _blocks(q_ref, n), _blocks(k_ref, n), _blocks(e_ref, n)
+        A = {(i, j): A_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] for i in range(n)
+             for j in range(i + 1)}
+        strict = iota((BS, BS), 1) < iota((BS, BS), 0)
+        lower = iota((BS, BS), 1) <= iota((BS, BS), 0)
+        if wy:
+            Eg = [gt.head(i, es[i]) for i in range(n)]
+
+        # Every contraction over V is accumulated over value tiles of width BV (registers hold
+        # [16, BV] and [K, BV] tiles, never a whole [K, V] state when V = 256).
+        acc = {}
+
+        def add(key, val):
+            acc[key] = val if key not in acc else acc[key] + val
+
+        for t in range(V // BV):
+            vs = pl.ds(t * BV, BV)
+            tile = lambda ref: [ref[pl.ds(i * BS, BS), vs].astype(F32) for i in range(n)]  # noqa: E731
+            Rs, dOs, dRs = tile(R_ref), tile(dO_ref), tile(dR_ref)
+            S0, dSe = S0_ref[:, vs], dSe_ref[:, vs]
+            # Λ = Aᵀ dR (ReWY product 1; WY's dZ = Aᵀ dU is the same product)
+            lam = [_sum(dot(A[i, j], dRs[i], prec, ta=True) for i in range(j, n)) for j in range(n)]
+            for i in range(n):
+                dz_ref[pl.ds(i * BS, BS), vs] = lam[i].astype(dz_ref.dtype)
+                add(("RdS", i), dot(Rs[i], dSe, prec, tb=True))
+                add(("dOS", i), dot(dOs[i], S0, prec, tb=True))
+                for j in range(i + 1):
+                    add(("dAqk", i, j), dot(dOs[i], Rs[j], prec, tb=True))
+            add("sd", jnp.sum(dSe * S0, axis=1)[None, :])
+            if not wy:
+                # ReWY (rewy-math §4): dT = −tril(Λ Rᵀ, −1) (2); dĒ_state = −Λ S0ᵀ (3).
+                for i in range(n):
+                    add(("dEs", i), -dot(lam[i], S0, prec, tb=True))
+                    for j in range(i + 1):
+                        add(("dT", i, j), -dot(lam[i], Rs[j], prec, tb=True))
+            else:
+                # Seven products: dW = −dR S0ᵀ; dA = dR Zᵀ + dW Ēᵀ (dR Zᵀ part here).
+                zs = tile(z_ref)
+                for i in range(n):
+                    add(("dW", i), -dot(dRs[i], S0, prec, tb=True))
+                    for j in range(n):
+                        add(("dA", i, j), dot(dRs[i], zs[j], prec, tb=True))
+        RdS = [acc["RdS", i] for i in range(n)]
+        sd = acc["sd"]
+        dT = {}
+        if not wy:
+            dEs = [acc["dEs", i] for i in range(n)]
+            for i in range(n):
+                for j in range(i + 1):
+                    dT[i, j] = jnp.where(strict, acc["dT", i, j], 0.0) if i == j else acc["dT", i, j]
+        else:
+            dW = [acc["dW", i] for i in range(n)]
+            dA = {(i, j): acc["dA", i, j] + dot(dW[i], Eg[j], prec, tb=True)
+                  for i in range(n) for j in range(n)}
+            dEs = [_sum(dot(A[i, j], dW[i], prec, ta=True) for i in range(j, n)) for j in range(n)]
+            # dT = −tril(Aᵀ dA Aᵀ, −1): X = Aᵀ dA (X_kl = Σ_{i≥k} A_ikᵀ dA_il), then
+            # (X Aᵀ)_kj = Σ_{l≤j} X_kl A_jlᵀ.
+            X = {(kk, l): _sum(dot(A[i, kk], dA[i, l], prec, ta=True) for i in range(kk, n))
+                 for kk in range(n) for l in range(n)}
+            for i in range(n):
+                for j in range(i + 1):
+                    t = -_sum(dot(X[i, l], A[j, l], prec, tb=True) for l in range(j + 1))
+                    dT[i, j] = jnp.where(strict, t, 0.0) if i == j else t
+        dAqk = {}
+        for i in range(n):
+            for j in range(i + 1):
+                t = acc["dAqk", i, j]
+                dAqk[i, j] = jnp.where(lower, t, 0.0) if i == j else t
+        de = [gt.head(i, dEs[i]) + gt.apply(dT, i, ks, k_ref, prec) for i in range(n)]
+        dq = [gt.head(i, acc["dOS", i]) + gt.apply(dAqk, i, ks, k_ref, prec)
+              for i in range(n)]
+        dk = [gt.apply_t(dT, j, es, e_ref, prec, n) + gt.apply_t(dAqk, j, qs, q_ref, prec, n)
+              + gt.tail(j, RdS[j]) for j in range(n)]
+        _store_blocks(dq_ref, dq)
+        _store_blocks(dk_ref, dk)
+        _store_blocks(de_ref, de)
+        if mode != "none":
+            # dG_r = dĒ⊙ē − dK̄⊙k̄ + dQγ⊙qγ, as raw-frame products (§5/§6); γ_C terms on the last row.
+            rows = [de[i] * es[i] - dk[i] * ks[i] + dq[i] * qs[i] for i in range(n)]
+            glast = gt.glast()
+            tail_k = _sum(jnp.sum(RdS[i] * gt.tail(i, ks[i]), axis=0, keepdims=True)
+                          for i in range(n))  # [1, K]
+            last = jnp.exp(glast) * sd + tail_k if mode == "vector" else None
+            if mode == "scalar":
+                rows = [jnp.sum(r, axis=1) for r in rows]
+                last = jnp.exp(glast) * jnp.sum(sd) + jnp.sum(tail_k)  # [1]
+                rr = iota((BS,), 0)
+            else:
+                rr = iota((BS, 1), 0)
+            rows[n - 1] = rows[n - 1] + jnp.where(rr == BS - 1, last, 0.0)
+            _store_blocks(dG_ref, rows)
+
+    ins = [q, k, e] + ([z] if wy else []) + ([] if mode == "none" else [G]) + [
+        A, S0, dSe, R, dO, dR]
+    in_specs = [s.chunk_tok(K)] * 3 + ([s.chunk_tok(s.V)] if wy else []) + (
+        [] if mode == "none" else [s.chunk_gate()]) + [
+        s.chunk_mat(C, C), s.chunk_mat(K, s.V), s.chunk_mat(K, s.V)] + [s.chunk_tok(s.V)] * 3
+    out_specs = [s.chunk_tok(K)] * 3 + [s.chunk_tok(s.V)] + (
+        [] if mode == "none" else [s.chunk_gate()])
+    qd, kd, ed, zd = dtypes
+    out_shape = [s.sds_tok(K, qd), s.sds_tok(K, kd), s.sds_tok(K, ed), s.sds_tok(s.V, zd)] + (
+        [] if mode == "none" else [s.sds_gate()])
+    outs = _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs, out_specs=out_specs,
+                 out_shape=out_shape, interpret=interpret, num_warps=4,
+                 name="rewy_bwd_chunk")(*ins)
+    if mode == "none":
+        outs = list(outs) + [None]
+    return outs
