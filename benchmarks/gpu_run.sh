@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The benchmark on the lent GPU machine (no network), in one call of the device tool:
+#
+#   run(command="bash benchmarks/gpu_run.sh --quick", carry=[".whl"], timeout_s=540)
+#
+# Before it, here: `bash ../shared/tools/peer-wheels` (writes ./.whl/, git-ignored).
+# It installs the peers' wheels, restores FLA's Triton autotune cache from
+# benchmarks/fla-autotune-cache.tgz (or a carried .tcache/), runs `python -m benchmarks.run "$@"`
+# under a hard timeout with results and the full log in $OUT, and packs every
+# *.autotune.json into $OUT/fla-autotune.tgz: unpack it here and refresh the cache with
+# `bash benchmarks/update_autotune_cache.sh <files_at>/fla-autotune.tgz`.
+# Env: BENCH_TIMEOUT (s, default 480) bounds the Python run.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/bench-out}"
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PWD:/tmp/site" || { echo "wheel install failed"; exit 1; }
+else
+  echo "no .whl/: peers will be skipped"; export PYTHONPATH="$PWD"
+fi
+[ -d .tcache ] || tar xzf benchmarks/fla-autotune-cache.tgz
+export TRITON_CACHE_DIR="$PWD/.tcache" FLA_DISABLE_BACKEND_DISPATCH=1 PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/nvidia-smi.txt"
+timeout -k 10 "${BENCH_TIMEOUT:-480}" python3 -m benchmarks.run --out-dir "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+rc=$?
+find .tcache -name '*.autotune.json' -print0 | tar czf "$OUT/fla-autotune.tgz" --null -T -
+echo "benchmark exit code: $rc"
+exit $rc

@@ -1,0 +1,144 @@
+"""CPU tests of the benchmark harness (benchmarks/): inputs, roofline, accuracy check, tables,
+plot and merging, on a tiny shape with the XLA backend. Peers are absent (or GPU-only) here and
+must be skipped with a reason."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import accuracy, inputs, report, roofline, shapes
+
+TINY = "1x64x2x16"
+
+
+def test_device_inputs_match_protocol():
+    for op in shapes.OPS:
+        x = inputs.device_inputs(op, 1, 64, 2, 16, seed=3)
+        assert set(x) == {"q", "k", "v", *inputs.gate_names(op)}
+        for n in ("q", "k", "v"):
+            assert x[n].dtype == jnp.bfloat16 and x[n].shape == (1, 64, 2, 16)
+        for n in ("q", "k"):
+            norms = np.linalg.norm(np.asarray(x[n], np.float32), axis=-1)
+            np.testing.assert_allclose(norms, 1.0, atol=2e-2)
+        for n in inputs.gate_names(op):
+            g = np.asarray(x[n])
+            assert x[n].dtype == jnp.float32 and np.all(np.isfinite(g))
+            assert (g <= 0).all() if n == "g" else ((g >= 0) & (g <= 2)).all()
+        assert x.get("g", jnp.zeros(1)).ndim in (1, 3, 4)
+    # a different seed gives different data (inputs are rotated between timed calls)
+    a, b = inputs.device_inputs("kda", 1, 64, 2, 16, seed=1), inputs.device_inputs("kda", 1, 64, 2, 16, seed=2)
+    assert not np.array_equal(np.asarray(a["q"]), np.asarray(b["q"]))
+
+
+def test_accuracy_inputs_are_bf16_values():
+    x = inputs.accuracy_inputs("gdn2", 1, 64, 2, 16)
+    assert "initial_state" not in x
+    for n in ("q", "k", "v"):
+        np.testing.assert_array_equal(x[n], np.asarray(jnp.asarray(x[n], jnp.bfloat16), np.float32))
+    cts = inputs.accuracy_cotangents(x)
+    assert cts["o"].shape == x["v"].shape and cts["final_state"].shape == (1, 2, 16, 16)
+
+
+def test_roofline_matches_anchor_counts():
+    # anchors.md: DeltaNet (2, 4096, 16, 128): ~22 GFLOP forward, >= 134 MB moved by the forward.
+    fl = roofline.flops("deltanet", 2, 4096, 16, 128, 128)
+    by = roofline.bytes_moved("deltanet", 2, 4096, 16, 128, 128)
+    assert 20e9 < fl["fwd"] < 26e9 and fl["fwdbwd"] == pytest.approx(3 * fl["fwd"])
+    assert by["fwd"] == pytest.approx(134.2e6 + 2 * 4096 * 16 * 4, rel=1e-3)
+    assert roofline.bytes_moved("gdn2", 1, 64, 2, 16, 16)["fwd"] > roofline.bytes_moved("kda", 1, 64, 2, 16, 16)["fwd"]
+    f = roofline.floor_ms("deltanet", shapes.ANCHOR_SHAPE, {"matmul_tflops": 780, "copy_tbps": 4.3})
+    assert 0.02 < f["fwd"]["ms"] < 0.05 and f["fwdbwd"]["ms"] > f["fwd"]["ms"]
+
+
+def test_compare_flags_failures():
+    rng = np.random.default_rng(0)
+    ref = {n: rng.standard_normal((4, 8)) for n in ("o", "final_state", "dq", "dbeta")}
+    good = {n: v * (1 + 1e-4) for n, v in ref.items()}
+    res = accuracy.compare(good["o"], good["final_state"], {"dq": good["dq"], "dbeta": good["dbeta"]}, ref)
+    assert res["status"] == "pass" and set(res["ratios"]) == set(ref)
+    bad = dict(good, dq=good["dq"] + 0.1 * rng.standard_normal((4, 8)))
+    res = accuracy.compare(bad["o"], bad["final_state"], {"dq": bad["dq"], "dbeta": bad["dbeta"]}, ref)
+    assert res["status"] == "FAIL" and res["failed"] == ["dq"]
+    nan = dict(good, o=good["o"] * np.nan)
+    res = accuracy.compare(nan["o"], nan["final_state"], {"error": "RuntimeError: refused"}, ref)
+    assert res["status"] == "FAIL" and "o" in res["failed"]
+    res = accuracy.compare(good["o"], good["final_state"], {"error": "RuntimeError: refused"}, ref)
+    assert res["status"] == "fwd pass, bwd refused"
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One end-to-end --cpu-smoke run: ours (XLA), the autodiff baseline, the peers (skipped)."""
+    from benchmarks import run
+
+    out = tmp_path_factory.mktemp("bench")
+    rc = run.main(["--cpu-smoke", "--shapes", TINY, "--ops", "gdn", "--rounds", "2", "--sets", "2",
+                   "--impls", "xla rewy/recompute,autodiff,jla mosaic,FLA", "--out-dir", str(out),
+                   "--stem", "smoke"])
+    assert rc == 0
+    return out, json.loads((out / "smoke.json").read_text())
+
+
+def test_smoke_run_times_and_checks(smoke):
+    out, res = smoke
+    rows = {r["impl"]: r for r in res["rows"]}
+    ours = rows["ours xla rewy/recompute"]
+    assert ours["status"] == "ok"
+    assert ours["ms"]["fwd"] > 0 and ours["ms"]["fwdbwd"] > 0
+    assert ours["ms"]["bwd"] == pytest.approx(ours["ms"]["fwdbwd"] - ours["ms"]["fwd"])
+    assert ours["accuracy"]["status"] == "pass", ours["accuracy"]
+    assert {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta"} <= set(ours["accuracy"]["ratios"])
+    assert ours["floor"]["fwdbwd"]["ms"] > 0 and ours["pct_of_floor"]["fwdbwd"] > 0
+    assert rows["plain JAX autodiff"]["accuracy"]["status"] == "pass"
+    # peers: skipped cleanly, with the reason
+    for name in ("FLA eager", "FLA graph", "jla mosaic_gpu"):
+        assert rows[name]["status"] == "skipped" and rows[name]["reason"], rows[name]
+    meta = res["meta"]
+    assert meta["command"].startswith("python -m benchmarks.run") and meta["date"] and meta["versions"]["jax"]
+    md = (out / "smoke.md").read_text()
+    assert "ours xla rewy/recompute" in md and "skipped" in md and meta["date"] in md
+    assert (out / "smoke.png").stat().st_size > 1000
+
+
+def test_merge_keeps_newest_rows_and_own_ratios(smoke, tmp_path):
+    _, res = smoke
+    newer = copy.deepcopy(res)
+    rid = "newer000"
+    newer["runs"] = {rid: {"date": "later", "command": "python -m benchmarks.run --ops gdn"}}
+    newer["meta"]["command"] = "python -m benchmarks.run --ops gdn"
+    for r in newer["rows"]:
+        r["run_id"] = rid
+    # the newer run measured only the autodiff baseline (ours skipped there)
+    for r in newer["rows"]:
+        if r["impl"] == "ours xla rewy/recompute":
+            r.update(status="skipped", reason="--impls")
+            r.pop("ms", None)
+        if r["impl"] == "plain JAX autodiff":
+            r["ms"] = {"fwd": 1.0, "fwdbwd": 3.0}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(res))
+    b.write_text(json.dumps(newer))
+    from benchmarks import merge
+
+    assert merge.main([str(a), str(b), "--out-dir", str(tmp_path), "--stem", "m"]) == 0
+    m = json.loads((tmp_path / "m.json").read_text())
+    rows = {r["impl"]: r for r in m["rows"]}
+    assert rows["ours xla rewy/recompute"]["status"] == "ok"  # a skip does not replace a measurement
+    assert rows["ours xla rewy/recompute"]["run_id"] == res["meta"]["run_id"]
+    assert rows["plain JAX autodiff"]["ms"]["fwdbwd"] == 3.0 and rows["plain JAX autodiff"]["ms"]["bwd"] == 2.0
+    assert len(m["meta"]["merged_from"]) == 2 and len(m["runs"]) == 2
+    assert (tmp_path / "m.md").exists() and (tmp_path / "m.png").exists()
+    assert "merged from" in (tmp_path / "m.md").read_text()
+
+
+def test_shape_parsing_and_accuracy_shape():
+    s = shapes.parse_shape("(8,2048,32,256)")
+    assert s == shapes.Shape(8, 2048, 32, 256) and s.key() == "8x2048x32x256"
+    assert shapes.accuracy_shape(s) == shapes.Shape(1, 512, 32, 256)
+    assert shapes.parse_shape(TINY).K == 16
+    assert shapes.ANCHOR_SHAPE in shapes.QUICK_SHAPES and len(shapes.FULL_SHAPES) == 7
