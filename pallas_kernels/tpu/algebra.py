@@ -114,17 +114,33 @@ class VectorDecayTPU(ca.Decay):
         self.r = r
         self.blk = r // self.sub  # [C, 1] sub-chunk of each row
         self.loc = r - self.blk * self.sub  # [C, 1] row within its sub-chunk
+        # Decay factors depend only on G: computed once per chunk and shared by every
+        # gram/apply/apply_t of the chunk (halves the EUP work of the backward).
+        self._memo = {}
+
+    def _cached(self, key, fn):
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
 
     # frames ------------------------------------------------------------------------------
-    def _in_frame(self, i):
-        """Rows of sub-chunk i scaled into frame m_i: exp(G_r − G_{m_i}) (0 outside block i)."""
-        Gm = self.G[self.sub * i:self.sub * i + 1, :]
-        return jnp.exp(jnp.where(self.blk == i, self.G - Gm, -jnp.inf))
-
     def _from_frame(self, i):
         """Rows s before sub-chunk i, decayed to frame m_i: exp(G_{m_i} − G_s) (0 elsewhere)."""
         Gm = self.G[self.sub * i:self.sub * i + 1, :]
-        return jnp.exp(jnp.where(self.r < self.sub * i, Gm - self.G, -jnp.inf))
+        return self._cached(("from_frame", i), lambda: jnp.exp(
+            jnp.where(self.r < self.sub * i, Gm - self.G, -jnp.inf)))
+
+    def _down(self, j, strict=False):
+        """exp(G_r − G_{piv_j(r)}) where piv_j(r) ≤ r (< r if strict), else 0: [C, K]."""
+        def f():
+            keep = self.loc > j if strict else self.loc >= j
+            return jnp.exp(jnp.where(keep, self.G - self._pivot(self.G, j), -jnp.inf))
+        return self._cached(("down", j, strict), f)
+
+    def _up(self, j):
+        """exp(G_{piv_j(s)} − G_s) where piv_j(s) ≥ s, else 0: [C, K]."""
+        return self._cached(("up", j), lambda: jnp.exp(
+            jnp.where(self.loc <= j, self._pivot(self.G, j) - self.G, -jnp.inf)))
 
     def _pivot(self, x, j):
         """Row piv_j(r) of x broadcast to every row r of its sub-chunk. x: [C, D]."""
@@ -136,38 +152,56 @@ class VectorDecayTPU(ca.Decay):
         return _iota((self.C, self.C), 1) == self.blk * self.sub + j
 
     # Decay interface ---------------------------------------------------------------------
+    def _rows(self, i, x):
+        """Rows of sub-chunk i of x (a static, tile-aligned sublane slice)."""
+        return x[self.sub * i:self.sub * (i + 1)]
+
+    def _row_in_frame(self, i):
+        """exp(G_r − G_{m_i}) for the rows r of sub-chunk i: [sub, K], ≤ 1."""
+        def f():
+            Gi = self._rows(i, self.G)
+            return jnp.exp(Gi - Gi[0:1, :])
+        return self._cached(("row_in_frame", i), f)
+
+    def _stack(self, blocks, width):
+        """Row blocks of sub-chunks 1..n-1 stacked under a zero block 0 -> [C, width]."""
+        return jnp.concatenate([jnp.zeros((self.sub, width), f32)] + blocks, axis=0)
+
+    # Decay interface ---------------------------------------------------------------------
+    # Off-diagonal sub-chunk blocks: one [sub, C] x [C, D] product per sub-chunk i ≥ 1, the
+    # earlier rows (s < 16 i) decayed into i's frame; diagonal blocks: the pivot sweep.
     def gram(self, x, y, strict):
-        M = jnp.zeros((self.C, self.C), f32)
-        for i in range(1, self.n):
-            M = M + mm_nt(x * self._in_frame(i), y * self._from_frame(i))
+        off = [mm_nt(self._rows(i, x) * self._row_in_frame(i), y * self._from_frame(i))
+               for i in range(1, self.n)]
+        M = self._stack(off, self.C) if off else jnp.zeros((self.C, self.C), f32)
         for j in range(self.sub):
-            keep = self.loc > j if strict else self.loc >= j
-            Gp = self._pivot(self.G, j)
-            col = jnp.sum(x * self._pivot(y, j) * jnp.exp(jnp.where(keep, self.G - Gp, -jnp.inf)),
-                          axis=1, keepdims=True)  # [C, 1]: M[r, piv_j(r)]
+            # strict drops r = piv_j(r): mask the column, the factor is shared with non-strict.
+            down = self._down(j)
+            if strict:
+                down = jnp.where(self.loc > j, down, 0.0)
+            col = jnp.sum(x * self._pivot(y, j) * down, axis=1, keepdims=True)  # M[r, piv_j(r)]
             M = M + jnp.where(self._pivot_mask(j), col, 0.0)
         return M
 
     def apply(self, P, y):
-        Y = jnp.zeros((self.C, y.shape[1]), f32)
-        for i in range(1, self.n):
-            Y = Y + self._in_frame(i) * mm(P, y * self._from_frame(i))
+        D = y.shape[1]
+        off = [self._row_in_frame(i) * mm(self._rows(i, P), y * self._from_frame(i))
+               for i in range(1, self.n)]
+        Y = self._stack(off, D) if off else jnp.zeros((self.C, D), f32)
         for j in range(self.sub):
             Pc = jnp.sum(jnp.where(self._pivot_mask(j), P, 0.0), axis=1, keepdims=True)
-            Gp = self._pivot(self.G, j)
-            Y = Y + Pc * self._pivot(y, j) * jnp.exp(jnp.where(self.loc >= j, self.G - Gp, -jnp.inf))
+            Y = Y + Pc * self._pivot(y, j) * self._down(j)
         return Y
 
     def apply_t(self, P, x):
         Y = jnp.zeros((self.C, x.shape[1]), f32)
         for i in range(1, self.n):
-            Y = Y + self._from_frame(i) * mm_tn(P, x * self._in_frame(i))
+            Y = Y + self._from_frame(i) * mm_tn(self._rows(i, P), self._rows(i, x) * self._row_in_frame(i))
         Pt = P.T
         for j in range(self.sub):
             # Row s gathers r = piv_j(s) ≥ s: P[piv_j(s), s] = Pᵀ[s, piv_j(s)].
             Pc = jnp.sum(jnp.where(self._pivot_mask(j), Pt, 0.0), axis=1, keepdims=True)
-            Gp = self._pivot(self.G, j)
-            Y = Y + Pc * self._pivot(x, j) * jnp.exp(jnp.where(self.loc <= j, Gp - self.G, -jnp.inf))
+            Y = Y + Pc * self._pivot(x, j) * self._up(j)
         return Y
 
     def head(self, x):
@@ -216,10 +250,13 @@ def unit_lower_inverse(T):
     eye = (r == c).astype(f32)
     Tbd = jnp.where(same, T, 0.0)
     D = eye
+    n = C // sub
     rloc = r - (r // sub) * sub
     for j in range(1, sub):
-        D = jnp.where(rloc == j, eye - mm(Tbd, D), D)
-    n = C // sub
+        # Local row j of every block at once: [n, C] rows e_r − T_r D, then back into D.
+        pick = lambda x: x.reshape(n, sub, C)[:, j, :]  # noqa: E731
+        new = pick(eye) - mm(pick(Tbd), D)
+        D = jnp.where(rloc == j, jnp.broadcast_to(new[:, None, :], (n, sub, C)).reshape(C, C), D)
     if n == 1:
         return D
     N = mm(D, jnp.where(same, 0.0, T))

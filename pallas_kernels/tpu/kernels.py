@@ -42,13 +42,37 @@ def _interpret_arg(interpret):
     return interpret or False
 
 
-def _load(ref):
-    return ref[...].astype(f32)
+# ----------------------------------------------------------------------------------------------
+# One chunk: what a grid step computes on its loaded blocks (also traced by roofline.py)
+# ----------------------------------------------------------------------------------------------
+def forward_chunk(q, k, e, z, g, S0):
+    """q, k, e [C, K]; z [C, V]; g None/[C, 1]/[C, K] raw log-decays; S0 [K, V] fp32.
+
+    Returns O [C, V], R [C, V], S_C [K, V] (fp32)."""
+    q, k, e, z = (x.astype(f32) for x in (q, k, e, z))
+    decay = ta.make_decay(None if g is None else ta.cumsum_rows(g.astype(f32)), q.shape[0])
+    loc = ta.chunk_local(q, k, e, z, decay)
+    O, R = chunk_output(loc, S0)
+    return O, R, ta.next_state(loc, decay, S0, R)
 
 
-def _gate(g_ref):
-    """Chunk-local inclusive cumsum of the loaded gate block, or None."""
-    return None if g_ref is None else ta.cumsum_rows(_load(g_ref))
+def backward_chunk(q, k, e, z, g, S0, R, dO, dS, scheme="rewy"):
+    """One chunk's backward. R None: recomputed from S0 (policy "recompute"), else saved.
+
+    Returns ((dq, dk, de, dz, dg or None), dS0): raw-frame input cotangents, dg w.r.t. the raw
+    per-token gates (reverse cumsum of dG as a ones matmul), dS0 for the previous chunk."""
+    q, k, e, z, dO = (x.astype(f32) for x in (q, k, e, z, dO))
+    decay = ta.make_decay(None if g is None else ta.cumsum_rows(g.astype(f32)), q.shape[0])
+    if R is not None:  # policy "save": R and S0 come from the forward; W, U not needed
+        loc = ChunkLocal(A=ta.unit_lower_inverse(decay.gram(e, k, strict=True)), W=None, U=None,
+                         P=decay.gram(q, k, strict=False), Qg=decay.head(q), Eg=decay.head(e),
+                         Kt=decay.tail(k))
+    else:
+        loc = ta.chunk_local(q, k, e, z, decay)
+        R = loc.U - ta.mm(loc.W, S0)
+    grads, dS0 = ta.backward_chunk(q, k, e, z, decay, loc, S0, R, dO, dS, scheme)
+    dg = None if grads.dG is None else ta.rev_cumsum_rows(grads.dG)
+    return (grads.dq, grads.dk, grads.de, grads.dz, dg), dS0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,12 +98,8 @@ def _fwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, mode, save):
         S_scr[...] = h0_ref[...]
 
     S0 = S_scr[...]
-    q, k, e, z = _load(q_ref), _load(k_ref), _load(e_ref), _load(z_ref)
-    C = q.shape[0]
-    decay = ta.make_decay(_gate(g_ref), C)
-    loc = ta.chunk_local(q, k, e, z, decay)
-    O, R = chunk_output(loc, S0)
-    S_new = ta.next_state(loc, decay, S0, R)
+    g = None if g_ref is None else g_ref[...]
+    O, R, S_new = forward_chunk(q_ref[...], k_ref[...], e_ref[...], z_ref[...], g, S0)
     S_scr[...] = S_new
     if s0_ref is not None:
         s0_ref[...] = S0
@@ -170,27 +190,16 @@ def _bwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, has_r, scheme, n_chun
     def _():
         dS_scr[...] = dfinal_ref[...]  # a sequence's last chunk: the carry from the next is 0
 
-    dS = dS_scr[...]
-    S0 = s0_ref[...]
-    q, k, e, z = _load(q_ref), _load(k_ref), _load(e_ref), _load(z_ref)
-    C = q.shape[0]
-    decay = ta.make_decay(_gate(g_ref), C)
-    if has_r:  # policy "save": R and S0 come from the forward; only A, P, Qγ, Ē, K_tail rebuilt
-        T = decay.gram(e, k, strict=True)
-        Eg = decay.head(e)
-        loc = ChunkLocal(A=ta.unit_lower_inverse(T), W=None, U=None, P=decay.gram(q, k, False),
-                         Qg=decay.head(q), Eg=Eg, Kt=decay.tail(k))
-        R = r_ref[...]
-    else:
-        loc = ta.chunk_local(q, k, e, z, decay)
-        R = loc.U - ta.mm(loc.W, S0)
-    grads, dS0 = ta.backward_chunk(q, k, e, z, decay, loc, S0, R, _load(do_ref), dS, scheme)
-    dq_ref[...] = grads.dq.astype(dq_ref.dtype)
-    dk_ref[...] = grads.dk.astype(dk_ref.dtype)
-    de_ref[...] = grads.de.astype(de_ref.dtype)
-    dz_ref[...] = grads.dz.astype(dz_ref.dtype)
+    g = None if g_ref is None else g_ref[...]
+    R = None if r_ref is None else r_ref[...]
+    (dq, dk, de, dz, dg), dS0 = backward_chunk(q_ref[...], k_ref[...], e_ref[...], z_ref[...], g,
+                                               s0_ref[...], R, do_ref[...], dS_scr[...], scheme)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    de_ref[...] = de.astype(de_ref.dtype)
+    dz_ref[...] = dz.astype(dz_ref.dtype)
     if has_g:
-        dg_ref[...] = ta.rev_cumsum_rows(grads.dG).astype(dg_ref.dtype)  # dG -> dg
+        dg_ref[...] = dg.astype(dg_ref.dtype)
     dS_scr[...] = dS0
     dh0_ref[...] = dS0  # flushed after the sequence's first chunk (the last one visited)
 

@@ -1,0 +1,167 @@
+"""Roofline of the TPU kernels on paper: FLOPs and HBM bytes per chunk, time on TPU v5e / v6e.
+
+The work is *counted from the kernels themselves*: ``kernels.forward_chunk`` and
+``kernels.backward_chunk`` (exactly what one grid step computes) are traced to a jaxpr on the
+block shapes and every primitive is tallied:
+
+* MXU: ``dot_general`` FLOPs (2·M·N·K). All products are fp32 ``Precision.HIGHEST``; on the TPU
+  MXU that is the 6-pass bf16 emulation (``bf16_6x``, see jax-ml/jax#18934 and
+  ``jax.lax.Precision``), so the fp32 roofline charges 6 bf16 passes per FLOP. A "bf16 operands"
+  column shows the same FLOPs at one pass (what bf16 matmul operands would cost).
+* EUP: transcendentals (``exp``) — element count.
+* VPU: other elementwise/reduction ops — element count (not in the roofline: no published VPU
+  peak; listed so the vector-gate pivot sweep's cost is visible).
+
+HBM bytes per chunk come from the BlockSpecs (what the pipeline DMAs per grid step); the
+per-sequence state blocks (h0, final, dfinal, dh0: K·V·4 each) are amortised over a sequence and
+left out. Peaks (published, per chip): v5e 197 TFLOP/s bf16, 819 GB/s HBM
+(https://cloud.google.com/tpu/docs/v5e); v6e 918 TFLOP/s bf16, 1638 GB/s HBM
+(https://cloud.google.com/tpu/docs/v6e).
+
+Run: ``python -m pallas_kernels.tpu.roofline`` (prints the Markdown tables of
+benchmarks/tpu_roofline.md).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.tpu import kernels as tk
+
+PEAKS = {  # bf16 FLOP/s, HBM bytes/s
+    "v5e": (197e12, 819e9),
+    "v6e": (918e12, 1638e9),
+}
+FP32_PASSES = 6  # Precision.HIGHEST on the MXU
+_EUP = {"exp", "exp2", "log", "log1p", "tanh", "logistic", "rsqrt", "sqrt", "pow"}
+_FREE = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "slice", "concatenate", "iota",
+         "transpose", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call", "copy",
+         "convert_element_type", "dynamic_slice", "gather"}
+
+
+def _size(aval):
+    n = 1
+    for d in aval.shape:
+        n *= d
+    return n
+
+
+def count_jaxpr(jaxpr, tally=None):
+    """Tally MXU FLOPs, EUP and VPU element ops of a (closed) jaxpr, recursing into sub-jaxprs."""
+    tally = collections.Counter() if tally is None else tally
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        for p in eqn.params.values():
+            sub = getattr(p, "jaxpr", None)
+            if sub is not None:
+                count_jaxpr(getattr(sub, "jaxpr", sub), tally)
+        if name == "dot_general":
+            (lc, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval
+            contract = 1
+            for d in lc:
+                contract *= lhs.shape[d]
+            tally["mxu_flops"] += 2 * _size(eqn.outvars[0].aval) * contract
+        elif name in _EUP:
+            tally["eup"] += _size(eqn.outvars[0].aval)
+        elif name.startswith("reduce_"):
+            tally["vpu"] += _size(eqn.invars[0].aval)
+        elif name not in _FREE and eqn.outvars:
+            tally["vpu"] += _size(eqn.outvars[0].aval)
+    return tally
+
+
+def _gate_shape(gate, C, K):
+    return None if gate is None else (C, 1 if gate == "scalar" else K)
+
+
+def chunk_work(gate, C, K, V, dtype=jnp.bfloat16):
+    """Per-chunk tallies of the kernels: forward, states pass, backward (ReWY/WY, R recomputed or
+    saved). Returns {kernel: Counter(mxu_flops, eup, vpu, hbm_bytes)}."""
+    S = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    x, xk, zv = S((C, K), dtype), S((C, K), f32), S((C, V), f32)
+    gs = _gate_shape(gate, C, K)
+    g = None if gs is None else S(gs, f32)
+    S0, R, dO, dS = S((K, V), f32), S((C, V), f32), S((C, V), dtype), S((K, V), f32)
+
+    def trace(fn, *args):
+        return count_jaxpr(jax.make_jaxpr(fn)(*args).jaxpr)
+
+    it = jnp.dtype(dtype).itemsize
+    gate_bytes = 0 if gs is None else 4 * gs[0] * gs[1]
+    # HBM per grid step (BlockSpecs): q, k in the input dtype; e, z fp32 (leaf maps in XLA).
+    inputs = 2 * C * K * it + C * K * 4 + C * V * 4 + gate_bytes
+    out = {}
+    fwd = lambda q, k, e, z, g, S0: tk.forward_chunk(q, k, e, z, g, S0)  # noqa: E731
+    out["forward"] = trace(fwd, x, x, xk, zv, g, S0)
+    out["forward"]["hbm_bytes"] = inputs + C * V * it
+    out["forward (save S0, R)"] = collections.Counter(out["forward"])
+    out["forward (save S0, R)"]["hbm_bytes"] += K * V * 4 + C * V * 4
+    out["states pass"] = collections.Counter(out["forward"])
+    out["states pass"]["hbm_bytes"] = inputs + K * V * 4
+    grads_bytes = 2 * C * K * it + C * K * 4 + C * V * 4 + gate_bytes
+    for scheme in ("rewy", "wy"):
+        for saved in (False, True):
+            fn = lambda q, k, e, z, g, S0, R, dO, dS, scheme=scheme: tk.backward_chunk(  # noqa: E731
+                q, k, e, z, g, S0, R, dO, dS, scheme)
+            tally = trace(fn, x, x, xk, zv, g, S0, R if saved else None, dO, dS)
+            tally["hbm_bytes"] = inputs + K * V * 4 + C * V * it + (C * V * 4 if saved else 0) + grads_bytes
+            out[f"backward {scheme}" + (" (saved R)" if saved else "")] = tally
+    return out
+
+
+def roofline_us(t, chip, fp32_passes=FP32_PASSES):
+    flops, bw = PEAKS[chip]
+    mxu = t["mxu_flops"] * fp32_passes / flops
+    mem = t["hbm_bytes"] / bw
+    return mxu * 1e6, mem * 1e6
+
+
+OPS = {"DeltaNet": None, "GDN": "scalar", "KDA / GDN2": "vector"}
+
+
+def tables(C=64, dims=(64, 128, 256), dtype=jnp.bfloat16) -> str:
+    lines = []
+    for D in dims:
+        lines.append(f"\n#### K = V = {D}, C = {C}, {jnp.dtype(dtype).name} inputs (per chunk, per head)\n")
+        lines.append("| op | kernel | MXU MFLOP | EUP exp (k) | VPU ops (k) | HBM KiB | "
+                     "v5e µs MXU fp32 / bf16 / HBM | v6e µs MXU fp32 / bf16 / HBM | bound (v6e, fp32) |")
+        lines.append("|---|---|---:|---:|---:|---:|---|---|---|")
+        for op, gate in OPS.items():
+            work = chunk_work(gate, C, D, D, dtype)
+            for name, t in work.items():
+                cells = []
+                for chip in ("v5e", "v6e"):
+                    m32, mem = roofline_us(t, chip)
+                    m16, _ = roofline_us(t, chip, 1)
+                    cells.append(f"{m32:.2f} / {m16:.2f} / {mem:.2f}")
+                m32, mem = roofline_us(t, "v6e")
+                bound = "MXU" if m32 > mem else "HBM"
+                lines.append(f"| {op} | {name} | {t['mxu_flops'] / 1e6:.2f} | {t['eup'] / 1e3:.0f} | "
+                             f"{t['vpu'] / 1e3:.0f} | {t['hbm_bytes'] / 1024:.0f} | {cells[0]} | "
+                             f"{cells[1]} | {bound} |")
+    return "\n".join(lines)
+
+
+def rewy_vs_wy(C=64, dims=(64, 128, 256)) -> str:
+    lines = ["| op | K = V | ReWY bwd MFLOP | WY (seven-product) bwd MFLOP | saved | "
+             "ReWY core (Λ, ΛRᵀ, ΛS0ᵀ) | WY core (7 products) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for op, gate in OPS.items():
+        for D in dims:
+            w = chunk_work(gate, C, D, D)
+            r, y = w["backward rewy"]["mxu_flops"], w["backward wy"]["mxu_flops"]
+            core_r = 2 * C * C * D + 2 * C * C * D + 2 * C * D * D  # AᵀdR, ΛRᵀ, ΛS0ᵀ
+            core_w = (2 * C * D * D + 2 * C * C * D * 2 + 2 * C * C * D * 2 + 2 * C * C * C * 2)
+            lines.append(f"| {op} | {D} | {r / 1e6:.2f} | {y / 1e6:.2f} | {100 * (y - r) / y:.1f}% | "
+                         f"{core_r / 1e6:.2f} | {core_w / 1e6:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(tables())
+    print()
+    print(rewy_vs_wy())
