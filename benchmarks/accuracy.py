@@ -50,8 +50,7 @@ class ReferenceJobs:
         np.savez(self.dir / f"job_{order:03d}_{k}.npz", **payload)
 
     def start(self):
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
-        env.pop("CUDA_VISIBLE_DEVICES", None)
+        env = dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.reference_job", str(self.dir)],

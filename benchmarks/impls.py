@@ -47,6 +47,7 @@ class JaxImpl:
     framework = "jax"
     family = ""
     name = ""
+    kernels = False  # Pallas/Mosaic kernels inside: compiled on the main thread (see run.py)
     fwd_key = None  # implementations with the same fwd_key share one forward (timed once)
 
     def unavailable(self):
@@ -81,6 +82,7 @@ class Ours(JaxImpl):
         self.backend, self.backward, self.policy = backend, backward, policy
         self.name = f"ours {backend} {backward}/{policy}"
         self.fwd_key = f"ours {backend}"
+        self.kernels = backend != "xla"
 
     def unavailable(self):
         from rewy_jax import backends
@@ -122,6 +124,7 @@ class Jla(JaxImpl):
 
     def __init__(self, impl: str):
         self.impl = impl
+        self.kernels = impl == "mosaic_gpu"
         self.name = {"mosaic_gpu": "jla mosaic_gpu", "chunked": "jla chunked"}.get(impl, f"jla {impl}")
 
     def unavailable(self):
@@ -143,8 +146,11 @@ class Jla(JaxImpl):
         B, T, H, D = shape
         sd = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
         gates = _gate_structs(op, B, T, H, D)
-        ok = entry[1](sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D),
-                      *[gates[n] for n in gate_names(op)], output_final_state=False)
+        try:
+            ok = entry[1](sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D),
+                          *[gates[n] for n in gate_names(op)], output_final_state=False)
+        except Exception:  # noqa: BLE001 - the predicate wants real arrays: just try the call
+            return None
         return None if ok else "jla mosaic_gpu supports() refuses this call"
 
     def call(self, op, q, k, v, gates, output_final_state):

@@ -8,6 +8,8 @@ drawn so that consecutive timed calls read different memory (``n_sets``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,8 +32,13 @@ def device_inputs(op: str, B: int, T: int, H: int, K: int, V: int | None = None,
     (decay="normal"): q, k ~ N(0,1) then L2-normalised; v ~ N(0,1); g = log σ(N(0,1) + 3);
     β, b, w ~ U(0, 2). Returns {"q","k","v", gate names...}; q/k/v in ``dtype``, gates fp32."""
     V = K if V is None else V
+    n_keys = 3 + len(testing.OPS[op].gates)
+    return _maker(op, B, T, H, K, V, jnp.dtype(dtype))(jax.random.split(jax.random.PRNGKey(seed), n_keys))
+
+
+@functools.lru_cache(maxsize=64)
+def _maker(op, B, T, H, K, V, dtype):
     spec = testing.OPS[op]
-    keys = jax.random.split(jax.random.PRNGKey(seed), 3 + len(spec.gates))
     f32 = jnp.float32
 
     @jax.jit
@@ -50,7 +57,7 @@ def device_inputs(op: str, B: int, T: int, H: int, K: int, V: int | None = None,
                 out[name] = jax.random.uniform(key, shape, f32, 0.0, 2.0)
         return out
 
-    return make(keys)
+    return make
 
 
 def accuracy_inputs(op: str, B: int, T: int, H: int, K: int, *, seed: int = 0,

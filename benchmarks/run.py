@@ -182,6 +182,22 @@ def main(argv=None):
     return 0
 
 
+def parallel_compile(items, fn, serial, is_kernel=None):
+    """``[fn(x) for x in items]``, the XLA-only ones in a thread pool (XLA compiles outside the
+    GIL); those with Pallas/Mosaic kernels inside first, on this thread, to stay on the safe side."""
+    is_kernel = is_kernel or (lambda r: getattr(r.impl, "kernels", False))
+    results = {}
+    for i, x in enumerate(items):
+        if serial or is_kernel(x):
+            results[i] = fn(x)
+    rest = [i for i in range(len(items)) if i not in results]
+    if rest:
+        with ThreadPoolExecutor(max_workers=8) as ex:
+            for i, res in zip(rest, ex.map(lambda i: fn(items[i]), rest)):
+                results[i] = res
+    return [results[i] for i in range(len(items))]
+
+
 def run_group(a, shape, op, impl_list, unavailable, meta, rounds, run_id, elapsed, device_inputs, I,
               roofline, mode):
     """Time every implementation on one (shape, op), interleaved; returns rows."""
@@ -228,12 +244,7 @@ def run_group(a, shape, op, impl_list, unavailable, meta, rounds, run_id, elapse
     # Compile every JAX runner of the group in parallel threads (XLA compiles outside the GIL).
     t0 = time.time()
     jax_runners = [r for r in runners if isinstance(r, I.JaxRunner)]
-    if a.serial_compile:
-        for r in jax_runners:
-            r.compile(r.phases)
-    else:
-        with ThreadPoolExecutor(max_workers=8) as ex:
-            list(ex.map(lambda r: r.compile(r.phases), jax_runners))
+    parallel_compile(jax_runners, lambda r: r.compile(r.phases), a.serial_compile)
     log(f"  compiled {len(jax_runners)} JAX runners in {time.time() - t0:.1f}s")
     ready = []
     for runner in runners:
@@ -252,8 +263,13 @@ def run_group(a, shape, op, impl_list, unavailable, meta, rounds, run_id, elapse
             traceback.print_exc()
             continue
         log(f"  {runner.impl.name}: set up in {time.time() - t0:.1f}s; refused={runner.refused or '-'}")
-        row["status"] = "ok"
         row["setup_s"] = time.time() - t0
+        if not runner.fns and runner.refused:
+            row.update(status="refused", reason="; ".join(f"{k}: {v}" for k, v in runner.refused.items()),
+                       refused=dict(runner.refused))
+            runner.close()
+            continue
+        row["status"] = "ok"
         ready.append(runner)
     runners = ready
     samples = {id(r): {ph: [] for ph in r.fns} for r in runners}
@@ -316,11 +332,8 @@ def check_accuracy(op, acc_shape, impl_list, unavailable, rows, refs, cache, ela
                 except Exception as e:  # noqa: BLE001
                     return e
 
-            if a.serial_compile:
-                compiled = [prep(i) for i in todo]
-            else:
-                with ThreadPoolExecutor(max_workers=8) as ex:
-                    compiled = list(ex.map(prep, todo))
+            compiled = parallel_compile(todo, prep, a.serial_compile,
+                                        is_kernel=lambda i: getattr(i, "kernels", False))
             for impl, c in zip(todo, compiled):
                 try:
                     if isinstance(c, Exception):
