@@ -52,7 +52,7 @@ class ReferenceJobs:
     def start(self):
         env = dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
         root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = (env["PYTHONPATH"] + os.pathsep if env.get("PYTHONPATH") else "") + root
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.reference_job", str(self.dir)],
                                      env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
 

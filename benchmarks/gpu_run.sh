@@ -24,8 +24,15 @@ fi
 export TRITON_CACHE_DIR="$PWD/.tcache" FLA_DISABLE_BACKEND_DISPATCH=1 PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/nvidia-smi.txt"
+ROOT="$PWD"
+if [ -d .bench_snapshot ]; then  # the committed code (benchmarks/snapshot.sh), not the work tree
+  echo "code snapshot: $(cat .bench_snapshot/COMMIT)"
+  export PYTHONPATH="$ROOT/.bench_snapshot:${PYTHONPATH#"$ROOT:"}"
+  cd .bench_snapshot
+fi
 timeout -k 10 "${BENCH_TIMEOUT:-480}" python3 -m benchmarks.run --out-dir "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
 rc=$?
+cd "$ROOT"
 find .tcache -name '*.autotune.json' -print0 | tar czf "$OUT/fla-autotune.tgz" --null -T -
 echo "benchmark exit code: $rc"
 exit $rc

@@ -54,9 +54,17 @@ def environment() -> dict:
     import rewy_jax
 
     versions["rewy_jax (imported)"] = rewy_jax.__version__
+    snap = Path(rewy_jax.__file__).resolve().parents[1] / "COMMIT"  # benchmarks/snapshot.sh
+    if snap.exists():
+        versions["rewy-jax commit"] = snap.read_text().split()[0] + " (snapshot)"
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        commit = "" if snap.exists() else subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).resolve().parents[1], timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "rewy_jax", "pallas_kernels"],
+                               capture_output=True, text=True, timeout=10,
+                               cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+        if commit and dirty:
+            commit += " + uncommitted changes"
         if commit:
             versions["rewy-jax commit"] = commit
     except Exception:  # noqa: BLE001

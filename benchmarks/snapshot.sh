@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Freeze the committed code for a GPU run: writes .bench_snapshot/{rewy_jax,pallas_kernels,benchmarks}
+# from a git revision (default HEAD) plus .bench_snapshot/COMMIT, so that a benchmark measures a
+# commit and not whatever is half-edited in the working tree. gpu_run.sh runs from it when it is
+# there (carry it: carry=[".whl", ".bench_snapshot"]).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+rev="${1:-HEAD}"
+grep -qx '/.bench_snapshot/' .git/info/exclude 2>/dev/null || echo '/.bench_snapshot/' >> .git/info/exclude
+rm -rf .bench_snapshot && mkdir -p .bench_snapshot
+git archive "$rev" rewy_jax pallas_kernels benchmarks | tar -x -C .bench_snapshot
+echo "$(git rev-parse --short "$rev") $(git log -1 --format=%cI "$rev")" > .bench_snapshot/COMMIT
+cat .bench_snapshot/COMMIT
