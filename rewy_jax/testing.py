@@ -135,6 +135,10 @@ def loss_and_grads(op: str, inputs: dict, cotangents: dict, **kw):
     return o, s, dict(zip(["d" + n for n in names], grads))
 
 
+# Keyword arguments of the ops that select an implementation but do not change the result.
+_EXECUTION_ONLY = ("backend", "chunk_size", "policy", "backward", "interpret")
+
+
 def accuracy_report(op: str, inputs: dict, *, seed: int = 1, use_qk_l2norm: bool = True, **kw) -> dict:
     """Ratios of every output and gradient of ``op`` (with ``kw``, e.g. backend=...) against the
     float64 token recurrence on the same inputs. Returns {name: (ratio, tolerance)}."""
@@ -152,8 +156,11 @@ def accuracy_report(op: str, inputs: dict, *, seed: int = 1, use_qk_l2norm: bool
     o, s, grads = loss_and_grads(op, inputs, {k: v.astype(jnp.float32) for k, v in cts.items()},
                                  use_qk_l2norm=use_qk_l2norm, **kw)
     ref_inputs = {k: (v if k == "cu_seqlens" else jnp.asarray(v, jnp.float64)) for k, v in inputs.items()}
+    # The oracle must compute the same function: pass on every argument that changes the math
+    # (e.g. scale); drop only those that choose how it is computed.
+    ref_kw = {k: v for k, v in kw.items() if k not in _EXECUTION_ONLY}
     o_r, s_r, grads_r = loss_and_grads(op, ref_inputs, cts, use_qk_l2norm=use_qk_l2norm,
-                                       backend="reference")
+                                       backend="reference", **ref_kw)
     out = {"o": (ratio(o, o_r), tolerance("o", dtype)),
            "final_state": (ratio(s, s_r), tolerance("final_state", dtype))}
     for name, gval in grads.items():
