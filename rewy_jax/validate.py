@@ -25,6 +25,8 @@ def check_float(name: str, x):
 
 def check_qkv(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
+        if x is None:
+            raise ValueError(f"{name} is required: pass an array of shape [B, T, H, D]; got None")
         check_float(name, x)
         if x.ndim != 4:
             raise ValueError(f"{name} must have shape [B, T, H, D]; got shape {_shape(x)}")
@@ -38,9 +40,12 @@ def check_qkv(q, k, v):
 
 def check_per_token(name: str, x, q, last_dim: int | None, what: str):
     """x must be [B, T, H] (last_dim None) or [B, T, H, last_dim]."""
-    check_float(name, x)
     B, T, H = q.shape[:3]
     want = (B, T, H) if last_dim is None else (B, T, H, last_dim)
+    if x is None:
+        spec = "[B, T, H]" if last_dim is None else f"[B, T, H, {what}]"
+        raise ValueError(f"{name} is required: pass an array of shape {spec} = {want}; got None")
+    check_float(name, x)
     if _shape(x) != want:
         spec = "[B, T, H]" if last_dim is None else f"[B, T, H, {what}]"
         raise ValueError(f"{name} must have shape {spec} = {want} to match q {_shape(q)}; got {_shape(x)}")
