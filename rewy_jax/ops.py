@@ -190,6 +190,12 @@ chunk_gdn2.__doc__ = "Gated DeltaNet-2 (GDN2): per-channel decay, erase gate b, 
 def _run_recurrent(call: GeneralCall, output_final_state):
     from rewy_jax.reference import reference_general  # the recurrence, in fp32 state
 
+    if call.cu_seqlens is not None and isinstance(call.cu_seqlens, jax.core.Tracer):
+        # reference_general runs the sequences one by one, so it needs the offsets' values.
+        raise NotImplementedError(
+            "fused_recurrent_* with cu_seqlens needs concrete offsets (not traced under jit): "
+            "pass cu_seqlens as a static/NumPy value, or use the chunk_* op (backend='xla') "
+            "which accepts traced cu_seqlens")
     o, final = reference_general(call.q, call.k, call.v, call.g, call.b, call.w, scale=1.0,
                                  initial_state=call.h0, cu_seqlens=call.cu_seqlens,
                                  dtype=jnp.promote_types(call.out_dtype, jnp.float32))
