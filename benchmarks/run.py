@@ -101,6 +101,9 @@ def parse_args(argv):
     ap.add_argument("--fla-deadline-s", type=float, default=None,
                     help="skip FLA setup (compile + autotune, up to ~200 s/op at a new shape) after this")
     ap.add_argument("--serial-compile", action="store_true", help="compile one runner at a time")
+    ap.add_argument("--fla-shapes", default=None,
+                    help="comma list of shapes where FLA runs, or 'all' (quick default: the anchor "
+                         "shape, whose autotune results benchmarks/fla-autotune-cache.tgz holds)")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--stem", default=None, help="file stem (default: <mode>-<date>)")
     return ap.parse_args(argv)
@@ -206,6 +209,16 @@ def parallel_compile(items, fn, serial, is_kernel=None):
     return [results[i] for i in range(len(items))]
 
 
+def fla_allowed(a, shape, mode) -> bool:
+    from benchmarks import shapes as S
+
+    if a.fla_shapes is None:
+        return mode != "quick" or shape == S.ANCHOR_SHAPE
+    if a.fla_shapes == "all":
+        return True
+    return shape in [S.parse_shape(x) for x in a.fla_shapes.split(",") if x]
+
+
 def run_group(a, shape, op, impl_list, unavailable, meta, rounds, run_id, elapsed, device_inputs, I,
               roofline, mode):
     """Time every implementation on one (shape, op), interleaved; returns rows."""
@@ -234,6 +247,10 @@ def run_group(a, shape, op, impl_list, unavailable, meta, rounds, run_id, elapse
             why = f"{type(e).__name__}: {str(e)[:200]}"
         if why:
             row.update(status="unsupported", reason=why)
+            continue
+        if impl.framework == "torch" and not fla_allowed(a, shape, mode):
+            row.update(status="skipped", reason="FLA not run at this shape in this mode: its Triton autotune "
+                       "is not cached for it (~100–200 s per op); pass --fla-shapes all")
             continue
         if sets is None:
             sets = [device_inputs(op, B, T, H, D, seed=1000 * i + 7) for i in range(a.sets)]
