@@ -118,11 +118,9 @@ def supports(call, chunk_size, interpret):
             return f"head dim {name}={d} > 256 is not supported by the kernels"
     if chunk_size not in (16, 32, 64):
         return f"chunk_size={chunk_size} must be 16, 32 or 64 for the Pallas GPU kernels"
-    dt = jnp.dtype(call.q.dtype)
+    dt = jnp.dtype(call.out_dtype)
     if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(F32)):
         return f"input dtype {dt} is not supported (bf16, fp16 or fp32)"
-    if call.k.dtype != call.q.dtype or call.v.dtype != call.q.dtype:
-        return "q, k and v must share one dtype"
     return None
 
 
@@ -138,7 +136,8 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
     """
     q, k, v, g, b, w, h0 = call.q, call.k, call.v, call.g, call.b, call.w, call.h0
     B, T, H, K = q.shape
-    dt = q.dtype
+    dt = call.out_dtype  # inputs' dtype (q, k may arrive in fp32 after L2 normalisation)
+    q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
     C = chunk_size
     e = (_expand(b, 4).astype(F32) * k.astype(F32)).astype(dt)
     z = (_expand(w, 4).astype(F32) * v.astype(F32)).astype(dt)

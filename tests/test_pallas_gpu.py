@@ -1,0 +1,103 @@
+"""The Pallas GPU (Triton) kernels against the float64 token recurrence.
+
+CPU: the same kernels in Pallas interpret mode (``interpret=True``) on small shapes — every
+output and gradient, T not a multiple of the chunk, initial state, strong decays, several value
+tiles, varlen, both policies, both backward schemes, dispatch/fallback. fp32 inputs, so the
+tolerance is rewy-math §8's 1e-4.
+
+GPU (``-m gpu``, skipped without a CUDA device): every op at bf16 at FLA-like head dims on the
+real Triton lowering, with reduced T so the reference stays cheap.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import rewy_jax
+from rewy_jax import backends, testing
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+_ON_GPU = jax.default_backend() == "gpu"
+
+
+def _check(rep):
+    bad = {n: f"{r:.2e} > {tol:.0e}" for n, (r, tol) in rep.items() if not r <= tol}
+    assert not bad, bad
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Value tiles of 16 so that V = 32 runs two tiles through every kernel."""
+    from pallas_kernels.gpu import api
+
+    monkeypatch.setattr(api, "DEFAULT_BV", 16)
+
+
+# (op, T, K, V, chunk, decay, extra kwargs) — each case compiles its own interpret kernels.
+CPU_CASES = [
+    ("deltanet", 40, 16, 32, 16, "normal", {}),
+    ("gdn", 50, 32, 16, 32, "strong", {}),
+    ("kda", 40, 16, 32, 16, "strong", {}),
+    ("gdn2", 33, 32, 16, 32, "normal", {}),
+    ("kda", 40, 16, 16, 32, "normal", {"backward": "wy", "policy": "save"}),
+    ("gdn", 40, 16, 16, 16, "normal", {"backward": "wy"}),
+    ("gdn2", 40, 16, 16, 16, "strong", {"policy": "save"}),
+]
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin; the GPU test below runs the real kernels")
+@pytest.mark.parametrize("op,T,K,V,C,decay,kw", CPU_CASES,
+                         ids=[f"{c[0]}-T{c[1]}-K{c[2]}V{c[3]}-C{c[4]}-{c[5]}-" +
+                              "-".join(f"{v}" for v in c[6].values()) for c in CPU_CASES])
+def test_interpret_matches_reference(op, T, K, V, C, decay, kw, small_tiles):
+    inp = testing.make_inputs(op, 2, T, 2, K, V, decay=decay, seed=3)
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
+                                   chunk_size=C, **kw))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op", ["kda", "deltanet"])
+def test_interpret_varlen(op, small_tiles):
+    inp = testing.make_inputs(op, 1, 45, 2, 16, 32, n_seqs=3, seed=5)
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True, chunk_size=16))
+
+
+def test_dispatch_rejects_and_falls_back():
+    inp = testing.make_inputs("gdn", 1, 20, 1, 24, 24)  # K = 24: not a power of two
+    with pytest.raises(NotImplementedError, match="power of two"):
+        testing.run_op("gdn", inp, backend="pallas_gpu", interpret=True, chunk_size=16)
+    # backend=None never picks an unsupported kernel: on CPU it is xla, on a GPU the fallback.
+    o, _ = testing.run_op("gdn", inp, chunk_size=16)
+    assert jnp.all(jnp.isfinite(o))
+    if not _ON_GPU:
+        with pytest.raises(NotImplementedError, match="CUDA GPU"):
+            backends.select("pallas_gpu", rewy_jax.ops._prepare(
+                inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["beta"],
+                g_kind="scalar", b_kind="scalar", w_kind="scalar", scale=None,
+                initial_state=None, use_qk_l2norm=False, cu_seqlens=None,
+                gate_names=("g", "beta", None)), chunk_size=16, interpret=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the real Triton lowering (run on the lent H200: pytest -m gpu tests/test_pallas_gpu.py)
+# ----------------------------------------------------------------------------------------------
+GPU_CASES = [(op, K, V) for op in ("deltanet", "gdn", "kda", "gdn2") for K, V in ((128, 128), (64, 64))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("op,K,V", GPU_CASES)
+def test_gpu_bf16_matches_reference(op, K, V):
+    inp = testing.make_inputs(op, 2, 300, 4, K, V, dtype=jnp.bfloat16, seed=7)
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("op", ["gdn", "gdn2"])
+def test_gpu_fp32_strong_decay(op):
+    inp = testing.make_inputs(op, 1, 200, 2, 64, 64, dtype=jnp.float32, decay="strong", seed=8)
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu"))
