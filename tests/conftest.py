@@ -1,0 +1,128 @@
+"""Shared pytest setup for the rewy-jax CPU test suite.
+
+* float64 on (the oracle, ``rewy_jax.testing.accuracy_report``, runs the recurrence in float64);
+* ``@pytest.mark.slow`` tests are skipped unless ``RUN_SLOW=1``;
+* a bounded hypothesis profile (few examples, no deadline: first calls compile);
+* fixtures with small helpers: an independent NumPy float64 recurrence and report checking.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+# Most of the suite's CPU time is XLA compiling many small executables (eager op-by-op dispatch
+# of the chunk algebra). A persistent compilation cache makes every run after the first one
+# several times faster. REWY_JAX_TEST_CACHE=0 turns it off; another path moves it.
+_CACHE = os.environ.get("REWY_JAX_TEST_CACHE",
+                        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                     ".pytest_cache", "jax-compilation-cache"))
+if _CACHE not in ("", "0"):
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+try:  # hypothesis is a test extra; only test_properties needs it.
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "rewy", max_examples=10, deadline=None, derandomize=False, print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "rewy"))
+except ImportError:  # pragma: no cover
+    pass
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("RUN_SLOW", "0") not in ("", "0"):
+        return
+    skip = pytest.mark.skip(reason="slow test: set RUN_SLOW=1 to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+# ----------------------------------------------------------------------------------------------
+# An oracle written without JAX: the §2 recurrence token by token in NumPy float64. It shares no
+# code with rewy_jax (not even l2norm, scale or gate clamping), so a bug in the common front end
+# (ops._prepare) or in reference.py cannot hide behind "both paths agree".
+# ----------------------------------------------------------------------------------------------
+def numpy_recurrence(q, k, v, g, b, w, *, scale=None, initial_state=None, use_qk_l2norm=False,
+                     cu_seqlens=None):
+    """o [B, T, H, V], final [B or N, H, K, V] of S_t = (I − k eᵀ) Diag(α) S + k zᵀ, o = scale Sᵀq.
+
+    g: None, [B,T,H] or [B,T,H,K]; b: [B,T,H] or [B,T,H,K]; w: [B,T,H] or [B,T,H,V].
+    """
+    f = lambda x: None if x is None else np.asarray(x, np.float64)  # noqa: E731
+    q, k, v, g, b, w = map(f, (q, k, v, g, b, w))
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if use_qk_l2norm:
+        q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + 1e-6)
+        k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + 1e-6)
+    scale = K ** -0.5 if scale is None else scale
+    if cu_seqlens is None:
+        segs = [(bi, 0, T, bi) for bi in range(B)]
+        n_states = B
+    else:
+        cu = np.asarray(cu_seqlens)
+        segs = [(0, int(cu[i]), int(cu[i + 1]), i) for i in range(len(cu) - 1)]
+        n_states = len(cu) - 1
+    h0 = (np.zeros((n_states, H, K, V)) if initial_state is None
+          else np.asarray(initial_state, np.float64))
+    o = np.zeros((B, T, H, V))
+    final = np.zeros((n_states, H, K, V))
+    for bi, t0, t1, si in segs:
+        for h in range(H):
+            S = h0[si, h].copy()
+            for t in range(t0, t1):
+                if g is not None:
+                    a = np.exp(g[bi, t, h])  # scalar or [K]; exp(-inf) = 0
+                    S = (a[:, None] if np.ndim(a) else a) * S
+                bb = b[bi, t, h]
+                ww = w[bi, t, h]
+                e = bb * k[bi, t, h]
+                z = ww * v[bi, t, h]
+                S = S + np.outer(k[bi, t, h], z - e @ S)
+                o[bi, t, h] = scale * (S.T @ q[bi, t, h])
+            final[si, h] = S
+    return o, final
+
+
+@pytest.fixture
+def np_recurrence():
+    return numpy_recurrence
+
+
+def _check_report(report: dict, *, label: str = ""):
+    """Every entry (ratio, tolerance) of an accuracy report must be finite and within tolerance."""
+    bad = {k: v for k, v in report.items() if not (np.isfinite(v[0]) and v[0] <= v[1])}
+    assert not bad, f"{label}: ratios over tolerance (ratio, tol): {bad}; full report: {report}"
+    return report
+
+
+@pytest.fixture
+def check_report():
+    return _check_report
+
+
+def rel_err(x, ref) -> float:
+    """‖x − ref‖ / ‖ref‖ in float64 (inf for NaN/Inf in x)."""
+    x = np.asarray(np.asarray(x, np.float32) if getattr(x, "dtype", None) == "bfloat16" else x,
+                   np.float64)
+    ref = np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(x)):
+        return float("inf")
+    den = np.linalg.norm(ref)
+    return float(np.linalg.norm(x - ref) / den) if den > 0 else float(np.linalg.norm(x))
+
+
+@pytest.fixture
+def rel():
+    return rel_err
