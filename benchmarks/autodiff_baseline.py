@@ -15,7 +15,6 @@ Matmuls in fp32 at JAX's default precision (what a user gets without asking).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.scipy.linalg import solve_triangular

@@ -71,7 +71,8 @@ def merge(results: list[dict]) -> dict:
         order.setdefault((k[0], k[1]), []).append(latest[k])
     rows = [r for k in sorted(order, key=_group_order) for r in order[k]]
     meta = dict(metas[-1]) if metas else {}
-    meta["merged_from"] = [m.get("command", "?") for m in metas]
+    if len(metas) > 1:
+        meta["merged_from"] = [m.get("command", "?") for m in metas]
     return {"meta": meta, "runs": runs, "rows": add_derived(rows)}
 
 
@@ -286,3 +287,18 @@ def write_all(result: dict, out_dir: Path, stem: str) -> dict:
         print(f"[report] plot failed: {type(e).__name__}: {e}")
         paths.pop("png")
     return paths
+
+
+README_MARK = "## Latest headline"
+
+
+def update_readme(result: dict, readme: Path, source: str):
+    """Replace the README's "Latest headline" section with this result's headline and stamp."""
+    rows = add_derived(list(result["rows"]))
+    text = Path(readme).read_text()
+    head = text.split(README_MARK)[0]
+    body = [README_MARK, "", f"From `{source}` (full tables there):", ""]
+    body += stamp_lines(result.get("meta", {}), result.get("runs")) + [""]
+    body += ["fwd+bwd ms (fwd in brackets); ✗ = fails the accuracy check.", ""] + headline(rows)
+    body += ["", "Notes:", ""] + [f"* {n}" for n in NOTES]
+    Path(readme).write_text(head + "\n".join(body) + "\n")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import accuracy, inputs, report, roofline, shapes
+from benchmarks import accuracy, inputs, roofline, shapes
 
 TINY = "1x64x2x16"
 
