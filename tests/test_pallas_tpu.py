@@ -48,11 +48,11 @@ def test_interpret_race_detection():
     uninitialised memory; gradients must also agree with the XLA path."""
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2,
                                    uninitialized_memory="nan")
-    inputs = testing.make_inputs("gdn2", 1, 24, 2, 8, 8, seed=5)
+    inputs = testing.make_inputs("gdn", 1, 24, 2, 8, 8, seed=5)
     cts = {"o": jnp.ones((1, 24, 2, 8)), "final_state": jnp.ones((1, 2, 8, 8))}
-    o, s, g = testing.loss_and_grads("gdn2", inputs, cts, backend="pallas_tpu", interpret=params,
+    o, s, g = testing.loss_and_grads("gdn", inputs, cts, backend="pallas_tpu", interpret=params,
                                      chunk_size=16, use_qk_l2norm=True)
-    o_x, s_x, g_x = testing.loss_and_grads("gdn2", inputs, cts, backend="xla", chunk_size=16,
+    o_x, s_x, g_x = testing.loss_and_grads("gdn", inputs, cts, backend="xla", chunk_size=16,
                                            use_qk_l2norm=True)
     assert testing.ratio(o, o_x) < 1e-5 and testing.ratio(s, s_x) < 1e-5
     for name in g:
@@ -98,12 +98,14 @@ def _kernel_calls(D, dtype, gate):
     h0, S0 = S((B, 2, H, D, D), jnp.float32), S((B, H, N, D, D), jnp.float32)
     R = S((B, H, N, C, D), jnp.float32)
     meta = tuple(S((N,), jnp.int32) for _ in range(3))
-    fwd = lambda save: lambda *a: tk.forward_call(*a, save=save)  # noqa: E731
-    bwd = lambda scheme: lambda *a: tk.backward_call(*a, scheme=scheme)  # noqa: E731
+    ops = "bfloat16" if dtype == jnp.bfloat16 else None  # as the backend glue chooses
+    fwd = lambda save: lambda *a: tk.forward_call(*a, save=save, operands=ops)  # noqa: E731
+    bwd = lambda scheme: lambda *a: tk.backward_call(*a, scheme=scheme, operands=ops)  # noqa: E731
     return {
         "forward": (fwd(False), (x, x, x, x, g, h0, meta)),
         "forward_save": (fwd(True), (x, x, x, x, g, h0, meta)),
-        "states": (lambda *a: tk.forward_call(*a, mode="states"), (x, x, x, x, g, h0, meta)),
+        "states": (lambda *a: tk.forward_call(*a, mode="states", operands=ops),
+                   (x, x, x, x, g, h0, meta)),
         "backward_rewy": (bwd("rewy"), (x, x, x, x, g, S0, None, x, h0, meta)),
         "backward_rewy_saved_R": (bwd("rewy"), (x, x, x, x, g, S0, R, x, h0, meta)),
         "backward_wy": (bwd("wy"), (x, x, x, x, g, S0, None, x, h0, meta)),

@@ -24,6 +24,9 @@ Everything is fp32 with ``HIGHEST`` matmuls, no cumsum (a triangular ones matmul
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -32,6 +35,45 @@ from pallas_kernels.chunk_algebra import mm, mm_nt, mm_tn
 
 SUB = ca.SUBCHUNK
 f32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# Matmul operands. ``mm``/``mm_nt``/``mm_tn`` (chunk_algebra) are exact fp32 (HIGHEST); the
+# ``f``-prefixed products below take bf16 operands (one MXU pass, fp32 accumulation) inside
+# ``fast_operands(jnp.bfloat16)`` — used for bf16/fp16 callers. Measured against the §8
+# protocol, bf16 operands are used in the *backward's* chunk-local products only (gradient
+# tolerance 1e-2/2e-2; measured ≈ 4e-3). Always exact fp32: the whole forward (o's tolerance is
+# 5e-3 and bf16 output rounding alone costs ≈ 1.7e-3; bf16 Qγ S0 took it to 3.5e-3), the gate
+# cumsum, the triangular system T, A, W, U, R = U − W S0 (U and W S0 nearly cancel), and the
+# sequential state products (S_C; dR, Λ and dS0 in the backward), whose rounding would compound
+# across chunks — without decay (DeltaNet) bf16 dR/Λ took dh0 to 1.1e-2.
+# ----------------------------------------------------------------------------------------------
+_FAST = contextvars.ContextVar("rewy_tpu_fast_operands", default=None)
+
+
+@contextlib.contextmanager
+def fast_operands(dtype):
+    """Trace the chunk products with ``dtype`` operands (None: exact fp32)."""
+    token = _FAST.set(None if dtype is None else jnp.dtype(dtype))
+    try:
+        yield
+    finally:
+        _FAST.reset(token)
+
+
+def _fast(exact_fn, dims):
+    def product(a, b):
+        dt = _FAST.get()
+        if dt is None:
+            return exact_fn(a, b)
+        return lax.dot_general(a.astype(dt), b.astype(dt), (dims, ((), ())),
+                               preferred_element_type=f32)
+    return product
+
+
+fmm = _fast(mm, ((1,), (0,)))
+fmm_nt = _fast(mm_nt, ((1,), (1,)))
+fmm_tn = _fast(mm_tn, ((0,), (0,)))
 
 
 def _iota(shape, dim):
@@ -66,7 +108,7 @@ def row_to_col(x):
 # Decays
 # ----------------------------------------------------------------------------------------------
 class ScalarDecayTPU(ca.ScalarDecay):
-    """``ScalarDecay`` with ``G`` as a ``[C, 1]`` column (or None). gram/apply/apply_t inherited."""
+    """``ScalarDecay`` with ``G`` as a ``[C, 1]`` column (or None)."""
 
     def __init__(self, Gcol, n_rows: int):
         self.G = Gcol
@@ -77,6 +119,16 @@ class ScalarDecayTPU(ca.ScalarDecay):
         else:
             # Mask before exp: upper-triangular differences are positive and could overflow.
             self.D = jnp.exp(jnp.where(tri, Gcol - col_to_row(Gcol), -jnp.inf))
+
+    def gram(self, x, y, strict):
+        m = fmm_nt(x, y) * self.D
+        return jnp.where(ca._tril_mask(self.C, strict), m, 0.0) if strict else m
+
+    def apply(self, P, y):
+        return fmm(P * self.D, y)
+
+    def apply_t(self, P, x):
+        return fmm_tn(P * self.D, x)
 
     def head(self, x):
         return x if self.G is None else jnp.exp(self.G) * x
@@ -171,7 +223,7 @@ class VectorDecayTPU(ca.Decay):
     # Off-diagonal sub-chunk blocks: one [sub, C] x [C, D] product per sub-chunk i ≥ 1, the
     # earlier rows (s < 16 i) decayed into i's frame; diagonal blocks: the pivot sweep.
     def gram(self, x, y, strict):
-        off = [mm_nt(self._rows(i, x) * self._row_in_frame(i), y * self._from_frame(i))
+        off = [fmm_nt(self._rows(i, x) * self._row_in_frame(i), y * self._from_frame(i))
                for i in range(1, self.n)]
         M = self._stack(off, self.C) if off else jnp.zeros((self.C, self.C), f32)
         for j in range(self.sub):
@@ -185,7 +237,7 @@ class VectorDecayTPU(ca.Decay):
 
     def apply(self, P, y):
         D = y.shape[1]
-        off = [self._row_in_frame(i) * mm(self._rows(i, P), y * self._from_frame(i))
+        off = [self._row_in_frame(i) * fmm(self._rows(i, P), y * self._from_frame(i))
                for i in range(1, self.n)]
         Y = self._stack(off, D) if off else jnp.zeros((self.C, D), f32)
         for j in range(self.sub):
@@ -196,7 +248,7 @@ class VectorDecayTPU(ca.Decay):
     def apply_t(self, P, x):
         Y = jnp.zeros((self.C, x.shape[1]), f32)
         for i in range(1, self.n):
-            Y = Y + self._from_frame(i) * mm_tn(self._rows(i, P), self._rows(i, x) * self._row_in_frame(i))
+            Y = Y + self._from_frame(i) * fmm_tn(self._rows(i, P), self._rows(i, x) * self._row_in_frame(i))
         Pt = P.T
         for j in range(self.sub):
             # Row s gathers r = piv_j(s) ≥ s: P[piv_j(s), s] = Pᵀ[s, piv_j(s)].
@@ -274,11 +326,21 @@ def unit_lower_inverse(T):
 # ----------------------------------------------------------------------------------------------
 def chunk_local(q, k, e, z, decay) -> ca.ChunkLocal:
     """``chunk_algebra.chunk_local`` with the lowerable inverse."""
-    T = decay.gram(e, k, strict=True)
-    A = unit_lower_inverse(T)
-    Eg = decay.head(e)
-    return ca.ChunkLocal(A=A, W=mm(A, Eg), U=mm(A, z), P=decay.gram(q, k, strict=False),
+    with fast_operands(None):  # T, A, W, U: the triangular system, always exact fp32
+        T = decay.gram(e, k, strict=True)
+        A = unit_lower_inverse(T)
+        Eg = decay.head(e)
+        W, U = mm(A, Eg), mm(A, z)
+    with fast_operands(None):
+        P = decay.gram(q, k, strict=False)
+    return ca.ChunkLocal(A=A, W=W, U=U, P=P,
                          Qg=decay.head(q), Eg=Eg, Kt=decay.tail(k))
+
+
+def chunk_output(loc: ca.ChunkLocal, S0):
+    """``chunk_algebra.chunk_output`` (R = U − W S0, O = Qγ S0 + P R) with the operand policy."""
+    R = loc.U - mm(loc.W, S0)  # exact: U and W S0 nearly cancel
+    return mm(loc.Qg, S0) + mm(loc.P, R), R  # exact: o has the tightest tolerance (§8)
 
 
 def next_state(loc: ca.ChunkLocal, decay, S0, R):
@@ -289,10 +351,10 @@ def next_state(loc: ca.ChunkLocal, decay, S0, R):
 def leaf_grads(q, k, e, decay, loc, S0, R, dO, dS, dT, dA_qk, dEg_state, dz) -> ca.ChunkGrads:
     """``chunk_algebra._leaf_grads`` with 2-D last-row terms (no scatter, no rank-1 arrays)."""
     C, V = R.shape
-    RdS = mm_nt(R, dS)
+    RdS = fmm_nt(R, dS)
     de = decay.head(dEg_state) + decay.apply(dT, k)
     dk = decay.apply_t(dT, e) + decay.apply_t(dA_qk, q) + decay.tail(RdS)
-    dq = decay.head(mm_nt(dO, S0)) + decay.apply(dA_qk, k)
+    dq = decay.head(fmm_nt(dO, S0)) + decay.apply(dA_qk, k)
     dG = None
     if decay.G is not None:
         rows = de * e - dk * k + dq * q
@@ -310,19 +372,19 @@ def backward_chunk(q, k, e, z, decay, loc, S0, R, dO, dS, scheme: str = "rewy"):
     Returns (ChunkGrads, dS0) with ``dS0 = Qγᵀ dO + Diag(γ_C) dS − Ēᵀ Λ`` (Λ = dZ).
     """
     C = loc.A.shape[0]
-    dR = mm_tn(loc.P, dO) + mm(loc.Kt, dS)
+    dR = mm_tn(loc.P, dO) + mm(loc.Kt, dS)  # exact: dR and Λ feed the state cotangent dS0
     strict = ca._tril_mask(C, strict=True)
-    dA_qk = jnp.where(ca._tril_mask(C, strict=False), mm_nt(dO, R), 0.0)
+    dA_qk = jnp.where(ca._tril_mask(C, strict=False), fmm_nt(dO, R), 0.0)
     if scheme == "wy":
-        dW = -mm_nt(dR, S0)  # 1
-        dA = mm_nt(dR, z) + mm_nt(dW, loc.Eg)  # 2, 3
+        dW = -fmm_nt(dR, S0)  # 1
+        dA = fmm_nt(dR, z) + fmm_nt(dW, loc.Eg)  # 2, 3
         lam = mm_tn(loc.A, dR)  # 4
-        dEg_state = mm_tn(loc.A, dW)  # 5
-        dT = -jnp.where(strict, mm_nt(mm_tn(loc.A, dA), loc.A), 0.0)  # 6, 7
+        dEg_state = fmm_tn(loc.A, dW)  # 5
+        dT = -jnp.where(strict, fmm_nt(fmm_tn(loc.A, dA), loc.A), 0.0)  # 6, 7
     else:
         lam = mm_tn(loc.A, dR)  # 1: Λ = Aᵀ dR
-        dT = -jnp.where(strict, mm_nt(lam, R), 0.0)  # 2: −tril(Λ Rᵀ, −1)
-        dEg_state = -mm_nt(lam, S0)  # 3: −Λ S0ᵀ
+        dT = -jnp.where(strict, fmm_nt(lam, R), 0.0)  # 2: −tril(Λ Rᵀ, −1)
+        dEg_state = -fmm_nt(lam, S0)  # 3: −Λ S0ᵀ
     g = leaf_grads(q, k, e, decay, loc, S0, R, dO, dS, dT, dA_qk, dEg_state, lam)
     dS0 = mm_tn(loc.Qg, dO) + decay.last_col() * dS - mm_tn(loc.Eg, lam)
     return g, dS0

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.chunk_algebra import ChunkLocal, chunk_output
+from pallas_kernels.chunk_algebra import ChunkLocal
 from pallas_kernels.tpu import algebra as ta
 
 f32 = jnp.float32
@@ -45,31 +45,39 @@ def _interpret_arg(interpret):
 # ----------------------------------------------------------------------------------------------
 # One chunk: what a grid step computes on its loaded blocks (also traced by roofline.py)
 # ----------------------------------------------------------------------------------------------
-def forward_chunk(q, k, e, z, g, S0):
+def forward_chunk(q, k, e, z, g, S0, operands=None):
     """q, k, e [C, K]; z [C, V]; g None/[C, 1]/[C, K] raw log-decays; S0 [K, V] fp32.
 
-    Returns O [C, V], R [C, V], S_C [K, V] (fp32)."""
+    operands: None (exact fp32 products) or a dtype for the chunk-local matmul operands
+    (``algebra.fast_operands``). Returns O [C, V], R [C, V], S_C [K, V] (fp32)."""
     q, k, e, z = (x.astype(f32) for x in (q, k, e, z))
     decay = ta.make_decay(None if g is None else ta.cumsum_rows(g.astype(f32)), q.shape[0])
-    loc = ta.chunk_local(q, k, e, z, decay)
-    O, R = chunk_output(loc, S0)
-    return O, R, ta.next_state(loc, decay, S0, R)
+    with ta.fast_operands(operands):
+        loc = ta.chunk_local(q, k, e, z, decay)
+        O, R = ta.chunk_output(loc, S0)
+        return O, R, ta.next_state(loc, decay, S0, R)
 
 
-def backward_chunk(q, k, e, z, g, S0, R, dO, dS, scheme="rewy"):
+def backward_chunk(q, k, e, z, g, S0, R, dO, dS, scheme="rewy", operands=None):
     """One chunk's backward. R None: recomputed from S0 (policy "recompute"), else saved.
 
     Returns ((dq, dk, de, dz, dg or None), dS0): raw-frame input cotangents, dg w.r.t. the raw
     per-token gates (reverse cumsum of dG as a ones matmul), dS0 for the previous chunk."""
     q, k, e, z, dO = (x.astype(f32) for x in (q, k, e, z, dO))
     decay = ta.make_decay(None if g is None else ta.cumsum_rows(g.astype(f32)), q.shape[0])
+    with ta.fast_operands(operands):
+        return _backward_chunk(q, k, e, z, decay, S0, R, dO, dS, scheme)
+
+
+def _backward_chunk(q, k, e, z, decay, S0, R, dO, dS, scheme):
     if R is not None:  # policy "save": R and S0 come from the forward; W, U not needed
-        loc = ChunkLocal(A=ta.unit_lower_inverse(decay.gram(e, k, strict=True)), W=None, U=None,
-                         P=decay.gram(q, k, strict=False), Qg=decay.head(q), Eg=decay.head(e),
-                         Kt=decay.tail(k))
+        with ta.fast_operands(None):  # the forward's exact T, A, P
+            loc = ChunkLocal(A=ta.unit_lower_inverse(decay.gram(e, k, strict=True)), W=None,
+                             U=None, P=decay.gram(q, k, strict=False), Qg=decay.head(q),
+                             Eg=decay.head(e), Kt=decay.tail(k))
     else:
         loc = ta.chunk_local(q, k, e, z, decay)
-        R = loc.U - ta.mm(loc.W, S0)
+        R = loc.U - ta.mm(loc.W, S0)  # exact: U and W S0 nearly cancel
     grads, dS0 = ta.backward_chunk(q, k, e, z, decay, loc, S0, R, dO, dS, scheme)
     dg = None if grads.dG is None else ta.rev_cumsum_rows(grads.dG)
     return (grads.dq, grads.dk, grads.de, grads.dz, dg), dS0
@@ -78,7 +86,7 @@ def backward_chunk(q, k, e, z, g, S0, R, dO, dS, scheme="rewy"):
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
-def _fwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, mode, save):
+def _fwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, mode, save, operands):
     del seq_ref, end_ref  # used by the index maps only
     it = iter(refs)
     q_ref, k_ref, e_ref, z_ref = next(it), next(it), next(it), next(it)
@@ -99,7 +107,7 @@ def _fwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, mode, save):
 
     S0 = S_scr[...]
     g = None if g_ref is None else g_ref[...]
-    O, R, S_new = forward_chunk(q_ref[...], k_ref[...], e_ref[...], z_ref[...], g, S0)
+    O, R, S_new = forward_chunk(q_ref[...], k_ref[...], e_ref[...], z_ref[...], g, S0, operands)
     S_scr[...] = S_new
     if s0_ref is not None:
         s0_ref[...] = S0
@@ -131,7 +139,8 @@ def _specs(B, H, N, C, K, V, has_g, g_cols, reverse=False):
 _PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
 
 
-def forward_call(q, k, e, z, g, h0, meta, *, mode="fwd", save=False, interpret=False):
+def forward_call(q, k, e, z, g, h0, meta, *, mode="fwd", save=False, operands=None,
+                 interpret=False):
     """Run the forward kernel. meta = (reset, seq, end) int32 [N].
 
     mode "fwd": returns (o [B,H,N,C,V] in z.dtype, final [B,S+1,H,K,V] fp32, S0s, R) with S0s, R
@@ -155,7 +164,7 @@ def forward_call(q, k, e, z, g, h0, meta, *, mode="fwd", save=False, interpret=F
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(B, H, N), in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((K, V), f32)])
-    kern = functools.partial(_fwd_kernel, has_g=has_g, mode=mode, save=save)
+    kern = functools.partial(_fwd_kernel, has_g=has_g, mode=mode, save=save, operands=operands)
     outs = pl.pallas_call(kern, grid_spec=grid_spec, out_shape=out_shape,
                           compiler_params=_PARAMS, interpret=_interpret_arg(interpret))(*meta, *args)
     if mode == "fwd":
@@ -166,7 +175,7 @@ def forward_call(q, k, e, z, g, h0, meta, *, mode="fwd", save=False, interpret=F
 # ----------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------
-def _bwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, has_r, scheme, n_chunks):
+def _bwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, has_r, scheme, n_chunks, operands):
     del seq_ref
     it = iter(refs)
     q_ref, k_ref, e_ref, z_ref = next(it), next(it), next(it), next(it)
@@ -193,7 +202,8 @@ def _bwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, has_r, scheme, n_chun
     g = None if g_ref is None else g_ref[...]
     R = None if r_ref is None else r_ref[...]
     (dq, dk, de, dz, dg), dS0 = backward_chunk(q_ref[...], k_ref[...], e_ref[...], z_ref[...], g,
-                                               s0_ref[...], R, do_ref[...], dS_scr[...], scheme)
+                                               s0_ref[...], R, do_ref[...], dS_scr[...], scheme,
+                                               operands)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     de_ref[...] = de.astype(de_ref.dtype)
@@ -204,7 +214,8 @@ def _bwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, has_r, scheme, n_chun
     dh0_ref[...] = dS0  # flushed after the sequence's first chunk (the last one visited)
 
 
-def backward_call(q, k, e, z, g, S0s, R, dO, dfinal, meta, *, scheme="rewy", interpret=False):
+def backward_call(q, k, e, z, g, S0s, R, dO, dfinal, meta, *, scheme="rewy", operands=None,
+                  interpret=False):
     """Run the backward kernel. Returns (dq, dk, de, dz, dg or None, dh0 [B,S+1,H,K,V])."""
     B, H, N, C, K = q.shape
     V = z.shape[-1]
@@ -221,7 +232,8 @@ def backward_call(q, k, e, z, g, S0s, R, dO, dfinal, meta, *, scheme="rewy", int
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(B, H, N), in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((K, V), f32)])
-    kern = functools.partial(_bwd_kernel, has_g=has_g, has_r=has_r, scheme=scheme, n_chunks=N)
+    kern = functools.partial(_bwd_kernel, has_g=has_g, has_r=has_r, scheme=scheme, n_chunks=N,
+                             operands=operands)
     outs = pl.pallas_call(kern, grid_spec=grid_spec, out_shape=out_shape,
                           compiler_params=_PARAMS, interpret=_interpret_arg(interpret))(*meta, *args)
     dq, dk, de, dz = outs[:4]
@@ -232,9 +244,9 @@ def backward_call(q, k, e, z, g, S0s, R, dO, dfinal, meta, *, scheme="rewy", int
 # ----------------------------------------------------------------------------------------------
 # The differentiable op
 # ----------------------------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def chunked_delta_tpu(q, k, e, z, g, h0, meta, policy="recompute", backward="rewy",
-                      interpret=False):
+                      operands=None, interpret=False):
     """The general delta rule on chunk-layout inputs, by the TPU kernels (module docstring).
 
     Args:
@@ -243,26 +255,31 @@ def chunked_delta_tpu(q, k, e, z, g, h0, meta, policy="recompute", backward="rew
       h0: [B, S+1, H, K, V] fp32 initial states (slot S is for padding chunks).
       meta: (reset, seq, end) int32 [N] chunk metadata (not differentiated).
       policy: "recompute" | "save"; backward: "rewy" | "wy"; interpret: bool or InterpretParams.
+      operands: None (exact fp32 products) or "bfloat16" (bf16 operands for the chunk-local
+        products, fp32 accumulation; the state products stay fp32).
     Returns:
       o [B, H, N, C, V] (z.dtype), final [B, S+1, H, K, V] fp32.
     """
-    o, final, _, _ = forward_call(q, k, e, z, g, h0, meta, interpret=interpret)
+    o, final, _, _ = forward_call(q, k, e, z, g, h0, meta, operands=operands, interpret=interpret)
     return o, final
 
 
-def _fwd(q, k, e, z, g, h0, meta, policy, backward, interpret):
+def _fwd(q, k, e, z, g, h0, meta, policy, backward, operands, interpret):
     save = policy == "save"
-    o, final, S0s, R = forward_call(q, k, e, z, g, h0, meta, save=save, interpret=interpret)
+    o, final, S0s, R = forward_call(q, k, e, z, g, h0, meta, save=save, operands=operands,
+                                    interpret=interpret)
     return (o, final), (q, k, e, z, g, h0, meta, S0s, R)
 
 
-def _bwd(policy, backward, interpret, res, cts):
+def _bwd(policy, backward, operands, interpret, res, cts):
     q, k, e, z, g, h0, meta, S0s, R = res
     dO, dfinal = cts
     if S0s is None:  # "recompute": one forward state pass for the chunk start states
-        S0s = forward_call(q, k, e, z, g, h0, meta, mode="states", interpret=interpret)
+        S0s = forward_call(q, k, e, z, g, h0, meta, mode="states", operands=operands,
+                           interpret=interpret)
     dq, dk, de, dz, dg, dh0 = backward_call(q, k, e, z, g, S0s, R, dO, dfinal.astype(f32), meta,
-                                            scheme=backward, interpret=interpret)
+                                            scheme=backward, operands=operands,
+                                            interpret=interpret)
     dmeta = jax.tree.map(lambda m: None, meta)
     return dq, dk, de, dz, dg, dh0.astype(h0.dtype), dmeta
 
