@@ -96,8 +96,10 @@ def pallas_tpu_impl(call, *, chunk_size, policy, backward, interpret=False):
     h0 = call.h0[None] if call.cu_seqlens is not None else call.h0[:, None]
     h0 = jnp.concatenate([h0, jnp.zeros_like(h0[:, :1])], axis=1)  # + the padding chunks' slot
     meta = chunk_meta(plan.chunk_reset, plan.chunk_seq, plan.end_chunk)
+    # bf16/fp16 callers: bf16 operands for the backward's leaf products (fp32 accumulation).
+    operands = "bfloat16" if jnp.dtype(call.out_dtype).itemsize < 4 else None
     o, final = chunked_delta_tpu(to(call.q), to(call.k), to(e), to(z), g, h0, meta, policy,
-                                 backward, interpret)
+                                 backward, operands, interpret)
     final = final[0, :-1] if call.cu_seqlens is not None else final[:, 0]
     return layout.from_chunks(o, plan, call.q.shape[1]), final
 
