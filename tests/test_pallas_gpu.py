@@ -30,10 +30,11 @@ def _check(rep):
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """Value tiles of 16 so that V = 32 runs two tiles through every kernel."""
+    """Value and key tiles of 16 so that V = 32 / K = 32 run two tiles through the kernels."""
     from pallas_kernels.gpu import api
 
     monkeypatch.setattr(api, "DEFAULT_BV", 16)
+    monkeypatch.setattr(api, "DEFAULT_BK", 16)
 
 
 # (op, T, K, V, chunk, decay, extra kwargs) — each case compiles its own interpret kernels.

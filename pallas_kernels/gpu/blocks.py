@@ -54,12 +54,11 @@ class Gates:
 
     def __init__(self, mode, G_ref, base, C):
         self.mode, self.G_ref, self.base, self.C = mode, G_ref, base, C
-        self._blk = {}
 
     def blk(self, i):
-        if i not in self._blk:
-            self._blk[i] = load_rows(self.G_ref, self.base + i * BS)
-        return self._blk[i]
+        # Re-loaded at every use (an L1/L2 hit) rather than kept live: register pressure, not
+        # memory traffic, is what limits these kernels.
+        return load_rows(self.G_ref, self.base + i * BS)
 
     def row(self, r):  # [1] (scalar) or [1, K] (vector): G at chunk row r (r may be traced)
         return load_rows(self.G_ref, self.base + r, 1)
@@ -187,6 +186,31 @@ class Gates:
 
         dia = lax.fori_loop(0, BS, body, jnp.zeros(x[j].shape, F32))
         return dia if out is None else out + dia
+
+
+class Rows:
+    """Lazy sub-chunk blocks of a [C, D] ref: ``Rows(ref)[i]`` loads rows 16i..16i+15 (fp32).
+
+    Kernels index blocks through this instead of holding a list of loaded blocks, so a block is
+    live only while it is used (a chunk's q, k, e as fp32 lists would not fit in registers).
+    """
+
+    def __init__(self, ref, base=0):
+        self.ref, self.base = ref, base
+
+    def __getitem__(self, i):
+        return load_rows(self.ref, self.base + i * BS)
+
+
+class Blocks:
+    """Lazy [16, 16] blocks of a [C, C] ref: ``Blocks(ref)[i, j]``."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+    def __getitem__(self, ij):
+        i, j = ij
+        return self.ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)].astype(F32)
 
 
 def inv_diag(T):

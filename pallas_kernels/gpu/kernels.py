@@ -21,7 +21,6 @@ Sequence metadata (per chunk, int32 [N]): ``reset`` (start state is an initial s
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import jax
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu.blocks import BS, F32, Gates, dot, inv_blocks, iota, load_rows
+from pallas_kernels.gpu.blocks import BS, F32, Blocks, Gates, Rows, dot, inv_blocks, iota, load_rows
 
 try:  # the Triton lowering's params; it warns that it is deprecated (design.md): silence here.
     with warnings.catch_warnings():
@@ -59,10 +58,12 @@ def _call(kernel, *, grid, in_specs, out_specs, out_shape, interpret, num_warps,
 class Shape:
     """Static problem description shared by the kernels."""
 
-    def __init__(self, B, Tp, H, K, V, C, n_seq1, mode, prec, BV):
+    def __init__(self, B, Tp, H, K, V, C, n_seq1, mode, prec, BV, BK=None):
         self.B, self.Tp, self.H, self.K, self.V, self.C = B, Tp, H, K, V, C
         self.N, self.n = Tp // C, C // BS
         self.n_seq1, self.mode, self.prec, self.BV = n_seq1, mode, prec, BV
+        # key-tile width of bwd_leaf (it holds [BK, V] state tiles)
+        self.BK = min(K, BK or (64 if V <= 128 else 32))
 
     # BlockSpecs ---------------------------------------------------------------------------
     def chunk_tok(self, D):
@@ -125,18 +126,6 @@ class Shape:
         return self.sds_tok(self.K)
 
 
-def _blocks(ref, n, base=0):
-    return [load_rows(ref, base + i * BS) for i in range(n)]
-
-
-def _store_blocks(ref, blocks, base=0):
-    for i, b in enumerate(blocks):
-        if len(ref.shape) == 1:
-            ref[pl.ds(base + i * BS, BS)] = b.astype(ref.dtype)
-        else:
-            ref[pl.ds(base + i * BS, BS), :] = b.astype(ref.dtype)
-
-
 def _col(x):
     """[1] or [1, K] gate row -> something that scales the rows of a [K, V] state."""
     return x if x.ndim == 1 else x.reshape(x.shape[1], 1)
@@ -166,15 +155,14 @@ def intra(s: Shape, k, e, z, G, *, interpret):
     def kernel(*refs):
         k_ref, e_ref, z_ref, G_ref, A_ref, W_ref, U_ref = _split(refs, mode, 4)
         gt = Gates(mode, G_ref, 0, C)
-        ks, es, zs = _blocks(k_ref, n), _blocks(e_ref, n), _blocks(z_ref, n)
+        ks, es, zs = Rows(k_ref), Rows(e_ref), Rows(z_ref)
         T = {(i, j): gt.gram(i, j, es[i], ks[j], k_ref, prec, strict=True)
              for i in range(n) for j in range(i + 1)}
         A = inv_blocks(T, n, prec)
-        Eg = [gt.head(i, es[i]) for i in range(n)]
-        W = [_sum(dot(A[i, j], Eg[j], prec) for j in range(i + 1)) for i in range(n)]
-        U = [_sum(dot(A[i, j], zs[j], prec) for j in range(i + 1)) for i in range(n)]
-        _store_blocks(W_ref, W)
-        _store_blocks(U_ref, U)
+        for i in range(n):
+            W_ref[pl.ds(i * BS, BS), :] = _sum(
+                dot(A[i, j], gt.head(j, es[j]), prec) for j in range(i + 1))
+            U_ref[pl.ds(i * BS, BS), :] = _sum(dot(A[i, j], zs[j], prec) for j in range(i + 1))
         for i in range(n):
             for j in range(n):
                 A_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
@@ -256,10 +244,9 @@ def output(s: Shape, q, k, G, S0, R, out_dtype, *, interpret):
     def kernel(*refs):
         q_ref, k_ref, G_ref, S0_ref, R_ref, o_ref = _split(refs, mode, 3)
         gt = Gates(mode, G_ref, 0, C)
-        qs, ks, Rs = _blocks(q_ref, n), _blocks(k_ref, n), _blocks(R_ref, n)
-        S0 = S0_ref[...]
+        qs, ks, Rs = Rows(q_ref), Rows(k_ref), Rows(R_ref)
         for i in range(n):
-            o = dot(gt.head(i, qs[i]), S0, prec)
+            o = dot(gt.head(i, qs[i]), S0_ref[...], prec)
             for j in range(i + 1):
                 o = o + dot(gt.gram(i, j, qs[i], ks[j], k_ref, prec, strict=False), Rs[j], prec)
             o_ref[pl.ds(i * BS, BS), :] = o.astype(o_ref.dtype)
@@ -282,11 +269,11 @@ def bwd_local(s: Shape, q, k, G, dO, *, interpret):
     def kernel(*refs):
         q_ref, k_ref, G_ref, dO_ref, out_ref = _split(refs, mode, 3)
         gt = Gates(mode, G_ref, 0, C)
-        qs, ks, dOs = _blocks(q_ref, n), _blocks(k_ref, n), _blocks(dO_ref, n)
-        P = {(i, j): gt.gram(i, j, qs[i], ks[j], k_ref, prec, strict=False)
-             for i in range(n) for j in range(i + 1)}
-        out = [_sum(dot(P[i, j], dOs[i], prec, ta=True) for i in range(j, n)) for j in range(n)]
-        _store_blocks(out_ref, out)
+        qs, ks, dOs = Rows(q_ref), Rows(k_ref), Rows(dO_ref)
+        for j in range(n):
+            out_ref[pl.ds(j * BS, BS), :] = _sum(
+                dot(gt.gram(i, j, qs[i], ks[j], k_ref, prec, strict=False), dOs[i], prec, ta=True)
+                for i in range(j, n))
 
     ins = [q, k] + ([] if mode == "none" else [G]) + [dO]
     in_specs = [s.chunk_tok3(s.K)] * 2 + ([] if mode == "none" else [s.chunk_gate3()]) + [
@@ -339,126 +326,172 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret)
                  interpret=interpret, num_warps=4, name="rewy_bwd_pass")(*ins)
 
 
-def bwd_chunk(s: Shape, q, k, e, z, G, A, S0, dSe, R, dO, dR, *, backward, dtypes, interpret):
-    """Per-chunk cotangents (raw frame): dq, dk, de [B,Tp,H,K], dz [B,Tp,H,V], dG (or None)."""
-    n, C, prec, mode, K, V, BV = s.n, s.C, s.prec, s.mode, s.K, s.V, s.BV
+def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret):
+    """The state-free core of the chunk backward, grid (N, B·H), a loop over value tiles.
+
+    ReWY (rewy-math §4):  Λ = Aᵀ dR (product 1),  dT = −tril(Λ Rᵀ, −1) (product 2).
+    WY (seven products):  dZ = Aᵀ dR,  dA = dR Zᵀ + dW Ēᵀ with dW Ēᵀ = −dR (Ē S0)ᵀ,
+                          dT = −tril(Aᵀ dA Aᵀ, −1)   (dĒ = Aᵀ dW is formed in bwd_leaf).
+    Both: dA_qk = tril(dO Rᵀ).
+    Returns Λ [B,Tp,H,V] fp32 (= dz), dT and dA_qk [B,H,N,C,C] fp32 (masked).
+    """
+    n, C, prec, mode, V, BV = s.n, s.C, s.prec, s.mode, s.V, s.BV
     wy = backward == "wy"
 
     def kernel(*refs):
         refs = list(refs)
         if not wy:
-            refs.insert(3, None)  # z
-        if mode == "none":
-            refs.insert(4, None)  # G
-        (q_ref, k_ref, e_ref, z_ref, G_ref, A_ref, S0_ref, dSe_ref, R_ref, dO_ref, dR_ref,
-         dq_ref, dk_ref, de_ref, dz_ref) = refs[:15]
-        dG_ref = refs[15] if mode != "none" else None
-        gt = Gates(mode, G_ref, 0, C)
-        qs, ks, es = _blocks(q_ref, n), _blocks(k_ref, n), _blocks(e_ref, n)
-        A = {(i, j): A_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] for i in range(n)
-             for j in range(i + 1)}
+            refs[4:4] = [None, None, None, None]  # e, z, G, S0
+        elif mode == "none":
+            refs.insert(6, None)
+        A_ref, R_ref, dO_ref, dR_ref, e_ref, z_ref, G_ref, S0_ref, lam_ref, dT_ref, dAqk_ref = refs
+        A = Blocks(A_ref)
         strict = iota((BS, BS), 1) < iota((BS, BS), 0)
         lower = iota((BS, BS), 1) <= iota((BS, BS), 0)
-        if wy:
-            Eg = [gt.head(i, es[i]) for i in range(n)]
-
-        # Every contraction over V is accumulated over value tiles of width BV (registers hold
-        # [16, BV] and [K, BV] tiles, never a whole [K, V] state when V = 256).
         acc = {}
 
         def add(key, val):
             acc[key] = val if key not in acc else acc[key] + val
 
+        if wy:
+            gt = Gates(mode, G_ref, 0, C)
+            es = Rows(e_ref)
         for t in range(V // BV):
             vs = pl.ds(t * BV, BV)
-            tile = lambda ref: [ref[pl.ds(i * BS, BS), vs].astype(F32) for i in range(n)]  # noqa: E731
-            Rs, dOs, dRs = tile(R_ref), tile(dO_ref), tile(dR_ref)
-            S0, dSe = S0_ref[:, vs], dSe_ref[:, vs]
-            # Λ = Aᵀ dR (ReWY product 1; WY's dZ = Aᵀ dU is the same product)
-            lam = [_sum(dot(A[i, j], dRs[i], prec, ta=True) for i in range(j, n)) for j in range(n)]
-            for i in range(n):
-                dz_ref[pl.ds(i * BS, BS), vs] = lam[i].astype(dz_ref.dtype)
-                add(("RdS", i), dot(Rs[i], dSe, prec, tb=True))
-                add(("dOS", i), dot(dOs[i], S0, prec, tb=True))
-                for j in range(i + 1):
-                    add(("dAqk", i, j), dot(dOs[i], Rs[j], prec, tb=True))
-            add("sd", jnp.sum(dSe * S0, axis=1)[None, :])
-            if not wy:
-                # ReWY (rewy-math §4): dT = −tril(Λ Rᵀ, −1) (2); dĒ_state = −Λ S0ᵀ (3).
-                for i in range(n):
-                    add(("dEs", i), -dot(lam[i], S0, prec, tb=True))
-                    for j in range(i + 1):
-                        add(("dT", i, j), -dot(lam[i], Rs[j], prec, tb=True))
-            else:
-                # Seven products: dW = −dR S0ᵀ; dA = dR Zᵀ + dW Ēᵀ (dR Zᵀ part here).
-                zs = tile(z_ref)
-                for i in range(n):
-                    add(("dW", i), -dot(dRs[i], S0, prec, tb=True))
-                    for j in range(n):
-                        add(("dA", i, j), dot(dRs[i], zs[j], prec, tb=True))
-        RdS = [acc["RdS", i] for i in range(n)]
-        sd = acc["sd"]
-        dT = {}
-        if not wy:
-            dEs = [acc["dEs", i] for i in range(n)]
-            for i in range(n):
-                for j in range(i + 1):
-                    dT[i, j] = jnp.where(strict, acc["dT", i, j], 0.0) if i == j else acc["dT", i, j]
-        else:
-            dW = [acc["dW", i] for i in range(n)]
-            dA = {(i, j): acc["dA", i, j] + dot(dW[i], Eg[j], prec, tb=True)
-                  for i in range(n) for j in range(n)}
-            dEs = [_sum(dot(A[i, j], dW[i], prec, ta=True) for i in range(j, n)) for j in range(n)]
-            # dT = −tril(Aᵀ dA Aᵀ, −1): X = Aᵀ dA (X_kl = Σ_{i≥k} A_ikᵀ dA_il), then
-            # (X Aᵀ)_kj = Σ_{l≤j} X_kl A_jlᵀ.
-            X = {(kk, l): _sum(dot(A[i, kk], dA[i, l], prec, ta=True) for i in range(kk, n))
+
+            def tile(ref, i, vs=vs):
+                return ref[pl.ds(i * BS, BS), vs].astype(F32)
+
+            for j in range(n):
+                lam_j = _sum(dot(A[i, j], tile(dR_ref, i), prec, ta=True) for i in range(j, n))
+                lam_ref[pl.ds(j * BS, BS), vs] = lam_j
+                for i in range(j, n):
+                    add(("dAqk", i, j), dot(tile(dO_ref, i), tile(R_ref, j), prec, tb=True))
+                if not wy:
+                    # dT_ij = −Λ_i R_jᵀ (i ≥ j): row block j of Λ meets column block j of R
+                    for i in range(j + 1):
+                        add(("dT", j, i), -dot(lam_j, tile(R_ref, i), prec, tb=True))
+            if wy:
+                for j in range(n):
+                    ZmES = tile(z_ref, j) - dot(gt.head(j, es[j]), S0_ref[:, vs], prec)
+                    for i in range(n):
+                        add(("dA", i, j), dot(tile(dR_ref, i), ZmES, prec, tb=True))
+        if wy:
+            # X = Aᵀ dA (X_kl = Σ_{i≥k} A_ikᵀ dA_il), then (X Aᵀ)_kj = Σ_{l≤j} X_kl A_jlᵀ.
+            X = {(kk, l): _sum(dot(A[i, kk], acc["dA", i, l], prec, ta=True) for i in range(kk, n))
                  for kk in range(n) for l in range(n)}
             for i in range(n):
                 for j in range(i + 1):
-                    t = -_sum(dot(X[i, l], A[j, l], prec, tb=True) for l in range(j + 1))
-                    dT[i, j] = jnp.where(strict, t, 0.0) if i == j else t
-        dAqk = {}
+                    acc["dT", i, j] = -_sum(dot(X[i, l], A[j, l], prec, tb=True)
+                                            for l in range(j + 1))
         for i in range(n):
-            for j in range(i + 1):
-                t = acc["dAqk", i, j]
-                dAqk[i, j] = jnp.where(lower, t, 0.0) if i == j else t
-        de = [gt.head(i, dEs[i]) + gt.apply(dT, i, ks, k_ref, prec) for i in range(n)]
-        dq = [gt.head(i, acc["dOS", i]) + gt.apply(dAqk, i, ks, k_ref, prec)
-              for i in range(n)]
-        dk = [gt.apply_t(dT, j, es, e_ref, prec, n) + gt.apply_t(dAqk, j, qs, q_ref, prec, n)
-              + gt.tail(j, RdS[j]) for j in range(n)]
-        _store_blocks(dq_ref, dq)
-        _store_blocks(dk_ref, dk)
-        _store_blocks(de_ref, de)
-        if mode != "none":
-            # dG_r = dĒ⊙ē − dK̄⊙k̄ + dQγ⊙qγ, as raw-frame products (§5/§6); γ_C terms on the last row.
-            rows = [de[i] * es[i] - dk[i] * ks[i] + dq[i] * qs[i] for i in range(n)]
-            glast = gt.glast()
-            tail_k = _sum(jnp.sum(RdS[i] * gt.tail(i, ks[i]), axis=0, keepdims=True)
-                          for i in range(n))  # [1, K]
-            last = jnp.exp(glast) * sd + tail_k if mode == "vector" else None
-            if mode == "scalar":
-                rows = [jnp.sum(r, axis=1) for r in rows]
-                last = jnp.exp(glast) * jnp.sum(sd) + jnp.sum(tail_k)  # [1]
-                rr = iota((BS,), 0)
-            else:
-                rr = iota((BS, 1), 0)
-            rows[n - 1] = rows[n - 1] + jnp.where(rr == BS - 1, last, 0.0)
-            _store_blocks(dG_ref, rows)
+            for j in range(n):
+                blk = pl.ds(i * BS, BS), pl.ds(j * BS, BS)
+                if j > i:
+                    dT_ref[blk] = jnp.zeros((BS, BS), F32)
+                    dAqk_ref[blk] = jnp.zeros((BS, BS), F32)
+                else:
+                    dT_ref[blk] = jnp.where(strict, acc["dT", i, j], 0.0) if i == j else acc["dT", i, j]
+                    dAqk_ref[blk] = jnp.where(lower, acc["dAqk", i, j], 0.0) if i == j else acc["dAqk", i, j]
 
-    ins = [q, k, e] + ([z] if wy else []) + ([] if mode == "none" else [G]) + [
-        A, S0, dSe, R, dO, dR]
-    in_specs = [s.chunk_tok(K)] * 3 + ([s.chunk_tok(s.V)] if wy else []) + (
-        [] if mode == "none" else [s.chunk_gate()]) + [
-        s.chunk_mat(C, C), s.chunk_mat(K, s.V), s.chunk_mat(K, s.V)] + [s.chunk_tok(s.V)] * 3
-    out_specs = [s.chunk_tok(K)] * 3 + [s.chunk_tok(s.V)] + (
-        [] if mode == "none" else [s.chunk_gate()])
-    qd, kd, ed, zd = dtypes
-    out_shape = [s.sds_tok(K, qd), s.sds_tok(K, kd), s.sds_tok(K, ed), s.sds_tok(s.V, zd)] + (
-        [] if mode == "none" else [s.sds_gate()])
-    outs = _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs, out_specs=out_specs,
-                 out_shape=out_shape, interpret=interpret, num_warps=4,
-                 name="rewy_bwd_chunk")(*ins)
-    if mode == "none":
-        outs = list(outs) + [None]
-    return outs
+    full_v = pl.BlockSpec((None, C, None, V), lambda n_, bh: (bh // s.H, n_, bh % s.H, 0))
+    ins = [A, R, dO, dR] + ([e, z] + ([] if mode == "none" else [G]) + [S0] if wy else [])
+    in_specs = [s.chunk_mat(C, C)] + [full_v] * 3 + (
+        [s.chunk_tok(s.K), full_v] + ([] if mode == "none" else [s.chunk_gate()]) +
+        [s.chunk_mat(s.K, V)] if wy else [])
+    return _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
+                 out_specs=[full_v, s.chunk_mat(C, C), s.chunk_mat(C, C)],
+                 out_shape=[s.sds_tok(V), jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32),
+                            jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32)],
+                 interpret=interpret, num_warps=4, name="rewy_bwd_dlam")(*ins)
+
+
+def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, backward, dtypes,
+             interpret):
+    """Leaf gradients, grid (N, B·H, K/BK): every map below acts per key channel, so key tiles
+    are independent (rewy-math §5–§6, raw frame):
+
+        dĒ_state = −Λ S0ᵀ (ReWY product 3)  or  Aᵀ dW, dW = −dR S0ᵀ (WY)
+        de = γ ⊙ dĒ_state + apply(dT, k)          dq = γ ⊙ dO S0ᵀ + apply(dA_qk, k)
+        dk = apply_t(dT, e) + apply_t(dA_qk, q) + e^{G_C − G} ⊙ R dSᵀ
+        dG (per channel) = de⊙e − dk⊙k + dq⊙q, last row + γ_C ⊙ Σ_v dS⊙S0 + Σ_s (R dSᵀ ⊙ K_tail)_s
+    Returns dq, dk, de [B,Tp,H,K] and dG per channel [B,Tp,H,K] fp32 (None without gates).
+    """
+    n, C, prec, mode, K, V = s.n, s.C, s.prec, s.mode, s.K, s.V
+    BK = s.BK
+    wy = backward == "wy"
+    H = s.H
+
+    def kernel(*refs):
+        refs = list(refs)
+        if mode == "none":
+            refs.insert(3, None)
+        if not wy:
+            refs.insert(4, None)  # A
+        (q_ref, k_ref, e_ref, G_ref, A_ref, S0_ref, dSe_ref, lam_ref, R_ref, dO_ref, dR_ref,
+         dT_ref, dAqk_ref, dq_ref, dk_ref, de_ref) = refs[:16]
+        dG_ref = refs[16] if mode != "none" else None
+        gt = Gates(mode, G_ref, 0, C)
+        qs, ks, es = Rows(q_ref), Rows(k_ref), Rows(e_ref)
+        dT, dAqk = Blocks(dT_ref), Blocks(dAqk_ref)
+        if wy:
+            A = Blocks(A_ref)
+            dW = [-dot(load_rows(dR_ref, i * BS), S0_ref[...], prec, tb=True) for i in range(n)]
+        tail_k = None
+        for i in range(n):
+            lam_i, R_i = load_rows(lam_ref, i * BS), load_rows(R_ref, i * BS)
+            dO_i = load_rows(dO_ref, i * BS)
+            if wy:
+                dEs = _sum(dot(A[j, i], dW[j], prec, ta=True) for j in range(i, n))
+            else:
+                dEs = -dot(lam_i, S0_ref[...], prec, tb=True)
+            de = gt.head(i, dEs) + gt.apply(dT, i, ks, k_ref, prec)
+            dq = gt.head(i, dot(dO_i, S0_ref[...], prec, tb=True)) + gt.apply(dAqk, i, ks, k_ref, prec)
+            RdS = dot(R_i, dSe_ref[...], prec, tb=True)
+            dk = (gt.apply_t(dT, i, es, e_ref, prec, n) + gt.apply_t(dAqk, i, qs, q_ref, prec, n)
+                  + gt.tail(i, RdS))
+            rows = pl.ds(i * BS, BS)
+            dq_ref[rows, :] = dq.astype(dq_ref.dtype)
+            dk_ref[rows, :] = dk.astype(dk_ref.dtype)
+            de_ref[rows, :] = de.astype(de_ref.dtype)
+            if mode != "none":
+                tk = jnp.sum(RdS * gt.tail(i, ks[i]), axis=0, keepdims=True)  # [1, BK]
+                tail_k = tk if tail_k is None else tail_k + tk
+                dG = de * es[i] - dk * ks[i] + dq * qs[i]
+                if i == n - 1:  # γ_C enters Diag(γ_C) S0 and K_tail: its terms sit on the last row
+                    sd = jnp.sum(dSe_ref[...] * S0_ref[...], axis=1)[None, :]  # [1, BK]
+                    last = jnp.exp(gt.glast()) * sd + tail_k
+                    dG = dG + jnp.where(iota((BS, 1), 0) == BS - 1, last, 0.0)
+                dG_ref[rows, :] = dG
+
+    tok_k = pl.BlockSpec((None, C, None, BK), lambda n_, bh, kt: (bh // H, n_, bh % H, kt))
+    tok_v = pl.BlockSpec((None, C, None, V), lambda n_, bh, kt: (bh // H, n_, bh % H, 0))
+    st_k = pl.BlockSpec((None, None, None, BK, V), lambda n_, bh, kt: (bh // H, bh % H, n_, kt, 0))
+    mat = pl.BlockSpec((None, None, None, C, C), lambda n_, bh, kt: (bh // H, bh % H, n_, 0, 0))
+    gate = (pl.BlockSpec((None, C, None), lambda n_, bh, kt: (bh // H, n_, bh % H))
+            if mode == "scalar" else tok_k)
+    ins = [q, k, e] + ([] if mode == "none" else [G]) + ([A] if wy else []) + [
+        S0, dSe, lam, R, dO, dR, dT, dAqk]
+    in_specs = [tok_k] * 3 + ([] if mode == "none" else [gate]) + ([mat] if wy else []) + [
+        st_k, st_k, tok_v, tok_v, tok_v, tok_v, mat, mat]
+    qd, kd, ed = dtypes
+    out_shape = [s.sds_tok(K, qd), s.sds_tok(K, kd), s.sds_tok(K, ed)] + (
+        [] if mode == "none" else [s.sds_tok(K)])
+    outs = _call(kernel, grid=(s.N, s.B * H, K // BK), in_specs=in_specs,
+                 out_specs=[tok_k] * len(out_shape), out_shape=out_shape, interpret=interpret,
+                 num_warps=4, name="rewy_bwd_leaf")(*ins)
+    return list(outs) + ([None] if mode == "none" else [])
+
+
+def bwd_chunk(s: Shape, q, k, e, z, G, A, S0, dSe, R, dO, dR, *, backward, dtypes, interpret):
+    """Per-chunk cotangents (raw frame): dq, dk, de [B,Tp,H,K], dz [B,Tp,H,V], dG (or None).
+
+    Two kernels, so that neither holds a chunk's worth of [C, K] and [C, V] blocks at once:
+    bwd_dlam (the C×C core: Λ, dT, dA_qk) then bwd_leaf (key-tiled leaf maps and dG).
+    """
+    lam, dT, dAqk = bwd_dlam(s, A, R, dO, dR, e, z, G, S0, backward=backward, interpret=interpret)
+    dq, dk, de, dG = bwd_leaf(s, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk,
+                              backward=backward, dtypes=dtypes[:3], interpret=interpret)
+    if dG is not None and s.mode == "scalar":
+        dG = jnp.sum(dG, axis=-1)
+    return dq, dk, de, lam.astype(dtypes[3]), dG
