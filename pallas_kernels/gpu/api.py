@@ -136,7 +136,7 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
     ``scatter`` re-lay tokens so every sequence starts on a chunk boundary), else None.
     """
     q, k, v, g, b, w, h0 = call.q, call.k, call.v, call.g, call.b, call.w, call.h0
-    B, T, H, K = q.shape
+    B, T = q.shape[:2]
     dt = call.out_dtype  # inputs' dtype (q, k may arrive in fp32 after L2 normalisation)
     q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
     C = chunk_size

@@ -1,6 +1,7 @@
 """Check and time the Pallas GPU kernels against rewy_jax's xla backend (one process, one GPU).
 
-    PYTHONPATH=$PWD python3 pallas_kernels/gpu/bench_kernels.py [--acc] [--time] [--ops kda,gdn2]
+    PYTHONPATH=$PWD python3 pallas_kernels/gpu/bench_kernels.py [--acc [--cases 4]] [--time]
+        [--ops kda,gdn2] [--backends pallas_gpu,xla] [--variants]
 
 --acc: accuracy ratios vs the float64 token recurrence (rewy_jax.testing.accuracy_report) on
 reduced shapes (bf16 at K = V = 128, T not a multiple of the chunk; plus fp32, K ≠ V, K = 256,
@@ -27,25 +28,25 @@ def _acc_cases():
     bf, f32 = jnp.bfloat16, jnp.float32
     cases = []
     for op in ("deltanet", "gdn", "kda", "gdn2"):
-        cases.append((op, dict(B=1, T=300, H=2, K=128, V=128, dtype=bf), {}))
+        cases.append((op, {"B": 1, "T": 300, "H": 2, "K": 128, "V": 128, "dtype": bf}, {}))
     cases += [
-        ("kda", dict(B=1, T=200, H=2, K=64, V=64, dtype=f32), {}),
-        ("gdn", dict(B=1, T=200, H=2, K=64, V=64, dtype=f32, decay="strong"), {}),
-        ("gdn2", dict(B=1, T=200, H=2, K=128, V=64, dtype=bf), {}),
-        ("gdn2", dict(B=1, T=200, H=2, K=64, V=128, dtype=bf), {"policy": "save"}),
-        ("kda", dict(B=1, T=300, H=2, K=128, V=128, dtype=bf, decay="strong"), {"backward": "wy"}),
-        ("kda", dict(B=1, T=300, H=2, K=128, V=128, dtype=bf, n_seqs=3), {}),
-        ("gdn", dict(B=1, T=200, H=2, K=256, V=256, dtype=bf), {}),
-        ("kda", dict(B=1, T=200, H=2, K=256, V=256, dtype=bf), {}),
+        ("kda", {"B": 1, "T": 200, "H": 2, "K": 64, "V": 64, "dtype": f32}, {}),
+        ("gdn", {"B": 1, "T": 200, "H": 2, "K": 64, "V": 64, "dtype": f32, "decay": "strong"}, {}),
+        ("gdn2", {"B": 1, "T": 200, "H": 2, "K": 128, "V": 64, "dtype": bf}, {}),
+        ("gdn2", {"B": 1, "T": 200, "H": 2, "K": 64, "V": 128, "dtype": bf}, {"policy": "save"}),
+        ("kda", {"B": 1, "T": 300, "H": 2, "K": 128, "V": 128, "dtype": bf, "decay": "strong"}, {"backward": "wy"}),
+        ("kda", {"B": 1, "T": 300, "H": 2, "K": 128, "V": 128, "dtype": bf, "n_seqs": 3}, {}),
+        ("gdn", {"B": 1, "T": 200, "H": 2, "K": 256, "V": 256, "dtype": bf}, {}),
+        ("kda", {"B": 1, "T": 200, "H": 2, "K": 256, "V": 256, "dtype": bf}, {}),
     ]
     return cases
 
 
-def run_accuracy(ops):
+def run_accuracy(ops, n_cases=None):
     from rewy_jax import testing
 
     rows = []
-    for op, shp, kw in _acc_cases():
+    for op, shp, kw in _acc_cases()[:n_cases]:
         if op not in ops:
             continue
         shp = dict(shp)
@@ -61,7 +62,7 @@ def run_accuracy(ops):
             rows.append((label, "OK" if ok else "FAIL", f"worst {worst} {rep[worst][0]:.2e} (tol {rep[worst][1]:.0e})",
                          time.perf_counter() - t0))
             print(label, {n: f"{r:.2e}" for n, (r, _) in rep.items()}, flush=True)
-        except Exception as ex:  # keep going: one failing case must not hide the others
+        except Exception as ex:  # noqa: BLE001 — keep going: one failing case must not hide the others
             traceback.print_exc()
             rows.append((label, "ERROR", f"{type(ex).__name__}: {str(ex)[:200]}", time.perf_counter() - t0))
     return rows
@@ -91,7 +92,7 @@ def run_timing(ops, B=2, T=4096, H=16, D=128, backends=("pallas_gpu", "xla"), ex
             for label, kw in [(be, {})] + ([(f"{be} {k}", v) for k, v in (extra or {}).items()]
                                            if be == "pallas_gpu" else []):
                 try:
-                    def fwd(*xs, kw=kw, be=be):
+                    def fwd(*xs, kw=kw, be=be, op=op, names=names):
                         o, _ = testing.run_op(op, dict(zip(names, xs)), backend=be,
                                               use_qk_l2norm=True, **kw)
                         return o
@@ -106,7 +107,7 @@ def run_timing(ops, B=2, T=4096, H=16, D=128, backends=("pallas_gpu", "xla"), ex
                     t_fb = _median_ms(f_all, *args)
                     rows.append((op, label, t_f, t_fb))
                     print(f"time {op:9s} {label:28s} fwd {t_f:8.3f} ms  fwd+bwd {t_fb:8.3f} ms", flush=True)
-                except Exception as ex:
+                except Exception as ex:  # noqa: BLE001 — report and go on with the next case
                     traceback.print_exc()
                     rows.append((op, label, float("nan"), float("nan")))
                     print(f"time {op} {label} ERROR {type(ex).__name__}: {str(ex)[:300]}", flush=True)
@@ -119,12 +120,14 @@ def main():
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--ops", default="deltanet,gdn,kda,gdn2")
     ap.add_argument("--variants", action="store_true", help="also time policy=save and backward=wy")
+    ap.add_argument("--cases", type=int, default=None, help="only the first N accuracy cases (4: bf16 per op)")
+    ap.add_argument("--backends", default="pallas_gpu,xla")
     a = ap.parse_args()
     ops = a.ops.split(",")
     print(jax.devices(), jax.__version__, flush=True)
-    acc = run_accuracy(ops) if a.acc else []
+    acc = run_accuracy(ops, a.cases) if a.acc else []
     extra = {"save": {"policy": "save"}, "wy": {"backward": "wy"}} if a.variants else None
-    tim = run_timing(ops, extra=extra) if a.time else []
+    tim = run_timing(ops, backends=tuple(a.backends.split(",")), extra=extra) if a.time else []
     print("\n==== accuracy (ratio vs float64 recurrence) ====")
     for label, st, msg, dt in acc:
         print(f"{st:5s} {label:60s} {msg}  [{dt:.0f}s]")
