@@ -85,7 +85,9 @@ def test_dispatch_rejects_and_falls_back():
 # ----------------------------------------------------------------------------------------------
 # GPU: the real Triton lowering (run on the lent H200: pytest -m gpu tests/test_pallas_gpu.py)
 # ----------------------------------------------------------------------------------------------
-GPU_CASES = [(op, K, V) for op in ("deltanet", "gdn", "kda", "gdn2") for K, V in ((128, 128), (64, 64))]
+# FLA's head dims (128 and 64; K ≠ V once); each case compiles its kernels (~30–60 s on the H200).
+GPU_CASES = [("deltanet", 128, 128), ("gdn", 128, 128), ("kda", 128, 128), ("gdn2", 128, 128),
+             ("kda", 64, 64), ("gdn2", 128, 64)]
 
 
 @pytest.mark.gpu
@@ -98,7 +100,7 @@ def test_gpu_bf16_matches_reference(op, K, V):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("op", ["gdn", "gdn2"])
+@pytest.mark.parametrize("op", ["gdn2"])
 def test_gpu_fp32_strong_decay(op):
     inp = testing.make_inputs(op, 1, 200, 2, 64, 64, dtype=jnp.float32, decay="strong", seed=8)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu"))
