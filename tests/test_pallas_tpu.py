@@ -22,7 +22,7 @@ from rewy_jax import backends, testing
 # multiple of the chunk; every op, both policies, both backward schemes, varlen, strong decays.
 CASES = [
     ("deltanet", jnp.float32, 16, 40, {}, {}),
-    ("gdn", jnp.float32, 16, 40, dict(policy="save", backward="wy"), {}),
+    ("gdn", jnp.float32, 16, 150, dict(policy="save", backward="wy"), {}),  # 10 chunks: 2 gate tiles
     ("kda", jnp.float32, 32, 40, {}, {}),
     ("gdn2", jnp.float32, 64, 72, {}, {}),
     ("gdn2", jnp.float32, 32, 56, dict(policy="save", backward="wy"), dict(n_seqs=2)),
@@ -94,7 +94,8 @@ def _kernel_calls(D, dtype, gate):
     B, H, N, C = 1, 2, 2, 64
     S = jax.ShapeDtypeStruct
     x = S((B, H, N, C, D), dtype)
-    g = None if gate is None else S((B, H, N, C, 1 if gate == "scalar" else D), jnp.float32)
+    g = {None: None, "scalar": S((B, H, 8, C), jnp.float32),  # (8, C) row tiles, N padded
+         "vector": S((B, H, N, C, D), jnp.float32)}[gate]
     h0, S0 = S((B, 2, H, D, D), jnp.float32), S((B, H, N, D, D), jnp.float32)
     R = S((B, H, N, C, D), jnp.float32)
     meta = tuple(S((N,), jnp.int32) for _ in range(3))

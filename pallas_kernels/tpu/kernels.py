@@ -1,9 +1,10 @@
 """Mosaic TPU kernels of the general delta rule: chunked forward and ReWY's reduced backward.
 
 Chunk layout (as ``rewy_jax.xla_chunked``): q, k, e ``[B, H, N, C, K]``, z ``[B, H, N, C, V]``,
-gate g None / ``[B, H, N, C, 1]`` (scalar, a column so the block tail is 2-D) /
-``[B, H, N, C, K]`` (vector) holding the *raw* per-token log-decays — the chunk-local cumsum is a
-triangular ones matmul inside the kernel, and dg its transpose. Initial/final states
+gate g None / ``[B, H, Np, C]`` (scalar: one row of C gates per chunk, N padded to a multiple of
+8 so a block is a dense (8, C) tile holding 8 chunks — a ``[C, 1]`` column block would pad every
+gate to 128 lanes in HBM) / ``[B, H, N, C, K]`` (vector), holding the *raw* per-token log-decays —
+the chunk-local cumsum is a triangular ones matmul inside the kernel, and dg its transpose. Initial/final states
 ``[B, S+1, H, K, V]`` fp32 (S sequences plus one dropped slot that padding chunks map to).
 
 Grid ``(B, H, N)``: batch and heads "parallel", chunks "arbitrary" (sequential); the state S (the
@@ -17,7 +18,8 @@ Kernels (all blocks are whole ``[C, D]`` / ``[K, V]`` tiles: last two dims equal
   ``_fwd_kernel``  mode "fwd": o, final (+ S0 and R per chunk with policy "save");
                    mode "states": only the chunk start states S0 (the recompute pass).
   ``_bwd_kernel``  reverse chunk order: dq, dk, de, dz, dg, dh0 (ReWY or the seven-product WY).
-All matmuls are fp32 with ``Precision.HIGHEST`` (the fp32 accuracy contract, rewy-math §8).
+Matmuls are fp32 ``Precision.HIGHEST`` (the fp32 accuracy contract, rewy-math §8), except the
+backward's leaf products for bf16 callers (``operands="bfloat16"``; see ``algebra``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pallas_kernels.chunk_algebra import ChunkLocal
 from pallas_kernels.tpu import algebra as ta
 
 f32 = jnp.float32
+_GATE_ROWS = 8  # chunks per scalar-gate tile: (8, C) is a dense f32 sublane tile
 
 
 def _interpret_arg(interpret):
@@ -45,13 +48,30 @@ def _interpret_arg(interpret):
 # ----------------------------------------------------------------------------------------------
 # One chunk: what a grid step computes on its loaded blocks (also traced by roofline.py)
 # ----------------------------------------------------------------------------------------------
+def _cum_gate(g, C):
+    """Chunk-local inclusive cumsum of the raw gate block: scalar [1, C] row -> [C, 1] column
+    (lane cumsum as a ones matmul, then a mask-transpose); vector [C, K] -> [C, K]."""
+    if g is None:
+        return None
+    g = g.astype(f32)
+    if g.shape[0] == 1:
+        return ta.row_to_col(ta.mm_nt(g, ca_tril(C)))
+    return ta.cumsum_rows(g)
+
+
+def ca_tril(C):
+    """[C, C] lower-triangular ones (diagonal included), fp32."""
+    return ta.ca._tril_mask(C, strict=False).astype(f32)
+
+
 def forward_chunk(q, k, e, z, g, S0, operands=None):
-    """q, k, e [C, K]; z [C, V]; g None/[C, 1]/[C, K] raw log-decays; S0 [K, V] fp32.
+    """q, k, e [C, K]; z [C, V]; g None / [1, C] (scalar) / [C, K] (vector) raw log-decays;
+    S0 [K, V] fp32.
 
     operands: None (exact fp32 products) or a dtype for the chunk-local matmul operands
     (``algebra.fast_operands``). Returns O [C, V], R [C, V], S_C [K, V] (fp32)."""
     q, k, e, z = (x.astype(f32) for x in (q, k, e, z))
-    decay = ta.make_decay(None if g is None else ta.cumsum_rows(g.astype(f32)), q.shape[0])
+    decay = ta.make_decay(_cum_gate(g, q.shape[0]), q.shape[0])
     with ta.fast_operands(operands):
         loc = ta.chunk_local(q, k, e, z, decay)
         O, R = ta.chunk_output(loc, S0)
@@ -64,9 +84,14 @@ def backward_chunk(q, k, e, z, g, S0, R, dO, dS, scheme="rewy", operands=None):
     Returns ((dq, dk, de, dz, dg or None), dS0): raw-frame input cotangents, dg w.r.t. the raw
     per-token gates (reverse cumsum of dG as a ones matmul), dS0 for the previous chunk."""
     q, k, e, z, dO = (x.astype(f32) for x in (q, k, e, z, dO))
-    decay = ta.make_decay(None if g is None else ta.cumsum_rows(g.astype(f32)), q.shape[0])
+    decay = ta.make_decay(_cum_gate(g, q.shape[0]), q.shape[0])
+    scalar_row = g is not None and g.shape[0] == 1
     with ta.fast_operands(operands):
-        return _backward_chunk(q, k, e, z, decay, S0, R, dO, dS, scheme)
+        grads, dS0 = _backward_chunk(q, k, e, z, decay, S0, R, dO, dS, scheme)
+    dg = grads[4]
+    if scalar_row:  # [C, 1] reverse cumsum -> the [1, C] row layout of the gate
+        dg = ta.col_to_row(dg)
+    return grads[:4] + (dg,), dS0
 
 
 def _backward_chunk(q, k, e, z, decay, S0, R, dO, dS, scheme):
@@ -86,7 +111,16 @@ def _backward_chunk(q, k, e, z, decay, S0, R, dO, dS, scheme):
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
-def _fwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, mode, save, operands):
+def _load_gate(g_ref, c, gate_rows):
+    """The gate block of chunk c: vector [C, K], or row c % 8 of a scalar (8, C) tile."""
+    if g_ref is None:
+        return None
+    if gate_rows:
+        return g_ref[pl.ds(c % _GATE_ROWS, 1), :]
+    return g_ref[...]
+
+
+def _fwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, gate_rows, mode, save, operands):
     del seq_ref, end_ref  # used by the index maps only
     it = iter(refs)
     q_ref, k_ref, e_ref, z_ref = next(it), next(it), next(it), next(it)
@@ -106,7 +140,7 @@ def _fwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, mode, save, operands)
         S_scr[...] = h0_ref[...]
 
     S0 = S_scr[...]
-    g = None if g_ref is None else g_ref[...]
+    g = _load_gate(g_ref, n, gate_rows)
     O, R, S_new = forward_chunk(q_ref[...], k_ref[...], e_ref[...], z_ref[...], g, S0, operands)
     S_scr[...] = S_new
     if s0_ref is not None:
@@ -119,10 +153,13 @@ def _fwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, mode, save, operands)
             r_ref[...] = R
 
 
-def _specs(B, H, N, C, K, V, has_g, g_cols, reverse=False):
+def _specs(B, H, N, C, K, V, g, reverse=False):
     """BlockSpecs of the chunk-layout inputs (q, k, e, z[, g]) and the per-sequence states."""
     def chunk(b, h, n, *_):
         return (b, h, N - 1 - n if reverse else n, 0, 0)
+
+    def gate_rows(b, h, n, *_):  # scalar gates: the (8, C) tile holding chunk n's row
+        return (b, h, (N - 1 - n if reverse else n) // _GATE_ROWS, 0)
 
     def state(b, h, n, reset, seq, end):
         return (b, seq[N - 1 - n if reverse else n], h, 0, 0)
@@ -130,7 +167,13 @@ def _specs(B, H, N, C, K, V, has_g, g_cols, reverse=False):
     sq = pl.Squeezed() if hasattr(pl, "Squeezed") else None
     kspec = pl.BlockSpec((sq, sq, sq, C, K), chunk)
     vspec = pl.BlockSpec((sq, sq, sq, C, V), chunk)
-    ins = [kspec, kspec, kspec, vspec] + ([pl.BlockSpec((sq, sq, sq, C, g_cols), chunk)] if has_g else [])
+    if g is None:
+        gspec = []
+    elif g.ndim == 4:
+        gspec = [pl.BlockSpec((sq, sq, _GATE_ROWS, C), gate_rows)]
+    else:
+        gspec = [pl.BlockSpec((sq, sq, sq, C, K), chunk)]
+    ins = [kspec, kspec, kspec, vspec] + gspec
     st = pl.BlockSpec((sq, sq, sq, K, V), state)
     s0 = pl.BlockSpec((sq, sq, sq, K, V), chunk)
     return ins, vspec, st, s0
@@ -149,7 +192,7 @@ def forward_call(q, k, e, z, g, h0, meta, *, mode="fwd", save=False, operands=No
     B, H, N, C, K = q.shape
     V = z.shape[-1]
     has_g = g is not None
-    ins, vspec, st, s0 = _specs(B, H, N, C, K, V, has_g, g.shape[-1] if has_g else 1)
+    ins, vspec, st, s0 = _specs(B, H, N, C, K, V, g)
     in_specs = ins + [st]
     args = [q, k, e, z] + ([g] if has_g else []) + [h0]
     s0_shape = jax.ShapeDtypeStruct((B, H, N, K, V), f32)
@@ -164,7 +207,8 @@ def forward_call(q, k, e, z, g, h0, meta, *, mode="fwd", save=False, operands=No
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(B, H, N), in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((K, V), f32)])
-    kern = functools.partial(_fwd_kernel, has_g=has_g, mode=mode, save=save, operands=operands)
+    kern = functools.partial(_fwd_kernel, has_g=has_g, gate_rows=has_g and g.ndim == 4, mode=mode,
+                             save=save, operands=operands)
     outs = pl.pallas_call(kern, grid_spec=grid_spec, out_shape=out_shape,
                           compiler_params=_PARAMS, interpret=_interpret_arg(interpret))(*meta, *args)
     if mode == "fwd":
@@ -175,7 +219,8 @@ def forward_call(q, k, e, z, g, h0, meta, *, mode="fwd", save=False, operands=No
 # ----------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------
-def _bwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, has_r, scheme, n_chunks, operands):
+def _bwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, gate_rows, has_r, scheme, n_chunks,
+                operands):
     del seq_ref
     it = iter(refs)
     q_ref, k_ref, e_ref, z_ref = next(it), next(it), next(it), next(it)
@@ -199,7 +244,7 @@ def _bwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, has_r, scheme, n_chun
     def _():
         dS_scr[...] = dfinal_ref[...]  # a sequence's last chunk: the carry from the next is 0
 
-    g = None if g_ref is None else g_ref[...]
+    g = _load_gate(g_ref, c, gate_rows)
     R = None if r_ref is None else r_ref[...]
     (dq, dk, de, dz, dg), dS0 = backward_chunk(q_ref[...], k_ref[...], e_ref[...], z_ref[...], g,
                                                s0_ref[...], R, do_ref[...], dS_scr[...], scheme,
@@ -208,7 +253,9 @@ def _bwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, has_r, scheme, n_chun
     dk_ref[...] = dk.astype(dk_ref.dtype)
     de_ref[...] = de.astype(de_ref.dtype)
     dz_ref[...] = dz.astype(dz_ref.dtype)
-    if has_g:
+    if gate_rows:  # scalar gates: row c % 8 of the (8, C) tile
+        dg_ref[pl.ds(c % _GATE_ROWS, 1), :] = dg.astype(dg_ref.dtype)
+    elif has_g:
         dg_ref[...] = dg.astype(dg_ref.dtype)
     dS_scr[...] = dS0
     dh0_ref[...] = dS0  # flushed after the sequence's first chunk (the last one visited)
@@ -220,7 +267,7 @@ def backward_call(q, k, e, z, g, S0s, R, dO, dfinal, meta, *, scheme="rewy", ope
     B, H, N, C, K = q.shape
     V = z.shape[-1]
     has_g, has_r = g is not None, R is not None
-    ins, vspec, st, s0 = _specs(B, H, N, C, K, V, has_g, g.shape[-1] if has_g else 1, reverse=True)
+    ins, vspec, st, s0 = _specs(B, H, N, C, K, V, g, reverse=True)
     kspec = ins[0]
     in_specs = ins + [s0] + ([vspec] if has_r else []) + [vspec, st]
     args = [q, k, e, z] + ([g] if has_g else []) + [S0s] + ([R] if has_r else []) + [dO, dfinal]
@@ -232,8 +279,8 @@ def backward_call(q, k, e, z, g, S0s, R, dO, dfinal, meta, *, scheme="rewy", ope
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(B, H, N), in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((K, V), f32)])
-    kern = functools.partial(_bwd_kernel, has_g=has_g, has_r=has_r, scheme=scheme, n_chunks=N,
-                             operands=operands)
+    kern = functools.partial(_bwd_kernel, has_g=has_g, gate_rows=has_g and g.ndim == 4,
+                             has_r=has_r, scheme=scheme, n_chunks=N, operands=operands)
     outs = pl.pallas_call(kern, grid_spec=grid_spec, out_shape=out_shape,
                           compiler_params=_PARAMS, interpret=_interpret_arg(interpret))(*meta, *args)
     dq, dk, de, dz = outs[:4]
@@ -244,14 +291,29 @@ def backward_call(q, k, e, z, g, S0s, R, dO, dfinal, meta, *, scheme="rewy", ope
 # ----------------------------------------------------------------------------------------------
 # The differentiable op
 # ----------------------------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def chunked_delta_tpu(q, k, e, z, g, h0, meta, policy="recompute", backward="rewy",
                       operands=None, interpret=False):
     """The general delta rule on chunk-layout inputs, by the TPU kernels (module docstring).
 
+    Scalar gates may come as ``[B, H, N, C]`` or ``[B, H, N, C, 1]``; they are laid out as
+    (8, C) row tiles here (N padded to a multiple of 8; the pad is differentiated by JAX).
+    """
+    if g is not None and (g.ndim == 4 or g.shape[-1] == 1):
+        g = g.reshape(g.shape[:4])
+        N = g.shape[2]
+        g = jnp.pad(g, ((0, 0), (0, 0), (0, -N % _GATE_ROWS), (0, 0)))
+    return _chunked_delta(q, k, e, z, g, h0, meta, policy, backward, operands, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _chunked_delta(q, k, e, z, g, h0, meta, policy="recompute", backward="rewy",
+                   operands=None, interpret=False):
+    """The general delta rule on chunk-layout inputs, by the TPU kernels (module docstring).
+
     Args:
       q, k, e: [B, H, N, C, K] scaled query, key, erase vectors; z: [B, H, N, C, V] write vectors.
-      g: None, [B, H, N, C, 1] or [B, H, N, C, K] raw log-decays (≤ 0; cumsum done in-kernel).
+      g: None, [B, H, Np, C] (scalar, row tiles) or [B, H, N, C, K] raw log-decays (≤ 0;
+        cumsum done in-kernel).
       h0: [B, S+1, H, K, V] fp32 initial states (slot S is for padding chunks).
       meta: (reset, seq, end) int32 [N] chunk metadata (not differentiated).
       policy: "recompute" | "save"; backward: "rewy" | "wy"; interpret: bool or InterpretParams.
@@ -284,7 +346,7 @@ def _bwd(policy, backward, operands, interpret, res, cts):
     return dq, dk, de, dz, dg, dh0.astype(h0.dtype), dmeta
 
 
-chunked_delta_tpu.defvjp(_fwd, _bwd)
+_chunked_delta.defvjp(_fwd, _bwd)
 
 
 def chunk_meta(chunk_reset, chunk_seq, end_chunk):

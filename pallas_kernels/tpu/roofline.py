@@ -64,7 +64,11 @@ def count_jaxpr(jaxpr, tally=None):
             contract = 1
             for d in lc:
                 contract *= lhs.shape[d]
-            tally["mxu_flops"] += 2 * _size(eqn.outvars[0].aval) * contract
+            flops = 2 * _size(eqn.outvars[0].aval) * contract
+            exact = lhs.dtype == jnp.float32  # fp32 operands run at Precision.HIGHEST
+            tally["mxu_flops"] += flops
+            tally["mxu_fp32_flops"] += flops if exact else 0
+            tally["mxu_pass_flops"] += flops * (FP32_PASSES if exact else 1)
         elif name in _EUP:
             tally["eup"] += _size(eqn.outvars[0].aval)
         elif name.startswith("reduce_"):
@@ -75,10 +79,10 @@ def count_jaxpr(jaxpr, tally=None):
 
 
 def _gate_shape(gate, C, K):
-    return None if gate is None else (C, 1 if gate == "scalar" else K)
+    return None if gate is None else ((1, C) if gate == "scalar" else (C, K))
 
 
-def chunk_work(gate, C, K, V, dtype=jnp.bfloat16):
+def chunk_work(gate, C, K, V, dtype=jnp.bfloat16, operands="auto"):
     """Per-chunk tallies of the kernels: forward, states pass, backward (ReWY/WY, R recomputed or
     saved). Returns {kernel: Counter(mxu_flops, eup, vpu, hbm_bytes)}."""
     S = jax.ShapeDtypeStruct
@@ -88,15 +92,19 @@ def chunk_work(gate, C, K, V, dtype=jnp.bfloat16):
     g = None if gs is None else S(gs, f32)
     S0, R, dO, dS = S((K, V), f32), S((C, V), f32), S((C, V), dtype), S((K, V), f32)
 
+    if operands == "auto":  # as the backend glue: bf16 operands for bf16/fp16 callers
+        operands = "bfloat16" if jnp.dtype(dtype).itemsize < 4 else None
+
     def trace(fn, *args):
         return count_jaxpr(jax.make_jaxpr(fn)(*args).jaxpr)
 
     it = jnp.dtype(dtype).itemsize
-    gate_bytes = 0 if gs is None else 4 * gs[0] * gs[1]
+    # Scalar gates: one (8, C) f32 tile per 8 chunks (lanes padded to 128 in HBM).
+    gate_bytes = 0 if gs is None else (4 * max(C, 128) if gs[0] == 1 else 4 * C * K)
     # HBM per grid step (BlockSpecs): q, k in the input dtype; e, z fp32 (leaf maps in XLA).
     inputs = 2 * C * K * it + C * K * 4 + C * V * 4 + gate_bytes
     out = {}
-    fwd = lambda q, k, e, z, g, S0: tk.forward_chunk(q, k, e, z, g, S0)  # noqa: E731
+    fwd = lambda q, k, e, z, g, S0: tk.forward_chunk(q, k, e, z, g, S0, operands)  # noqa: E731
     out["forward"] = trace(fwd, x, x, xk, zv, g, S0)
     out["forward"]["hbm_bytes"] = inputs + C * V * it
     out["forward (save S0, R)"] = collections.Counter(out["forward"])
@@ -107,18 +115,19 @@ def chunk_work(gate, C, K, V, dtype=jnp.bfloat16):
     for scheme in ("rewy", "wy"):
         for saved in (False, True):
             fn = lambda q, k, e, z, g, S0, R, dO, dS, scheme=scheme: tk.backward_chunk(  # noqa: E731
-                q, k, e, z, g, S0, R, dO, dS, scheme)
+                q, k, e, z, g, S0, R, dO, dS, scheme, operands)
             tally = trace(fn, x, x, xk, zv, g, S0, R if saved else None, dO, dS)
             tally["hbm_bytes"] = inputs + K * V * 4 + C * V * it + (C * V * 4 if saved else 0) + grads_bytes
             out[f"backward {scheme}" + (" (saved R)" if saved else "")] = tally
     return out
 
 
-def roofline_us(t, chip, fp32_passes=FP32_PASSES):
+def roofline_us(t, chip):
+    """(MXU µs as implemented: fp32 products at 6 bf16 passes, MXU µs if every product took
+    bf16 operands, HBM µs) for one chunk of one head."""
     flops, bw = PEAKS[chip]
-    mxu = t["mxu_flops"] * fp32_passes / flops
-    mem = t["hbm_bytes"] / bw
-    return mxu * 1e6, mem * 1e6
+    return (t["mxu_pass_flops"] / flops * 1e6, t["mxu_flops"] / flops * 1e6,
+            t["hbm_bytes"] / bw * 1e6)
 
 
 OPS = {"DeltaNet": None, "GDN": "scalar", "KDA / GDN2": "vector"}
@@ -127,23 +136,21 @@ OPS = {"DeltaNet": None, "GDN": "scalar", "KDA / GDN2": "vector"}
 def tables(C=64, dims=(64, 128, 256), dtype=jnp.bfloat16) -> str:
     lines = []
     for D in dims:
-        lines.append(f"\n#### K = V = {D}, C = {C}, {jnp.dtype(dtype).name} inputs (per chunk, per head)\n")
-        lines.append("| op | kernel | MXU MFLOP | EUP exp (k) | VPU ops (k) | HBM KiB | "
-                     "v5e µs MXU fp32 / bf16 / HBM | v6e µs MXU fp32 / bf16 / HBM | bound (v6e, fp32) |")
+        lines.append(f"\n#### K = V = {D}, C = {C}, {jnp.dtype(dtype).name} inputs "
+                     "(per chunk of one head)\n")
+        lines.append("| op | kernel | MXU MFLOP (fp32 part) | EUP exp (k) | VPU ops (k) | HBM KiB | "
+                     "v5e µs: MXU / all-bf16 MXU / HBM | v6e µs: MXU / all-bf16 MXU / HBM | "
+                     "bound v6e |")
         lines.append("|---|---|---:|---:|---:|---:|---|---|---|")
         for op, gate in OPS.items():
-            work = chunk_work(gate, C, D, D, dtype)
-            for name, t in work.items():
-                cells = []
-                for chip in ("v5e", "v6e"):
-                    m32, mem = roofline_us(t, chip)
-                    m16, _ = roofline_us(t, chip, 1)
-                    cells.append(f"{m32:.2f} / {m16:.2f} / {mem:.2f}")
-                m32, mem = roofline_us(t, "v6e")
-                bound = "MXU" if m32 > mem else "HBM"
-                lines.append(f"| {op} | {name} | {t['mxu_flops'] / 1e6:.2f} | {t['eup'] / 1e3:.0f} | "
+            for name, t in chunk_work(gate, C, D, D, dtype).items():
+                cells = ["{:.2f} / {:.2f} / {:.2f}".format(*roofline_us(t, chip))
+                         for chip in ("v5e", "v6e")]
+                mxu, _, mem = roofline_us(t, "v6e")
+                lines.append(f"| {op} | {name} | {t['mxu_flops'] / 1e6:.2f} "
+                             f"({t['mxu_fp32_flops'] / 1e6:.2f}) | {t['eup'] / 1e3:.0f} | "
                              f"{t['vpu'] / 1e3:.0f} | {t['hbm_bytes'] / 1024:.0f} | {cells[0]} | "
-                             f"{cells[1]} | {bound} |")
+                             f"{cells[1]} | {'MXU' if mxu > mem else 'HBM'} |")
     return "\n".join(lines)
 
 
@@ -163,5 +170,6 @@ def rewy_vs_wy(C=64, dims=(64, 128, 256)) -> str:
 
 if __name__ == "__main__":
     print(tables())
+    print(tables(dims=(128,), dtype=jnp.float32))
     print()
     print(rewy_vs_wy())
