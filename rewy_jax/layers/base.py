@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rewy_jax import validate
-from rewy_jax.layers.modules import GATE_MODES, GatedRMSNorm, RMSNorm, ShortConvolution
+from rewy_jax.layers.modules import (GATE_MODES, GatedRMSNorm, RMSNorm, ShortConvolution,
+                                      get_value, inverse_softplus, set_value)
 
 __all__ = ["DeltaRuleLayer", "LowRankProjection"]
 
@@ -41,6 +42,34 @@ def check_gate_mode(gate_mode, gate_lower_bound):
         raise ValueError(f"gate_mode must be one of {GATE_MODES}; got {gate_mode!r}")
     if gate_mode == "bounded" and not float(gate_lower_bound) < 0:
         raise ValueError(f"gate_lower_bound must be negative (a log-decay); got {gate_lower_bound!r}")
+
+
+def _uniform(bound):
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+    return init
+
+
+def check_init_ranges(A_init_range, dt_init_range):
+    lo, hi = A_init_range
+    if not 0 <= lo <= hi:
+        raise ValueError(f"A_init_range must be (low, high) with 0 ≤ low ≤ high; got {A_init_range!r}")
+    if dt_init_range is not None and not 0 < dt_init_range[0] <= dt_init_range[1]:
+        raise ValueError(f"dt_init_range must be (low, high) with 0 < low ≤ high; got {dt_init_range!r}")
+
+
+def init_A_log(key, shape, A_init_range):
+    """log A with A ~ U(A_init_range), floored at 1e-4 so that A_log is finite."""
+    A = jax.random.uniform(key, shape, jnp.float32, *A_init_range)
+    return jnp.log(jnp.maximum(A, 1e-4))
+
+
+def init_dt_bias(key, shape, dt_init_range):
+    """dt_bias = softplus⁻¹(dt), dt log-uniform in dt_init_range, floored at 1e-4 (Mamba2)."""
+    lo, hi = dt_init_range
+    u = jax.random.uniform(key, shape, jnp.float32)
+    dt = jnp.maximum(jnp.exp(u * (math.log(hi) - math.log(lo)) + math.log(lo)), 1e-4)
+    return inverse_softplus(dt)
 
 
 class LowRankProjection(nnx.Module):
@@ -64,7 +93,8 @@ class DeltaRuleLayer(nnx.Module):
       num_v_heads: value heads H_v, a multiple of num_heads (default num_heads).
       expand_v / head_v_dim: value head size V = expand_v · head_dim, or given directly.
       use_short_conv, conv_size (4), conv_bias (False): the causal depthwise convs with SiLU
-        (without them q, k, v get a plain SiLU, as in FLA).
+        (without them q, k, v get a plain SiLU, as in FLA). conv_init: "normal" (FLA's model
+        init, N(0, initializer_range²)) or "uniform" (PyTorch's Conv1d default, U(±conv_size^−½)).
       allow_neg_eigval: β (and GDN2's erase gate b) = 2·sigmoid(·) ∈ (0, 2) instead of (0, 1).
       use_gate: output gate (RMSNorm(o) ⊙ act(x W_g)); default per layer as in FLA.
       norm_eps (1e-5), initializer_range (0.02; normal init of every projection and conv kernel,
@@ -86,7 +116,7 @@ class DeltaRuleLayer(nnx.Module):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None = None, *,
                  rngs: nnx.Rngs, num_v_heads: int | None = None, expand_v: float | None = None,
                  head_v_dim: int | None = None, use_short_conv: bool = True, conv_size: int = 4,
-                 conv_bias: bool = False, allow_neg_eigval: bool = False, use_gate: bool | None = None,
+                 conv_bias: bool = False, conv_init: str = "normal", allow_neg_eigval: bool = False, use_gate: bool | None = None,
                  gate_low_rank_dim: int | None = None, norm_eps: float = 1e-5,
                  initializer_range: float = 0.02, dtype=None, param_dtype=jnp.float32,
                  backend: str | None = None, chunk_size: int = 64, policy: str = "recompute",
@@ -115,6 +145,8 @@ class DeltaRuleLayer(nnx.Module):
         _positive_int("head_v_dim", head_v_dim)
         if use_short_conv:
             _positive_int("conv_size", conv_size)
+        if conv_init not in ("normal", "uniform"):
+            raise ValueError(f"conv_init must be 'normal' or 'uniform'; got {conv_init!r}")
         if gate_low_rank_dim is not None:
             _positive_int("gate_low_rank_dim", gate_low_rank_dim)
         _positive_int("recurrent_max_len", recurrent_max_len)
@@ -145,8 +177,11 @@ class DeltaRuleLayer(nnx.Module):
         self.k_proj = lin(hidden_size, self.key_dim)
         self.v_proj = lin(hidden_size, self.value_dim)
         if use_short_conv:
+            # "normal": FLA's model init, N(0, initializer_range²); "uniform": PyTorch's Conv1d
+            # default U(±1/sqrt(conv_size)), what a freshly built FLA layer holds.
+            conv_kernel_init = init if conv_init == "normal" else _uniform(conv_size ** -0.5)
             conv = lambda d: ShortConvolution(d, conv_size, use_bias=conv_bias,  # noqa: E731
-                                              kernel_init=init, dtype=dtype,
+                                              kernel_init=conv_kernel_init, dtype=dtype,
                                               param_dtype=param_dtype, rngs=rngs)
             self.q_conv1d = conv(self.key_dim)
             self.k_conv1d = conv(self.key_dim)
@@ -240,7 +275,7 @@ class DeltaRuleLayer(nnx.Module):
         gates = self._gates(x)
 
         common = dict(use_qk_l2norm=True, cu_seqlens=cu_seqlens, output_final_state=decode,
-                      initial_state=self.recurrent_state.value if decode else None)
+                      initial_state=get_value(self.recurrent_state) if decode else None)
         # The token recurrence serves decode steps (a few tokens); packed (cu_seqlens) inputs and
         # long prompts take the chunked form, which is also what training uses.
         if decode and cu_seqlens is None and T <= self.recurrent_max_len:
@@ -248,7 +283,7 @@ class DeltaRuleLayer(nnx.Module):
         else:
             o, state = self._chunk_op(q, k, v, *gates, **common, **self.op_options)
         if decode:
-            self.recurrent_state.value = state
+            set_value(self.recurrent_state, state)
 
         if self.use_gate:
             o = self.o_norm(o, self.g_proj(x).reshape(B, T, Hv, V))

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from rewy_jax import ops
-from rewy_jax.layers.base import DeltaRuleLayer, check_gate_mode
-from rewy_jax.layers.modules import decay_gate, inverse_softplus
+from rewy_jax.layers.base import (DeltaRuleLayer, check_gate_mode, check_init_ranges, init_A_log,
+                                  init_dt_bias)
+from rewy_jax.layers.modules import decay_gate, get_value
 
 __all__ = ["GatedDeltaNet"]
 
@@ -30,7 +27,9 @@ class GatedDeltaNet(DeltaRuleLayer):
     FLA's defaults and initialisation: expand_v = 2, output gate on, A = exp(A_log) ~ U(0, 16),
     dt = softplus(dt_bias) log-uniform in [1e-3, 1e-1] (floored at 1e-4), projections N(0, 0.02²).
 
-    Extra options: gate_mode ("softplus" | "bounded"), gate_lower_bound (−5.0, bounded mode only).
+    Extra options: gate_mode ("softplus" | "bounded"), gate_lower_bound (−5.0, bounded mode only),
+    A_init_range ((0, 16)), dt_init_range ((1e-3, 1e-1)) — Mamba2's names. Short-context tasks
+    learn faster from weaker initial decay, e.g. A_init_range=(1, 2), dt_init_range=(1e-3, 1e-2).
     Others: see :class:`~rewy_jax.layers.base.DeltaRuleLayer`.
     """
 
@@ -41,24 +40,22 @@ class GatedDeltaNet(DeltaRuleLayer):
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None = None, *,
                  rngs: nnx.Rngs, gate_mode: str = "softplus", gate_lower_bound: float = -5.0,
-                 **options):
+                 A_init_range: tuple[float, float] = (0.0, 16.0),
+                 dt_init_range: tuple[float, float] = (1e-3, 1e-1), **options):
         check_gate_mode(gate_mode, gate_lower_bound)
+        check_init_ranges(A_init_range, dt_init_range)
         super().__init__(hidden_size, num_heads, head_dim, rngs=rngs, **options)
         self.gate_mode = gate_mode
         self.gate_lower_bound = float(gate_lower_bound)
         Hv = self.num_v_heads
         self.a_proj = self._dense(hidden_size, Hv, rngs=rngs)
         self.b_proj = self._dense(hidden_size, Hv, rngs=rngs)
-        # A ~ U(0, 16) (kept away from 0 so A_log is finite); no weight decay on A_log, dt_bias.
-        A = jax.random.uniform(rngs.params(), (Hv,), jnp.float32, 0.0, 16.0)
-        self.A_log = nnx.Param(jnp.log(jnp.maximum(A, 1e-4)))
-        dt_min, dt_max, dt_floor = 1e-3, 1e-1, 1e-4
-        u = jax.random.uniform(rngs.params(), (Hv,), jnp.float32)
-        dt = jnp.maximum(jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)),
-                         dt_floor)
-        self.dt_bias = nnx.Param(inverse_softplus(dt))
+        # A ~ U(A_init_range) (kept away from 0 so A_log is finite); dt = softplus(dt_bias)
+        # log-uniform in dt_init_range, floored at 1e-4 (Mamba2's init, as FLA).
+        self.A_log = nnx.Param(init_A_log(rngs.params(), (Hv,), A_init_range))
+        self.dt_bias = nnx.Param(init_dt_bias(rngs.params(), (Hv,), dt_init_range))
 
     def _gates(self, x):
-        g = decay_gate(self.a_proj(x), self.A_log.value, self.dt_bias.value, mode=self.gate_mode,
+        g = decay_gate(self.a_proj(x), get_value(self.A_log), get_value(self.dt_bias), mode=self.gate_mode,
                        lower_bound=self.gate_lower_bound)  # [B, T, H_v]
         return g, self._beta(self.b_proj(x))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from rewy_jax import ops
 from rewy_jax.layers.kda import KimiDeltaAttention
@@ -28,18 +27,12 @@ class GatedDeltaNet2(KimiDeltaAttention):
     With b_t = w_t = β_t·1 this is KDA (rewy-math §2). Initialisation as KDA; the b and w
     projections are N(0, 0.02²), so both gates start near 1/2 like KDA's β.
 
-    Extra options: gate_mode ("softplus" | "bounded"), gate_lower_bound (−5.0).
+    Extra options as KDA: gate_mode, gate_lower_bound, A_init_range, dt_init_range.
     Others: see :class:`~rewy_jax.layers.base.DeltaRuleLayer`.
     """
 
     _chunk_op = staticmethod(ops.chunk_gdn2)
     _recurrent_op = staticmethod(ops.fused_recurrent_gdn2)
-
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None = None, *,
-                 rngs: nnx.Rngs, gate_mode: str = "softplus", gate_lower_bound: float = -5.0,
-                 **options):
-        super().__init__(hidden_size, num_heads, head_dim, rngs=rngs, gate_mode=gate_mode,
-                         gate_lower_bound=gate_lower_bound, **options)
 
     def _init_update_gates(self, rngs):
         # Replaces KDA's scalar β projection: erase gate per key channel of each q/k head, write

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from rewy_jax import ops
-from rewy_jax.layers.base import DeltaRuleLayer, check_gate_mode
-from rewy_jax.layers.modules import decay_gate
+from rewy_jax.layers.base import (DeltaRuleLayer, check_gate_mode, check_init_ranges, init_A_log,
+                                  init_dt_bias)
+from rewy_jax.layers.modules import decay_gate, get_value
 
 __all__ = ["KimiDeltaAttention"]
 
@@ -30,7 +30,10 @@ class KimiDeltaAttention(DeltaRuleLayer):
     N(0, 0.02²); gate_low_rank_dim defaults to head_v_dim. The bounded gate keeps g above
     gate_lower_bound (KDA's "safe gate"), which lets the chunked kernels use their fast path.
 
-    Extra options: gate_mode ("softplus" | "bounded"), gate_lower_bound (−5.0).
+    Extra options: gate_mode ("softplus" | "bounded"), gate_lower_bound (−5.0), A_init_range
+    ((1, 16)), dt_init_range (None: dt_bias = 0 as FLA; or a range: softplus(dt_bias) log-uniform in
+    it, Mamba2-style). Short-context tasks learn faster from weaker initial decay, e.g.
+    A_init_range=(1, 2), dt_init_range=(1e-3, 1e-2).
     Others: see :class:`~rewy_jax.layers.base.DeltaRuleLayer`.
     """
 
@@ -41,8 +44,11 @@ class KimiDeltaAttention(DeltaRuleLayer):
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None = None, *,
                  rngs: nnx.Rngs, gate_mode: str = "softplus", gate_lower_bound: float = -5.0,
-                 **options):
+                 A_init_range: tuple[float, float] = (1.0, 16.0),
+                 dt_init_range: tuple[float, float] | None = None, **options):
         check_gate_mode(gate_mode, gate_lower_bound)
+        check_init_ranges(A_init_range, dt_init_range)
+        self.A_init_range, self.dt_init_range = tuple(A_init_range), dt_init_range
         options.setdefault("use_gate", True)
         super().__init__(hidden_size, num_heads, head_dim, rngs=rngs, **options)
         self.gate_mode = gate_mode
@@ -53,9 +59,11 @@ class KimiDeltaAttention(DeltaRuleLayer):
     def _init_decay(self, rngs):
         H, K = self.num_heads, self.head_dim
         self.f_proj = self._low_rank(H * K, rngs=rngs)
-        A = jax.random.uniform(rngs.params(), (H,), jnp.float32, 1.0, 16.0)
-        self.A_log = nnx.Param(jnp.log(A))
-        self.dt_bias = nnx.Param(jnp.zeros((H * K,), jnp.float32))
+        self.A_log = nnx.Param(init_A_log(rngs.params(), (H,), self.A_init_range))
+        if self.dt_init_range is None:  # FLA's KDA: dt_bias = 0
+            self.dt_bias = nnx.Param(jnp.zeros((H * K,), jnp.float32))
+        else:
+            self.dt_bias = nnx.Param(init_dt_bias(rngs.params(), (H * K,), self.dt_init_range))
 
     def _init_update_gates(self, rngs):
         self.b_proj = self._dense(self.hidden_size, self.num_heads, rngs=rngs)  # β per q/k head
@@ -64,8 +72,8 @@ class KimiDeltaAttention(DeltaRuleLayer):
         """g [B, T, H_v, K] fp32 (per q/k head, repeated over its value heads)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        g = decay_gate(self.f_proj(x).reshape(B, T, H, K), self.A_log.value,
-                       self.dt_bias.value.reshape(H, K), mode=self.gate_mode,
+        g = decay_gate(self.f_proj(x).reshape(B, T, H, K), get_value(self.A_log),
+                       get_value(self.dt_bias).reshape(H, K), mode=self.gate_mode,
                        lower_bound=self.gate_lower_bound)
         return self._to_v_heads(g)
 

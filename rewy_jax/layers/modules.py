@@ -11,7 +11,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 __all__ = ["ShortConvolution", "RMSNorm", "GatedRMSNorm", "decay_gate", "inverse_softplus",
-           "GATE_MODES", "seq_ids"]
+           "GATE_MODES", "seq_ids", "get_value", "set_value"]
+
+
+def get_value(var):
+    """A Variable's array (``get_value`` on flax ≥ 0.12, where ``.value`` is deprecated)."""
+    return var.get_value() if hasattr(var, "get_value") else var.value
+
+
+def set_value(var, value):
+    """Replace a Variable's array (works on old and new flax)."""
+    if hasattr(var, "set_value"):
+        var.set_value(value)
+    else:
+        var.value = value
 
 GATE_MODES = ("softplus", "bounded")
 
@@ -88,7 +101,7 @@ class ShortConvolution(nnx.Module):
         if decode and self.cache is None:
             raise ValueError("decode=True needs a cache: call init_cache(batch, dtype) first")
         n_hist = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        hist = (self.cache.value.astype(dtype) if decode
+        hist = (get_value(self.cache).astype(dtype) if decode
                 else jnp.zeros((n_hist, W - 1, D), dtype))
         if decode and hist.shape[0] != n_hist:
             raise ValueError(f"the decode cache holds {hist.shape[0]} sequences but the input has "
@@ -99,12 +112,12 @@ class ShortConvolution(nnx.Module):
             new_hist = xe[:, xe.shape[1] - (W - 1):]
         else:
             taps, new_hist = self._varlen_taps(x, hist, cu_seqlens)
-        k = self.kernel.value.astype(dtype)
+        k = get_value(self.kernel).astype(dtype)
         y = sum(taps[j] * k[j] for j in range(W))
         if self.bias is not None:
-            y = y + self.bias.value.astype(dtype)
+            y = y + get_value(self.bias).astype(dtype)
         if decode:
-            self.cache.value = new_hist.astype(self.cache.value.dtype)
+            set_value(self.cache, new_hist.astype(get_value(self.cache).dtype))
         return jax.nn.silu(y) if self.activation else y
 
     def _varlen_taps(self, x, hist, cu_seqlens):
@@ -145,7 +158,7 @@ class RMSNorm(nnx.Module):
         out_dtype = self.dtype or x.dtype
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * self.weight.value.astype(jnp.float32)).astype(out_dtype)
+        return (y * get_value(self.weight).astype(jnp.float32)).astype(out_dtype)
 
 
 class GatedRMSNorm(RMSNorm):
