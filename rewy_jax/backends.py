@@ -87,19 +87,18 @@ def _reference_supports(call, chunk_size, interpret):
 def pallas_tpu_impl(call, *, chunk_size, policy, backward, interpret=False):
     from pallas_kernels.tpu import chunk_meta, chunked_delta_tpu
 
-    f32 = jnp.float32
-    e = _expand(call.b, 4).astype(f32) * call.k.astype(f32)  # leaf maps stay in XLA (VJP: db, dw)
-    z = _expand(call.w, 4).astype(f32) * call.v.astype(f32)
     plan = layout.plan_chunks(call.q.shape[1], chunk_size, call.cu_seqlens)
-    to = lambda x: layout.to_chunks(x, plan)  # noqa: E731
-    g = None if call.g is None else to(_expand(call.g.astype(f32), 4))  # raw gates; cumsum in-kernel
+    to = lambda x: None if x is None else layout.to_chunks(x, plan)  # noqa: E731
+    # The leaf maps e = b ⊙ k, z = w ⊙ v and the gate cumsum run in-kernel; a shared scalar β
+    # (DeltaNet, GDN, KDA) is passed once.
+    w = None if call.w is call.b else call.w
     h0 = call.h0[None] if call.cu_seqlens is not None else call.h0[:, None]
     h0 = jnp.concatenate([h0, jnp.zeros_like(h0[:, :1])], axis=1)  # + the padding chunks' slot
     meta = chunk_meta(plan.chunk_reset, plan.chunk_seq, plan.end_chunk)
     # bf16/fp16 callers: bf16 operands for the backward's leaf products (fp32 accumulation).
     operands = "bfloat16" if jnp.dtype(call.out_dtype).itemsize < 4 else None
-    o, final = chunked_delta_tpu(to(call.q), to(call.k), to(e), to(z), g, h0, meta, policy,
-                                 backward, operands, interpret)
+    o, final = chunked_delta_tpu(to(call.q), to(call.k), to(call.v), to(call.b), to(w),
+                                 to(call.g), h0, meta, policy, backward, operands, interpret)
     final = final[0, :-1] if call.cu_seqlens is not None else final[:, 0]
     return layout.from_chunks(o, plan, call.q.shape[1]), final
 

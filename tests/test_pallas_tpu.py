@@ -90,35 +90,44 @@ def lower_for_tpu(f, *args):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
 
 
-def _kernel_calls(D, dtype, gate):
+# Per op: (erase b, write w, gate g) kinds as the backend glue passes them.
+OP_GATES = {"deltanet": ("scalar", None, None), "gdn": ("scalar", None, "scalar"),
+            "kda": ("scalar", None, "vector"), "gdn2": ("vector", "vector", "vector")}
+
+
+def _kernel_calls(D, dtype, op):
     B, H, N, C = 1, 2, 2, 64
     S = jax.ShapeDtypeStruct
     x = S((B, H, N, C, D), dtype)
-    g = {None: None, "scalar": S((B, H, 8, C), jnp.float32),  # (8, C) row tiles, N padded
-         "vector": S((B, H, N, C, D), jnp.float32)}[gate]
+
+    def token(kind):  # scalars as (8, C) row tiles (N padded to 8), vectors dense
+        return {None: None, "scalar": S((B, H, 8, C), jnp.float32),
+                "vector": S((B, H, N, C, D), jnp.float32)}[kind]
+
+    b, w, g = (token(kind) for kind in OP_GATES[op])
     h0, S0 = S((B, 2, H, D, D), jnp.float32), S((B, H, N, D, D), jnp.float32)
     R = S((B, H, N, C, D), jnp.float32)
     meta = tuple(S((N,), jnp.int32) for _ in range(3))
     ops = "bfloat16" if dtype == jnp.bfloat16 else None  # as the backend glue chooses
-    fwd = lambda save: lambda *a: tk.forward_call(*a, save=save, operands=ops)  # noqa: E731
+    fwd = lambda **kw: lambda *a: tk.forward_call(*a, operands=ops, **kw)  # noqa: E731
     bwd = lambda scheme: lambda *a: tk.backward_call(*a, scheme=scheme, operands=ops)  # noqa: E731
+    fwd_args = (x, x, x, b, w, g, h0, meta)
     return {
-        "forward": (fwd(False), (x, x, x, x, g, h0, meta)),
-        "forward_save": (fwd(True), (x, x, x, x, g, h0, meta)),
-        "states": (lambda *a: tk.forward_call(*a, mode="states", operands=ops),
-                   (x, x, x, x, g, h0, meta)),
-        "backward_rewy": (bwd("rewy"), (x, x, x, x, g, S0, None, x, h0, meta)),
-        "backward_rewy_saved_R": (bwd("rewy"), (x, x, x, x, g, S0, R, x, h0, meta)),
-        "backward_wy": (bwd("wy"), (x, x, x, x, g, S0, None, x, h0, meta)),
+        "forward": (fwd(), fwd_args),
+        "forward_save": (fwd(save=True), fwd_args),
+        "states": (fwd(mode="states"), fwd_args),
+        "backward_rewy": (bwd("rewy"), (x, x, x, b, w, g, S0, None, x, h0, meta)),
+        "backward_rewy_saved_R": (bwd("rewy"), (x, x, x, b, w, g, S0, R, x, h0, meta)),
+        "backward_wy": (bwd("wy"), (x, x, x, b, w, g, S0, None, x, h0, meta)),
     }
 
 
-@pytest.mark.parametrize("gate", [None, "scalar", "vector"], ids=["deltanet", "gdn", "kda-gdn2"])
+@pytest.mark.parametrize("op", list(OP_GATES))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("D", [64, 128, 256])
-def test_lowers_for_tpu(D, dtype, gate):
+def test_lowers_for_tpu(D, dtype, op):
     failed = {}
-    for name, (f, args) in _kernel_calls(D, dtype, gate).items():
+    for name, (f, args) in _kernel_calls(D, dtype, op).items():
         try:
             text = lower_for_tpu(f, *args)
             assert "tpu_custom_call" in text

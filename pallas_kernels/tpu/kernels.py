@@ -1,11 +1,14 @@
 """Mosaic TPU kernels of the general delta rule: chunked forward and ReWY's reduced backward.
 
-Chunk layout (as ``rewy_jax.xla_chunked``): q, k, e ``[B, H, N, C, K]``, z ``[B, H, N, C, V]``,
-gate g None / ``[B, H, Np, C]`` (scalar: one row of C gates per chunk, N padded to a multiple of
-8 so a block is a dense (8, C) tile holding 8 chunks — a ``[C, 1]`` column block would pad every
-gate to 128 lanes in HBM) / ``[B, H, N, C, K]`` (vector), holding the *raw* per-token log-decays —
-the chunk-local cumsum is a triangular ones matmul inside the kernel, and dg its transpose. Initial/final states
-``[B, S+1, H, K, V]`` fp32 (S sequences plus one dropped slot that padding chunks map to).
+Chunk layout (as ``rewy_jax.xla_chunked``): q, k ``[B, H, N, C, K]``, v ``[B, H, N, C, V]``;
+the per-token gates — erase b, write w (None: the same scalar β as b) and log-decay g (None or
+raw per-token values; the chunk-local cumsum is a triangular ones matmul in-kernel and dg its
+transpose) — are either dense vectors ``[B, H, N, C, D]`` or per-token scalars laid out as
+``[B, H, Np, C]`` (one row of C values per chunk, N padded to a multiple of 8, so a block is a
+dense (8, C) tile holding 8 chunks; a ``[C, 1]`` column block would pad every scalar to 128 lanes
+in HBM). The leaf maps e = b ⊙ k and z = w ⊙ v run in-kernel (and their VJPs: db, dw, dβ), so
+e and z never touch HBM. Initial/final states ``[B, S+1, H, K, V]`` fp32 (S sequences plus one
+dropped slot that padding chunks map to).
 
 Grid ``(B, H, N)``: batch and heads "parallel", chunks "arbitrary" (sequential); the state S (the
 state cotangent dS in the backward) lives in a ``[K, V]`` fp32 VMEM scratch across the chunk axis.
@@ -14,10 +17,10 @@ load h0), ``seq[N]`` (which sequence: selects the h0/final/dh0 block), ``end[N]`
 sequence: the backward injects d final there). A plain batch is one sequence per row; packed
 variable-length input (``cu_seqlens``) is the same kernel with other metadata.
 
-Kernels (all blocks are whole ``[C, D]`` / ``[K, V]`` tiles: last two dims equal the array's):
+Kernels (dense blocks are whole ``[C, D]`` / ``[K, V]`` tiles: last two dims equal the array's):
   ``_fwd_kernel``  mode "fwd": o, final (+ S0 and R per chunk with policy "save");
                    mode "states": only the chunk start states S0 (the recompute pass).
-  ``_bwd_kernel``  reverse chunk order: dq, dk, de, dz, dg, dh0 (ReWY or the seven-product WY).
+  ``_bwd_kernel``  reverse chunk order: dq, dk, dv, db, dw, dg, dh0 (ReWY or the seven-product WY).
 Matmuls are fp32 ``Precision.HIGHEST`` (the fp32 accuracy contract, rewy-math §8), except the
 backward's leaf products for bf16 callers (``operands="bfloat16"``; see ``algebra``).
 """
@@ -48,29 +51,62 @@ def _interpret_arg(interpret):
 # ----------------------------------------------------------------------------------------------
 # One chunk: what a grid step computes on its loaded blocks (also traced by roofline.py)
 # ----------------------------------------------------------------------------------------------
+def ca_tril(C):
+    """[C, C] lower-triangular ones (diagonal included), fp32."""
+    return ta.ca._tril_mask(C, strict=False).astype(f32)
+
+
+def _is_row(x):
+    """A per-token scalar given as one [1, C] row (scalar gate / β tiles)."""
+    return x is not None and x.shape[0] == 1
+
+
 def _cum_gate(g, C):
     """Chunk-local inclusive cumsum of the raw gate block: scalar [1, C] row -> [C, 1] column
     (lane cumsum as a ones matmul, then a mask-transpose); vector [C, K] -> [C, K]."""
     if g is None:
         return None
     g = g.astype(f32)
-    if g.shape[0] == 1:
+    if _is_row(g):
         return ta.row_to_col(ta.mm_nt(g, ca_tril(C)))
     return ta.cumsum_rows(g)
 
 
-def ca_tril(C):
-    """[C, C] lower-triangular ones (diagonal included), fp32."""
-    return ta.ca._tril_mask(C, strict=False).astype(f32)
+def _leaf_in(k, v, b, w):
+    """The leaf maps, fused: e = b ⊙ k, z = w ⊙ v (w None: w = b, a scalar β)."""
+    bc = ta.row_to_col(b.astype(f32)) if _is_row(b) else b.astype(f32)
+    if w is None:
+        wc = bc
+    else:
+        wc = ta.row_to_col(w.astype(f32)) if _is_row(w) else w.astype(f32)
+    return bc * k, wc * v, bc, wc
 
 
-def forward_chunk(q, k, e, z, g, S0, operands=None):
-    """q, k, e [C, K]; z [C, V]; g None / [1, C] (scalar) / [C, K] (vector) raw log-decays;
-    S0 [K, V] fp32.
+def _leaf_out(k, v, b, w, bc, wc, dk, de, dz):
+    """Cotangents of the leaf maps: dk += b ⊙ de, dv = w ⊙ dz, db, dw (rows for scalars)."""
+    dk = dk + bc * de
+    dv = wc * dz
+    db = k * de
+    dw = v * dz
+    if _is_row(b):
+        db = jnp.sum(db, axis=1, keepdims=True)
+        if w is None:  # shared β: both maps contribute
+            db = db + jnp.sum(dw, axis=1, keepdims=True)
+        db = ta.col_to_row(db)
+    if w is None:
+        dw = None
+    elif _is_row(w):
+        dw = ta.col_to_row(jnp.sum(dw, axis=1, keepdims=True))
+    return dk, dv, db, dw
 
-    operands: None (exact fp32 products) or a dtype for the chunk-local matmul operands
-    (``algebra.fast_operands``). Returns O [C, V], R [C, V], S_C [K, V] (fp32)."""
-    q, k, e, z = (x.astype(f32) for x in (q, k, e, z))
+
+def forward_chunk(q, k, v, b, w, g, S0, operands=None):
+    """One chunk forward. q, k [C, K]; v [C, V]; b: [1, C] (scalar β row) or [C, K] erase gate;
+    w: None (= b), [1, C] or [C, V] write gate; g: None / [1, C] / [C, K] raw log-decays;
+    S0 [K, V] fp32. operands: None (exact fp32 products) or the backward's operand dtype (the
+    forward is exact either way, see ``algebra``). Returns O [C, V], R [C, V], S_C [K, V]."""
+    q, k, v = (x.astype(f32) for x in (q, k, v))
+    e, z, _, _ = _leaf_in(k, v, b, w)
     decay = ta.make_decay(_cum_gate(g, q.shape[0]), q.shape[0])
     with ta.fast_operands(operands):
         loc = ta.chunk_local(q, k, e, z, decay)
@@ -78,53 +114,86 @@ def forward_chunk(q, k, e, z, g, S0, operands=None):
         return O, R, ta.next_state(loc, decay, S0, R)
 
 
-def backward_chunk(q, k, e, z, g, S0, R, dO, dS, scheme="rewy", operands=None):
+def backward_chunk(q, k, v, b, w, g, S0, R, dO, dS, scheme="rewy", operands=None):
     """One chunk's backward. R None: recomputed from S0 (policy "recompute"), else saved.
 
-    Returns ((dq, dk, de, dz, dg or None), dS0): raw-frame input cotangents, dg w.r.t. the raw
-    per-token gates (reverse cumsum of dG as a ones matmul), dS0 for the previous chunk."""
-    q, k, e, z, dO = (x.astype(f32) for x in (q, k, e, z, dO))
+    Returns ((dq, dk, dv, db, dw or None, dg or None), dS0): cotangents of the loaded blocks
+    (scalar ones as [1, C] rows), dg w.r.t. the raw per-token gates (reverse cumsum of dG as a
+    ones matmul), and dS0 for the previous chunk."""
+    q, k, v, dO = (x.astype(f32) for x in (q, k, v, dO))
+    e, z, bc, wc = _leaf_in(k, v, b, w)
     decay = ta.make_decay(_cum_gate(g, q.shape[0]), q.shape[0])
-    scalar_row = g is not None and g.shape[0] == 1
     with ta.fast_operands(operands):
-        grads, dS0 = _backward_chunk(q, k, e, z, decay, S0, R, dO, dS, scheme)
-    dg = grads[4]
-    if scalar_row:  # [C, 1] reverse cumsum -> the [1, C] row layout of the gate
-        dg = ta.col_to_row(dg)
-    return grads[:4] + (dg,), dS0
+        if R is not None:  # policy "save": R and S0 come from the forward; W, U not needed
+            with ta.fast_operands(None):  # the forward's exact T, A, P
+                loc = ChunkLocal(A=ta.unit_lower_inverse(decay.gram(e, k, strict=True)), W=None,
+                                 U=None, P=decay.gram(q, k, strict=False), Qg=decay.head(q),
+                                 Eg=decay.head(e), Kt=decay.tail(k))
+        else:
+            loc = ta.chunk_local(q, k, e, z, decay)
+            R = loc.U - ta.mm(loc.W, S0)  # exact: U and W S0 nearly cancel
+        grads, dS0 = ta.backward_chunk(q, k, e, z, decay, loc, S0, R, dO, dS, scheme)
+    dg = None
+    if grads.dG is not None:
+        dg = ta.rev_cumsum_rows(grads.dG)
+        if _is_row(g):  # [C, 1] -> the [1, C] row layout of the gate
+            dg = ta.col_to_row(dg)
+    dk, dv, db, dw = _leaf_out(k, v, b, w, bc, wc, grads.dk, grads.de, grads.dz)
+    return (grads.dq, dk, dv, db, dw, dg), dS0
 
 
-def _backward_chunk(q, k, e, z, decay, S0, R, dO, dS, scheme):
-    if R is not None:  # policy "save": R and S0 come from the forward; W, U not needed
-        with ta.fast_operands(None):  # the forward's exact T, A, P
-            loc = ChunkLocal(A=ta.unit_lower_inverse(decay.gram(e, k, strict=True)), W=None,
-                             U=None, P=decay.gram(q, k, strict=False), Qg=decay.head(q),
-                             Eg=decay.head(e), Kt=decay.tail(k))
+# ----------------------------------------------------------------------------------------------
+# BlockSpecs
+# ----------------------------------------------------------------------------------------------
+def _token_spec(x, N, C, reverse):
+    """BlockSpec of a per-token array in chunk layout: dense [B, H, N, C, D] or row tiles
+    [B, H, Np, C] (8 chunks per (8, C) tile)."""
+    sq = pl.Squeezed() if hasattr(pl, "Squeezed") else None
+    idx = (lambda n: N - 1 - n) if reverse else (lambda n: n)
+    if x.ndim == 4:
+        return pl.BlockSpec((sq, sq, _GATE_ROWS, C), lambda b, h, n, *_: (b, h, idx(n) // _GATE_ROWS, 0))
+    return pl.BlockSpec((sq, sq, sq, C, x.shape[-1]), lambda b, h, n, *_: (b, h, idx(n), 0, 0))
+
+
+def _state_specs(N, K, V, reverse):
+    """(per-sequence state block [K, V] selected by seq[c], per-chunk state block)."""
+    sq = pl.Squeezed() if hasattr(pl, "Squeezed") else None
+    idx = (lambda n: N - 1 - n) if reverse else (lambda n: n)
+    per_seq = pl.BlockSpec((sq, sq, sq, K, V), lambda b, h, n, reset, seq, end: (b, seq[idx(n)], h, 0, 0))
+    per_chunk = pl.BlockSpec((sq, sq, sq, K, V), lambda b, h, n, *_: (b, h, idx(n), 0, 0))
+    return per_seq, per_chunk
+
+
+def _read_token(ref, c, rows):
+    if ref is None:
+        return None
+    return ref[pl.ds(c % _GATE_ROWS, 1), :] if rows else ref[...]
+
+
+def _write_token(ref, c, rows, x):
+    if rows:
+        ref[pl.ds(c % _GATE_ROWS, 1), :] = x.astype(ref.dtype)
     else:
-        loc = ta.chunk_local(q, k, e, z, decay)
-        R = loc.U - ta.mm(loc.W, S0)  # exact: U and W S0 nearly cancel
-    grads, dS0 = ta.backward_chunk(q, k, e, z, decay, loc, S0, R, dO, dS, scheme)
-    dg = None if grads.dG is None else ta.rev_cumsum_rows(grads.dG)
-    return (grads.dq, grads.dk, grads.de, grads.dz, dg), dS0
+        ref[...] = x.astype(ref.dtype)
+
+
+_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+
+
+def _token_args(q, k, v, b, w, g):
+    """The per-token kernel inputs in order, and which of them are row tiles."""
+    xs = [x for x in (q, k, v, b, w, g) if x is not None]
+    return xs, tuple(x.ndim == 4 for x in (b, w, g) if x is not None)
 
 
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
-def _load_gate(g_ref, c, gate_rows):
-    """The gate block of chunk c: vector [C, K], or row c % 8 of a scalar (8, C) tile."""
-    if g_ref is None:
-        return None
-    if gate_rows:
-        return g_ref[pl.ds(c % _GATE_ROWS, 1), :]
-    return g_ref[...]
-
-
-def _fwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, gate_rows, mode, save, operands):
+def _fwd_kernel(reset_ref, seq_ref, end_ref, *refs, present, rows, mode, save, operands):
     del seq_ref, end_ref  # used by the index maps only
     it = iter(refs)
-    q_ref, k_ref, e_ref, z_ref = next(it), next(it), next(it), next(it)
-    g_ref = next(it) if has_g else None
+    q_ref, k_ref, v_ref = next(it), next(it), next(it)
+    side = [next(it) if p else None for p in present]  # b, w, g
     h0_ref = next(it)
     if mode == "fwd":
         o_ref, final_ref = next(it), next(it)
@@ -140,8 +209,9 @@ def _fwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, gate_rows, mode, save
         S_scr[...] = h0_ref[...]
 
     S0 = S_scr[...]
-    g = _load_gate(g_ref, n, gate_rows)
-    O, R, S_new = forward_chunk(q_ref[...], k_ref[...], e_ref[...], z_ref[...], g, S0, operands)
+    row_it = iter(rows)
+    b, w, g = (_read_token(r, n, next(row_it)) if r is not None else None for r in side)
+    O, R, S_new = forward_chunk(q_ref[...], k_ref[...], v_ref[...], b, w, g, S0, operands)
     S_scr[...] = S_new
     if s0_ref is not None:
         s0_ref[...] = S0
@@ -153,64 +223,36 @@ def _fwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, gate_rows, mode, save
             r_ref[...] = R
 
 
-def _specs(B, H, N, C, K, V, g, reverse=False):
-    """BlockSpecs of the chunk-layout inputs (q, k, e, z[, g]) and the per-sequence states."""
-    def chunk(b, h, n, *_):
-        return (b, h, N - 1 - n if reverse else n, 0, 0)
-
-    def gate_rows(b, h, n, *_):  # scalar gates: the (8, C) tile holding chunk n's row
-        return (b, h, (N - 1 - n if reverse else n) // _GATE_ROWS, 0)
-
-    def state(b, h, n, reset, seq, end):
-        return (b, seq[N - 1 - n if reverse else n], h, 0, 0)
-
-    sq = pl.Squeezed() if hasattr(pl, "Squeezed") else None
-    kspec = pl.BlockSpec((sq, sq, sq, C, K), chunk)
-    vspec = pl.BlockSpec((sq, sq, sq, C, V), chunk)
-    if g is None:
-        gspec = []
-    elif g.ndim == 4:
-        gspec = [pl.BlockSpec((sq, sq, _GATE_ROWS, C), gate_rows)]
-    else:
-        gspec = [pl.BlockSpec((sq, sq, sq, C, K), chunk)]
-    ins = [kspec, kspec, kspec, vspec] + gspec
-    st = pl.BlockSpec((sq, sq, sq, K, V), state)
-    s0 = pl.BlockSpec((sq, sq, sq, K, V), chunk)
-    return ins, vspec, st, s0
-
-
-_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
-
-
-def forward_call(q, k, e, z, g, h0, meta, *, mode="fwd", save=False, operands=None,
+def forward_call(q, k, v, b, w, g, h0, meta, *, mode="fwd", save=False, operands=None,
                  interpret=False):
     """Run the forward kernel. meta = (reset, seq, end) int32 [N].
 
-    mode "fwd": returns (o [B,H,N,C,V] in z.dtype, final [B,S+1,H,K,V] fp32, S0s, R) with S0s, R
+    mode "fwd": returns (o [B,H,N,C,V] in v.dtype, final [B,S+1,H,K,V] fp32, S0s, R) with S0s, R
     None unless save. mode "states": returns S0s [B,H,N,K,V] fp32.
     """
     B, H, N, C, K = q.shape
-    V = z.shape[-1]
-    has_g = g is not None
-    ins, vspec, st, s0 = _specs(B, H, N, C, K, V, g)
-    in_specs = ins + [st]
-    args = [q, k, e, z] + ([g] if has_g else []) + [h0]
+    V = v.shape[-1]
+    xs, rows = _token_args(q, k, v, b, w, g)
+    per_seq, per_chunk = _state_specs(N, K, V, False)
+    in_specs = [_token_spec(x, N, C, False) for x in xs] + [per_seq]
+    vspec = _token_spec(v, N, C, False)
     s0_shape = jax.ShapeDtypeStruct((B, H, N, K, V), f32)
     if mode == "fwd":
-        out_specs = [vspec, st] + ([s0, vspec] if save else [])
-        out_shape = [jax.ShapeDtypeStruct((B, H, N, C, V), z.dtype),
+        out_specs = [vspec, per_seq] + ([per_chunk, vspec] if save else [])
+        out_shape = [jax.ShapeDtypeStruct((B, H, N, C, V), v.dtype),
                      jax.ShapeDtypeStruct(h0.shape, f32)]
         if save:
             out_shape += [s0_shape, jax.ShapeDtypeStruct((B, H, N, C, V), f32)]
     else:
-        out_specs, out_shape = [s0], [s0_shape]
+        out_specs, out_shape = [per_chunk], [s0_shape]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(B, H, N), in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((K, V), f32)])
-    kern = functools.partial(_fwd_kernel, has_g=has_g, gate_rows=has_g and g.ndim == 4, mode=mode,
-                             save=save, operands=operands)
+    kern = functools.partial(_fwd_kernel, present=tuple(x is not None for x in (b, w, g)),
+                             rows=rows, mode=mode, save=save, operands=operands)
     outs = pl.pallas_call(kern, grid_spec=grid_spec, out_shape=out_shape,
-                          compiler_params=_PARAMS, interpret=_interpret_arg(interpret))(*meta, *args)
+                          compiler_params=_PARAMS, interpret=_interpret_arg(interpret))(
+        *meta, *xs, h0)
     if mode == "fwd":
         return (outs[0], outs[1]) + ((outs[2], outs[3]) if save else (None, None))
     return outs[0]
@@ -219,17 +261,17 @@ def forward_call(q, k, e, z, g, h0, meta, *, mode="fwd", save=False, operands=No
 # ----------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------
-def _bwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, gate_rows, has_r, scheme, n_chunks,
+def _bwd_kernel(reset_ref, seq_ref, end_ref, *refs, present, rows, has_r, scheme, n_chunks,
                 operands):
-    del seq_ref
+    del seq_ref, reset_ref
     it = iter(refs)
-    q_ref, k_ref, e_ref, z_ref = next(it), next(it), next(it), next(it)
-    g_ref = next(it) if has_g else None
+    q_ref, k_ref, v_ref = next(it), next(it), next(it)
+    side = [next(it) if p else None for p in present]  # b, w, g
     s0_ref = next(it)
     r_ref = next(it) if has_r else None
     do_ref, dfinal_ref = next(it), next(it)
-    dq_ref, dk_ref, de_ref, dz_ref = next(it), next(it), next(it), next(it)
-    dg_ref = next(it) if has_g else None
+    dq_ref, dk_ref, dv_ref = next(it), next(it), next(it)
+    dside = [next(it) if p else None for p in present]  # db, dw, dg
     dh0_ref = next(it)
     dS_scr = next(it)
 
@@ -244,106 +286,114 @@ def _bwd_kernel(reset_ref, seq_ref, end_ref, *refs, has_g, gate_rows, has_r, sch
     def _():
         dS_scr[...] = dfinal_ref[...]  # a sequence's last chunk: the carry from the next is 0
 
-    g = _load_gate(g_ref, c, gate_rows)
+    row_it = iter(rows)
+    side_rows = [next(row_it) if r is not None else False for r in side]
+    b, w, g = (_read_token(r, c, rw) for r, rw in zip(side, side_rows))
     R = None if r_ref is None else r_ref[...]
-    (dq, dk, de, dz, dg), dS0 = backward_chunk(q_ref[...], k_ref[...], e_ref[...], z_ref[...], g,
-                                               s0_ref[...], R, do_ref[...], dS_scr[...], scheme,
-                                               operands)
+    (dq, dk, dv, db, dw, dg), dS0 = backward_chunk(
+        q_ref[...], k_ref[...], v_ref[...], b, w, g, s0_ref[...], R, do_ref[...], dS_scr[...],
+        scheme, operands)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     dk_ref[...] = dk.astype(dk_ref.dtype)
-    de_ref[...] = de.astype(de_ref.dtype)
-    dz_ref[...] = dz.astype(dz_ref.dtype)
-    if gate_rows:  # scalar gates: row c % 8 of the (8, C) tile
-        dg_ref[pl.ds(c % _GATE_ROWS, 1), :] = dg.astype(dg_ref.dtype)
-    elif has_g:
-        dg_ref[...] = dg.astype(dg_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+    for ref, rw, x in zip(dside, side_rows, (db, dw, dg)):
+        if ref is not None:
+            _write_token(ref, c, rw, x)
     dS_scr[...] = dS0
     dh0_ref[...] = dS0  # flushed after the sequence's first chunk (the last one visited)
 
 
-def backward_call(q, k, e, z, g, S0s, R, dO, dfinal, meta, *, scheme="rewy", operands=None,
+def backward_call(q, k, v, b, w, g, S0s, R, dO, dfinal, meta, *, scheme="rewy", operands=None,
                   interpret=False):
-    """Run the backward kernel. Returns (dq, dk, de, dz, dg or None, dh0 [B,S+1,H,K,V])."""
+    """Run the backward kernel.
+
+    Returns (dq, dk, dv, db, dw or None, dg or None, dh0 [B,S+1,H,K,V])."""
     B, H, N, C, K = q.shape
-    V = z.shape[-1]
-    has_g, has_r = g is not None, R is not None
-    ins, vspec, st, s0 = _specs(B, H, N, C, K, V, g, reverse=True)
-    kspec = ins[0]
-    in_specs = ins + [s0] + ([vspec] if has_r else []) + [vspec, st]
-    args = [q, k, e, z] + ([g] if has_g else []) + [S0s] + ([R] if has_r else []) + [dO, dfinal]
-    out_specs = [kspec, kspec, kspec, vspec] + ([ins[4]] if has_g else []) + [st]
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, e, z)]
-    if has_g:
-        out_shape.append(jax.ShapeDtypeStruct(g.shape, g.dtype))
+    V = v.shape[-1]
+    xs, rows = _token_args(q, k, v, b, w, g)
+    per_seq, per_chunk = _state_specs(N, K, V, True)
+    vspec = _token_spec(v, N, C, True)
+    has_r = R is not None
+    in_specs = ([_token_spec(x, N, C, True) for x in xs] + [per_chunk]
+                + ([vspec] if has_r else []) + [vspec, per_seq])
+    out_specs = [_token_spec(x, N, C, True) for x in xs] + [per_seq]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
     out_shape.append(jax.ShapeDtypeStruct(dfinal.shape, f32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(B, H, N), in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((K, V), f32)])
-    kern = functools.partial(_bwd_kernel, has_g=has_g, gate_rows=has_g and g.ndim == 4,
-                             has_r=has_r, scheme=scheme, n_chunks=N, operands=operands)
+    kern = functools.partial(_bwd_kernel, present=tuple(x is not None for x in (b, w, g)),
+                             rows=rows, has_r=has_r, scheme=scheme, n_chunks=N,
+                             operands=operands)
     outs = pl.pallas_call(kern, grid_spec=grid_spec, out_shape=out_shape,
-                          compiler_params=_PARAMS, interpret=_interpret_arg(interpret))(*meta, *args)
-    dq, dk, de, dz = outs[:4]
-    dg = outs[4] if has_g else None
-    return dq, dk, de, dz, dg, outs[-1]
+                          compiler_params=_PARAMS, interpret=_interpret_arg(interpret))(
+        *meta, *xs, S0s, *([R] if has_r else []), dO, dfinal)
+    outs = list(outs)
+    dq, dk, dv = outs[:3]
+    rest = iter(outs[3:-1])
+    db, dw, dg = (next(rest) if x is not None else None for x in (b, w, g))
+    return dq, dk, dv, db, dw, dg, outs[-1]
 
 
 # ----------------------------------------------------------------------------------------------
 # The differentiable op
 # ----------------------------------------------------------------------------------------------
-def chunked_delta_tpu(q, k, e, z, g, h0, meta, policy="recompute", backward="rewy",
+def _row_tiles(x):
+    """A per-token scalar in chunk layout ([B, H, N, C] or [B, H, N, C, 1]) as (8, C) row tiles
+    [B, H, Np, C] (N padded to a multiple of 8; the pad is differentiated by JAX)."""
+    x = x.reshape(x.shape[:4])
+    return jnp.pad(x, ((0, 0), (0, 0), (0, -x.shape[2] % _GATE_ROWS), (0, 0)))
+
+
+def chunked_delta_tpu(q, k, v, b, w, g, h0, meta, policy="recompute", backward="rewy",
                       operands=None, interpret=False):
     """The general delta rule on chunk-layout inputs, by the TPU kernels (module docstring).
 
-    Scalar gates may come as ``[B, H, N, C]`` or ``[B, H, N, C, 1]``; they are laid out as
-    (8, C) row tiles here (N padded to a multiple of 8; the pad is differentiated by JAX).
-    """
-    if g is not None and (g.ndim == 4 or g.shape[-1] == 1):
-        g = g.reshape(g.shape[:4])
-        N = g.shape[2]
-        g = jnp.pad(g, ((0, 0), (0, 0), (0, -N % _GATE_ROWS), (0, 0)))
-    return _chunked_delta(q, k, e, z, g, h0, meta, policy, backward, operands, interpret)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _chunked_delta(q, k, e, z, g, h0, meta, policy="recompute", backward="rewy",
-                   operands=None, interpret=False):
-    """The general delta rule on chunk-layout inputs, by the TPU kernels (module docstring).
-
     Args:
-      q, k, e: [B, H, N, C, K] scaled query, key, erase vectors; z: [B, H, N, C, V] write vectors.
-      g: None, [B, H, Np, C] (scalar, row tiles) or [B, H, N, C, K] raw log-decays (≤ 0;
-        cumsum done in-kernel).
+      q, k: [B, H, N, C, K] scaled query and key; v: [B, H, N, C, V].
+      b: erase gate, scalar [B, H, N, C(, 1)] or vector [B, H, N, C, K].
+      w: write gate, None (the same scalar β as b), scalar or vector [B, H, N, C, V].
+      g: None, scalar [B, H, N, C(, 1)] or vector [B, H, N, C, K] raw log-decays (≤ 0; the
+        chunk-local cumsum is done in-kernel). Scalars travel as (8, C) row tiles.
       h0: [B, S+1, H, K, V] fp32 initial states (slot S is for padding chunks).
       meta: (reset, seq, end) int32 [N] chunk metadata (not differentiated).
-      policy: "recompute" | "save"; backward: "rewy" | "wy"; interpret: bool or InterpretParams.
-      operands: None (exact fp32 products) or "bfloat16" (bf16 operands for the chunk-local
-        products, fp32 accumulation; the state products stay fp32).
+      policy: "recompute" | "save"; backward: "rewy" | "wy".
+      operands: None (exact fp32 products) or "bfloat16" (bf16 operands for the backward's leaf
+        products, fp32 accumulation; see ``algebra``).
+      interpret: False, True (the TPU interpreter) or ``pltpu.InterpretParams``.
     Returns:
-      o [B, H, N, C, V] (z.dtype), final [B, S+1, H, K, V] fp32.
+      o [B, H, N, C, V] (v.dtype), final [B, S+1, H, K, V] fp32.
     """
-    o, final, _, _ = forward_call(q, k, e, z, g, h0, meta, operands=operands, interpret=interpret)
+    scalar = lambda x: x is not None and (x.ndim == 4 or x.shape[-1] == 1)  # noqa: E731
+    b, w, g = (_row_tiles(x) if scalar(x) else x for x in (b, w, g))
+    return _chunked_delta(q, k, v, b, w, g, h0, meta, policy, backward, operands, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _chunked_delta(q, k, v, b, w, g, h0, meta, policy, backward, operands, interpret):
+    o, final, _, _ = forward_call(q, k, v, b, w, g, h0, meta, operands=operands,
+                                  interpret=interpret)
     return o, final
 
 
-def _fwd(q, k, e, z, g, h0, meta, policy, backward, operands, interpret):
+def _fwd(q, k, v, b, w, g, h0, meta, policy, backward, operands, interpret):
     save = policy == "save"
-    o, final, S0s, R = forward_call(q, k, e, z, g, h0, meta, save=save, operands=operands,
+    o, final, S0s, R = forward_call(q, k, v, b, w, g, h0, meta, save=save, operands=operands,
                                     interpret=interpret)
-    return (o, final), (q, k, e, z, g, h0, meta, S0s, R)
+    return (o, final), (q, k, v, b, w, g, h0, meta, S0s, R)
 
 
 def _bwd(policy, backward, operands, interpret, res, cts):
-    q, k, e, z, g, h0, meta, S0s, R = res
+    q, k, v, b, w, g, h0, meta, S0s, R = res
     dO, dfinal = cts
     if S0s is None:  # "recompute": one forward state pass for the chunk start states
-        S0s = forward_call(q, k, e, z, g, h0, meta, mode="states", operands=operands,
+        S0s = forward_call(q, k, v, b, w, g, h0, meta, mode="states", operands=operands,
                            interpret=interpret)
-    dq, dk, de, dz, dg, dh0 = backward_call(q, k, e, z, g, S0s, R, dO, dfinal.astype(f32), meta,
-                                            scheme=backward, operands=operands,
-                                            interpret=interpret)
+    dq, dk, dv, db, dw, dg, dh0 = backward_call(q, k, v, b, w, g, S0s, R, dO,
+                                                dfinal.astype(f32), meta, scheme=backward,
+                                                operands=operands, interpret=interpret)
     dmeta = jax.tree.map(lambda m: None, meta)
-    return dq, dk, de, dz, dg, dh0.astype(h0.dtype), dmeta
+    return dq, dk, dv, db, dw, dg, dh0.astype(h0.dtype), dmeta
 
 
 _chunked_delta.defvjp(_fwd, _bwd)

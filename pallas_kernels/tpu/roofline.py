@@ -78,46 +78,54 @@ def count_jaxpr(jaxpr, tally=None):
     return tally
 
 
-def _gate_shape(gate, C, K):
-    return None if gate is None else ((1, C) if gate == "scalar" else (C, K))
+# Per op: (erase b, write w, gate g) kinds as the backend glue passes them.
+OP_GATES = {"DeltaNet": ("scalar", None, None), "GDN": ("scalar", None, "scalar"),
+            "KDA": ("scalar", None, "vector"), "GDN2": ("vector", "vector", "vector")}
 
 
-def chunk_work(gate, C, K, V, dtype=jnp.bfloat16, operands="auto"):
-    """Per-chunk tallies of the kernels: forward, states pass, backward (ReWY/WY, R recomputed or
-    saved). Returns {kernel: Counter(mxu_flops, eup, vpu, hbm_bytes)}."""
+def chunk_work(op, C, K, V, dtype=jnp.bfloat16, operands="auto"):
+    """Per-chunk tallies of the kernels of ``op``: forward, states pass, backward (ReWY/WY, R
+    recomputed or saved). Returns {kernel: Counter(mxu_flops, mxu_fp32_flops, mxu_pass_flops,
+    eup, vpu, hbm_bytes)}."""
     S = jax.ShapeDtypeStruct
     f32 = jnp.float32
-    x, xk, zv = S((C, K), dtype), S((C, K), f32), S((C, V), f32)
-    gs = _gate_shape(gate, C, K)
-    g = None if gs is None else S(gs, f32)
-    S0, R, dO, dS = S((K, V), f32), S((C, V), f32), S((C, V), dtype), S((K, V), f32)
-
     if operands == "auto":  # as the backend glue: bf16 operands for bf16/fp16 callers
         operands = "bfloat16" if jnp.dtype(dtype).itemsize < 4 else None
+    it = jnp.dtype(dtype).itemsize
+
+    def token(kind, D):
+        return {None: None, "scalar": S((1, C), f32), "vector": S((C, D), f32)}[kind]
+
+    def token_bytes(kind, D):  # scalars: one (8, C) f32 tile per 8 chunks, lanes padded to 128
+        return {None: 0, "scalar": 4 * max(C, 128), "vector": 4 * C * D}[kind]
+
+    kb, kw, kg = OP_GATES[op]
+    b, w, g = token(kb, K), token(kw, V), token(kg, K)
+    x, xv = S((C, K), dtype), S((C, V), dtype)
+    S0, R, dO, dS = S((K, V), f32), S((C, V), f32), S((C, V), dtype), S((K, V), f32)
 
     def trace(fn, *args):
         return count_jaxpr(jax.make_jaxpr(fn)(*args).jaxpr)
 
-    it = jnp.dtype(dtype).itemsize
-    # Scalar gates: one (8, C) f32 tile per 8 chunks (lanes padded to 128 in HBM).
-    gate_bytes = 0 if gs is None else (4 * max(C, 128) if gs[0] == 1 else 4 * C * K)
-    # HBM per grid step (BlockSpecs): q, k in the input dtype; e, z fp32 (leaf maps in XLA).
-    inputs = 2 * C * K * it + C * K * 4 + C * V * 4 + gate_bytes
+    # HBM per grid step (the BlockSpecs): q, k, v in the input dtype, the gates fp32.
+    gates = token_bytes(kb, K) + token_bytes(kw, V) + token_bytes(kg, K)
+    inputs = 2 * C * K * it + C * V * it + gates
     out = {}
-    fwd = lambda q, k, e, z, g, S0: tk.forward_chunk(q, k, e, z, g, S0, operands)  # noqa: E731
-    out["forward"] = trace(fwd, x, x, xk, zv, g, S0)
+    fwd = lambda q, k, v, b, w, g, S0: tk.forward_chunk(q, k, v, b, w, g, S0, operands)  # noqa: E731
+    out["forward"] = trace(fwd, x, x, xv, b, w, g, S0)
     out["forward"]["hbm_bytes"] = inputs + C * V * it
     out["forward (save S0, R)"] = collections.Counter(out["forward"])
     out["forward (save S0, R)"]["hbm_bytes"] += K * V * 4 + C * V * 4
     out["states pass"] = collections.Counter(out["forward"])
     out["states pass"]["hbm_bytes"] = inputs + K * V * 4
-    grads_bytes = 2 * C * K * it + C * K * 4 + C * V * 4 + gate_bytes
+    grads_bytes = inputs  # dq, dk, dv, db, dw, dg mirror the inputs
     for scheme in ("rewy", "wy"):
         for saved in (False, True):
-            fn = lambda q, k, e, z, g, S0, R, dO, dS, scheme=scheme: tk.backward_chunk(  # noqa: E731
-                q, k, e, z, g, S0, R, dO, dS, scheme, operands)
-            tally = trace(fn, x, x, xk, zv, g, S0, R if saved else None, dO, dS)
-            tally["hbm_bytes"] = inputs + K * V * 4 + C * V * it + (C * V * 4 if saved else 0) + grads_bytes
+            fn = lambda q, k, v, b, w, g, S0, R, dO, dS, scheme=scheme: tk.backward_chunk(  # noqa: E731
+                q, k, v, b, w, g, S0, R, dO, dS, scheme, operands)
+            tally = trace(fn, x, x, xv, b, w, g, S0, R if saved else None, dO, dS)
+            tally["hbm_bytes"] = (inputs + K * V * 4 + C * V * it + (C * V * 4 if saved else 0)
+                                  + grads_bytes)
             out[f"backward {scheme}" + (" (saved R)" if saved else "")] = tally
     return out
 
@@ -130,7 +138,7 @@ def roofline_us(t, chip):
             t["hbm_bytes"] / bw * 1e6)
 
 
-OPS = {"DeltaNet": None, "GDN": "scalar", "KDA / GDN2": "vector"}
+OPS = list(OP_GATES)
 
 
 def tables(C=64, dims=(64, 128, 256), dtype=jnp.bfloat16) -> str:
@@ -142,8 +150,8 @@ def tables(C=64, dims=(64, 128, 256), dtype=jnp.bfloat16) -> str:
                      "v5e µs: MXU / all-bf16 MXU / HBM | v6e µs: MXU / all-bf16 MXU / HBM | "
                      "bound v6e |")
         lines.append("|---|---|---:|---:|---:|---:|---|---|---|")
-        for op, gate in OPS.items():
-            for name, t in chunk_work(gate, C, D, D, dtype).items():
+        for op in OPS:
+            for name, t in chunk_work(op, C, D, D, dtype).items():
                 cells = ["{:.2f} / {:.2f} / {:.2f}".format(*roofline_us(t, chip))
                          for chip in ("v5e", "v6e")]
                 mxu, _, mem = roofline_us(t, "v6e")
@@ -157,9 +165,9 @@ def tables(C=64, dims=(64, 128, 256), dtype=jnp.bfloat16) -> str:
 def rewy_vs_wy(C=64, dims=(64, 128, 256)) -> str:
     lines = ["| op | K = V | ReWY bwd MFLOP | WY (seven-product) bwd MFLOP | saved | "
              "ReWY core (Λ, ΛRᵀ, ΛS0ᵀ) | WY core (7 products) |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for op, gate in OPS.items():
+    for op in OPS:
         for D in dims:
-            w = chunk_work(gate, C, D, D)
+            w = chunk_work(op, C, D, D)
             r, y = w["backward rewy"]["mxu_flops"], w["backward wy"]["mxu_flops"]
             core_r = 2 * C * C * D + 2 * C * C * D + 2 * C * D * D  # AᵀdR, ΛRᵀ, ΛS0ᵀ
             core_w = (2 * C * D * D + 2 * C * C * D * 2 + 2 * C * C * D * 2 + 2 * C * C * C * 2)
@@ -168,8 +176,32 @@ def rewy_vs_wy(C=64, dims=(64, 128, 256)) -> str:
     return "\n".join(lines)
 
 
+def training_step(B=8, H=16, T=4096, D=128, C=64, dtype=jnp.bfloat16) -> str:
+    """Roofline of one forward + backward over a batch, per policy, summing max(MXU, HBM) per
+    kernel per chunk (no overlap between kernels; VPU/EUP not included)."""
+    n = B * H * (-(-T // C))
+    lines = [f"B={B}, H={H}, T={T}, K=V={D}, C={C}, {jnp.dtype(dtype).name}: {n} chunk-steps per "
+             "kernel.", "", "| op | policy / backward | v5e ms | v6e ms |", "|---|---|---:|---:|"]
+    for op in OPS:
+        w = chunk_work(op, C, D, D, dtype)
+        plans = {"recompute / rewy": ["forward", "states pass", "backward rewy"],
+                 "recompute / wy": ["forward", "states pass", "backward wy"],
+                 "save / rewy": ["forward (save S0, R)", "backward rewy (saved R)"],
+                 "save / wy": ["forward (save S0, R)", "backward wy (saved R)"]}
+        for plan, kernels in plans.items():
+            ms = []
+            for chip in ("v5e", "v6e"):
+                us = sum(max(roofline_us(w[k], chip)[0], roofline_us(w[k], chip)[2])
+                         for k in kernels)
+                ms.append(us * n / 1e3)
+            lines.append(f"| {op} | {plan} | {ms[0]:.2f} | {ms[1]:.2f} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print(tables())
     print(tables(dims=(128,), dtype=jnp.float32))
     print()
     print(rewy_vs_wy())
+    print()
+    print(training_step())
