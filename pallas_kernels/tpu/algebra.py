@@ -33,7 +33,12 @@ from jax import lax
 from pallas_kernels import chunk_algebra as ca
 from pallas_kernels.chunk_algebra import mm, mm_nt, mm_tn
 
-SUB = ca.SUBCHUNK
+SUB = ca.SUBCHUNK  # diagonal blocks of the triangular inverse
+# Rows per sub-chunk of the vector-gate reference frames. The exact per-pair diagonal sweep
+# costs DIAG_SUB elementwise [C, K] passes per product (VPU/EUP), the off-diagonal frames one
+# small matmul per sub-chunk (MXU): 8 rows trade +3% MXU FLOPs for −35% VPU and −30% EUP work
+# per chunk at K = 128 (counted by roofline.py); 8 is also one f32 sublane tile.
+DIAG_SUB = 8
 f32 = jnp.float32
 
 
@@ -151,13 +156,13 @@ class ScalarDecayTPU(ca.ScalarDecay):
 class VectorDecayTPU(ca.Decay):
     """``VectorDecay`` in 2-D, lowerable by Mosaic. ``G``: [C, K] chunk-local cumulative gate.
 
-    Sub-chunk i (rows [16i, 16i+16)) has frame m_i = its first row. For s in an earlier sub-chunk
-    than r: ``exp(G_r − G_s) = exp(G_r − G_{m_i}) · exp(G_{m_i} − G_s)``, both ≤ 1. For s, r in
-    one sub-chunk the factor is exact per pair: pivot j sweeps the 16 rows of every sub-chunk
-    simultaneously (``piv_j(r) = 16·blk(r) + j``).
+    Sub-chunk i holds rows [σi, σi + σ) (σ = DIAG_SUB); its frame m_i is its first row. For a
+    row s in an earlier sub-chunk than r: ``exp(G_r − G_s) = exp(G_r − G_{m_i})·exp(G_{m_i} − G_s)``,
+    both ≤ 1 (one matmul per sub-chunk). For s, r in one sub-chunk the factor is exact per pair:
+    pivot j sweeps the σ rows of every sub-chunk at once (``piv_j(r) = σ·blk(r) + j``).
     """
 
-    def __init__(self, G, sub: int = SUB):
+    def __init__(self, G, sub: int = DIAG_SUB):
         C, K = G.shape
         self.sub = min(sub, C)
         self.n = C // self.sub
