@@ -16,6 +16,17 @@ from rewy_jax.ops import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # ``rewy_jax.layers`` (the Flax layers) is imported on first use, so that users of the ops
+    # alone do not pay for importing Flax.
+    if name == "layers":
+        import importlib
+
+        return importlib.import_module("rewy_jax.layers")
+    raise AttributeError(f"module 'rewy_jax' has no attribute {name!r}")
+
+
 __all__ = [
     "chunk_delta_rule",
     "chunk_gated_delta_rule",
@@ -25,4 +36,5 @@ __all__ = [
     "fused_recurrent_gated_delta_rule",
     "fused_recurrent_kda",
     "fused_recurrent_gdn2",
+    "layers",
 ]
