@@ -163,16 +163,24 @@ def tables(C=64, dims=(64, 128, 256), dtype=jnp.bfloat16) -> str:
 
 
 def rewy_vs_wy(C=64, dims=(64, 128, 256)) -> str:
-    lines = ["| op | K = V | ReWY bwd MFLOP | WY (seven-product) bwd MFLOP | saved | "
-             "ReWY core (Λ, ΛRᵀ, ΛS0ᵀ) | WY core (7 products) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    """Backward kernel (R recomputed) MXU FLOPs, ReWY vs the seven-product WY, plus the MXU time
+    as implemented (fp32 products at 6 passes) for fp32 and bf16 callers on v6e."""
+    lines = ["| op | K = V | ReWY bwd MFLOP | WY bwd MFLOP | FLOPs saved | ReWY core (Λ, ΛRᵀ, ΛS0ᵀ) "
+             "MFLOP | WY core (7 products) MFLOP | v6e MXU µs ReWY / WY, fp32 callers | "
+             "v6e MXU µs ReWY / WY, bf16 callers |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for op in OPS:
         for D in dims:
             w = chunk_work(op, C, D, D)
+            w32 = chunk_work(op, C, D, D, jnp.float32)
             r, y = w["backward rewy"]["mxu_flops"], w["backward wy"]["mxu_flops"]
             core_r = 2 * C * C * D + 2 * C * C * D + 2 * C * D * D  # AᵀdR, ΛRᵀ, ΛS0ᵀ
             core_w = (2 * C * D * D + 2 * C * C * D * 2 + 2 * C * C * D * 2 + 2 * C * C * C * 2)
+            t32 = [roofline_us(w32[k], "v6e")[0] for k in ("backward rewy", "backward wy")]
+            t16 = [roofline_us(w[k], "v6e")[0] for k in ("backward rewy", "backward wy")]
             lines.append(f"| {op} | {D} | {r / 1e6:.2f} | {y / 1e6:.2f} | {100 * (y - r) / y:.1f}% | "
-                         f"{core_r / 1e6:.2f} | {core_w / 1e6:.2f} |")
+                         f"{core_r / 1e6:.2f} | {core_w / 1e6:.2f} | {t32[0]:.3f} / {t32[1]:.3f} | "
+                         f"{t16[0]:.3f} / {t16[1]:.3f} |")
     return "\n".join(lines)
 
 
@@ -205,3 +213,5 @@ if __name__ == "__main__":
     print(rewy_vs_wy())
     print()
     print(training_step())
+    print()
+    print(training_step(dtype=jnp.float32))
