@@ -206,7 +206,17 @@ class VectorDecayTPU(ca.Decay):
 
     def _pivot_mask(self, j):
         """[C, C] mask of column piv_j(r) in row r."""
-        return _iota((self.C, self.C), 1) == self.blk * self.sub + j
+        return self._cached(("mask", j), lambda: _iota((self.C, self.C), 1) == self.blk * self.sub + j)
+
+    def _pivot_down(self, y, j):
+        """pivot_j(y) ⊙ down_j, shared by every product of the chunk with the same y (k is the
+        right operand of both grams and of both ``apply``s)."""
+        key = ("pivot_down", id(y), j)
+        hit = self._memo.get(key)
+        if hit is None or hit[0] is not y:  # keep y alive with the entry: ids stay unique
+            hit = (y, self._pivot(y, j) * self._down(j))
+            self._memo[key] = hit
+        return hit[1]
 
     # Decay interface ---------------------------------------------------------------------
     def _rows(self, i, x):
@@ -233,10 +243,10 @@ class VectorDecayTPU(ca.Decay):
         M = self._stack(off, self.C) if off else jnp.zeros((self.C, self.C), f32)
         for j in range(self.sub):
             # strict drops r = piv_j(r): mask the column, the factor is shared with non-strict.
-            down = self._down(j)
-            if strict:
-                down = jnp.where(self.loc > j, down, 0.0)
-            col = jnp.sum(x * self._pivot(y, j) * down, axis=1, keepdims=True)  # M[r, piv_j(r)]
+            yd = self._pivot_down(y, j)
+            if strict:  # the diagonal pair (r = piv_j(r)) is left out
+                yd = jnp.where(self.loc > j, yd, 0.0)
+            col = jnp.sum(x * yd, axis=1, keepdims=True)  # M[r, piv_j(r)]
             M = M + jnp.where(self._pivot_mask(j), col, 0.0)
         return M
 
@@ -247,7 +257,7 @@ class VectorDecayTPU(ca.Decay):
         Y = self._stack(off, D) if off else jnp.zeros((self.C, D), f32)
         for j in range(self.sub):
             Pc = jnp.sum(jnp.where(self._pivot_mask(j), P, 0.0), axis=1, keepdims=True)
-            Y = Y + Pc * self._pivot(y, j) * self._down(j)
+            Y = Y + Pc * self._pivot_down(y, j)
         return Y
 
     def apply_t(self, P, x):
