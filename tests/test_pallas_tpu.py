@@ -9,12 +9,15 @@ the (8, 128) tiling and ops Mosaic has no rule for. (The final Mosaic compile ne
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu as ptpu
+from pallas_kernels.tpu import algebra as talg
 from pallas_kernels.tpu import kernels as tk
 from rewy_jax import backends, testing
 
@@ -29,13 +32,38 @@ CASES = [
     ("gdn", jnp.float32, 32, 40, {}, dict(decay="strong")),
     ("gdn2", jnp.float32, 32, 40, dict(policy="save"), dict(decay="strong")),
     ("kda", jnp.bfloat16, 32, 40, dict(backward="wy"), {}),
+    ("deltanet", jnp.bfloat16, 16, 40, {}, {}),  # no decay: errors would accumulate, if any
 ]
+
+
+def _emulate_bf16x3(monkeypatch):
+    """Make the kernels' ``Precision.HIGH`` products (bf16 callers) round like the TPU's bf16x3
+    — hi·hi + hi·lo + lo·hi of a bf16 split — instead of XLA:CPU's exact fp32."""
+    real = jax.lax
+
+    def dot_general(a, b, dims, precision=None, preferred_element_type=None):
+        if precision != real.Precision.HIGH:
+            return real.dot_general(a, b, dims, precision=precision,
+                                    preferred_element_type=preferred_element_type)
+        split = lambda x: (x.astype(jnp.bfloat16).astype(jnp.float32),  # noqa: E731
+                           (x - x.astype(jnp.bfloat16).astype(jnp.float32)).astype(jnp.bfloat16)
+                           .astype(jnp.float32))
+        (ah, al), (bh, bl) = split(a), split(b)
+        d = lambda x, y: real.dot_general(x, y, dims, precision=real.Precision.HIGHEST,  # noqa: E731
+                                          preferred_element_type=jnp.float32)
+        return d(ah, bh) + d(ah, bl) + d(al, bh)
+
+    shim = types.SimpleNamespace(**{n: getattr(real, n) for n in dir(real) if not n.startswith("__")})
+    shim.dot_general = dot_general
+    monkeypatch.setattr(talg, "lax", shim)
 
 
 @pytest.mark.parametrize("op,dtype,C,T,kw,mk", CASES,
                          ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-C{c[2]}-{'-'.join(f'{v}' for v in c[4].values()) or 'default'}"
                               f"{'-' + '-'.join(f'{k}' for k in c[5]) if c[5] else ''}" for c in CASES])
-def test_interpret_accuracy(op, dtype, C, T, kw, mk):
+def test_interpret_accuracy(op, dtype, C, T, kw, mk, monkeypatch):
+    if dtype == jnp.bfloat16:
+        _emulate_bf16x3(monkeypatch)
     inputs = testing.make_inputs(op, 1, T, 1, 8, 16, dtype=dtype, seed=3, **mk)
     rep = testing.accuracy_report(op, inputs, backend="pallas_tpu", interpret=True,
                                   chunk_size=C, **kw)

@@ -47,23 +47,57 @@ f32 = jnp.float32
 # ``f``-prefixed products below take bf16 operands (one MXU pass, fp32 accumulation) inside
 # ``fast_operands(jnp.bfloat16)`` — used for bf16/fp16 callers. Measured against the §8
 # protocol, bf16 operands are used in the *backward's* chunk-local products only (gradient
-# tolerance 1e-2/2e-2; measured ≈ 4e-3). Always exact fp32: the whole forward (o's tolerance is
+# tolerance 1e-2/2e-2; measured ≈ 4e-3). Always fp32 operands: the whole forward (o's tolerance is
 # 5e-3 and bf16 output rounding alone costs ≈ 1.7e-3; bf16 Qγ S0 took it to 3.5e-3), the gate
 # cumsum, the triangular system T, A, W, U, R = U − W S0 (U and W S0 nearly cancel), and the
 # sequential state products (S_C; dR, Λ and dS0 in the backward), whose rounding would compound
 # across chunks — without decay (DeltaNet) bf16 dR/Λ took dh0 to 1.1e-2.
 # ----------------------------------------------------------------------------------------------
+#
+# The "fp32" products (``xmm``/``xmm_nt``/``xmm_tn``) run at ``_NEAR`` precision: HIGHEST (6 bf16
+# MXU passes) by default; bf16/fp16 callers (``operand_policy("bfloat16")``) take HIGH (bf16x3,
+# 3 passes, ≈2⁻¹⁶ relative error: three orders below their bf16 inputs' own rounding). The gate
+# cumsum and the triangular inverse stay HIGHEST for everyone: an error in G is amplified by
+# exp over |G| up to 40·C, and the inverse is the precision-sensitive step (rewy-math §3).
+# The CPU interpreter computes every fp32 product exactly, so it cannot observe HIGH vs
+# HIGHEST; the bf16x3 bound above is analytic.
+# ----------------------------------------------------------------------------------------------
 _FAST = contextvars.ContextVar("rewy_tpu_fast_operands", default=None)
+_NEAR = contextvars.ContextVar("rewy_tpu_fp32_precision", default=lax.Precision.HIGHEST)
 
 
 @contextlib.contextmanager
 def fast_operands(dtype):
-    """Trace the chunk products with ``dtype`` operands (None: exact fp32)."""
+    """Trace the chunk products with ``dtype`` operands (None: fp32 at ``_NEAR`` precision)."""
     token = _FAST.set(None if dtype is None else jnp.dtype(dtype))
     try:
         yield
     finally:
         _FAST.reset(token)
+
+
+@contextlib.contextmanager
+def operand_policy(operands):
+    """The kernels' policy: None -> every product fp32 HIGHEST; "bfloat16" -> bf16 operands for
+    the backward's leaf products (``fast_operands``) and HIGH for the other fp32 products."""
+    token = _NEAR.set(lax.Precision.HIGHEST if operands is None else lax.Precision.HIGH)
+    try:
+        with fast_operands(operands):
+            yield
+    finally:
+        _NEAR.reset(token)
+
+
+def _near(dims):
+    def product(a, b):
+        return lax.dot_general(a.astype(f32), b.astype(f32), (dims, ((), ())),
+                               precision=_NEAR.get(), preferred_element_type=f32)
+    return product
+
+
+xmm = _near(((1,), (0,)))
+xmm_nt = _near(((1,), (1,)))
+xmm_tn = _near(((0,), (0,)))
 
 
 def _fast(exact_fn, dims):
@@ -76,9 +110,9 @@ def _fast(exact_fn, dims):
     return product
 
 
-fmm = _fast(mm, ((1,), (0,)))
-fmm_nt = _fast(mm_nt, ((1,), (1,)))
-fmm_tn = _fast(mm_tn, ((0,), (0,)))
+fmm = _fast(xmm, ((1,), (0,)))
+fmm_nt = _fast(xmm_nt, ((1,), (1,)))
+fmm_tn = _fast(xmm_tn, ((0,), (0,)))
 
 
 def _iota(shape, dim):
@@ -345,7 +379,7 @@ def chunk_local(q, k, e, z, decay) -> ca.ChunkLocal:
         T = decay.gram(e, k, strict=True)
         A = unit_lower_inverse(T)
         Eg = decay.head(e)
-        W, U = mm(A, Eg), mm(A, z)
+        W, U = xmm(A, Eg), xmm(A, z)
     with fast_operands(None):
         P = decay.gram(q, k, strict=False)
     return ca.ChunkLocal(A=A, W=W, U=U, P=P,
@@ -354,13 +388,13 @@ def chunk_local(q, k, e, z, decay) -> ca.ChunkLocal:
 
 def chunk_output(loc: ca.ChunkLocal, S0):
     """``chunk_algebra.chunk_output`` (R = U − W S0, O = Qγ S0 + P R) with the operand policy."""
-    R = loc.U - mm(loc.W, S0)  # exact: U and W S0 nearly cancel
-    return mm(loc.Qg, S0) + mm(loc.P, R), R  # exact: o has the tightest tolerance (§8)
+    R = loc.U - xmm(loc.W, S0)  # fp32: U and W S0 nearly cancel
+    return xmm(loc.Qg, S0) + xmm(loc.P, R), R  # exact: o has the tightest tolerance (§8)
 
 
 def next_state(loc: ca.ChunkLocal, decay, S0, R):
     """``S_C = Diag(γ_C) S0 + K_tailᵀ R`` (C·K·V instead of the K×K×V affine map)."""
-    return decay.last_col() * S0 + mm_tn(loc.Kt, R)
+    return decay.last_col() * S0 + xmm_tn(loc.Kt, R)
 
 
 def leaf_grads(q, k, e, decay, loc, S0, R, dO, dS, dT, dA_qk, dEg_state, dz) -> ca.ChunkGrads:
@@ -387,19 +421,19 @@ def backward_chunk(q, k, e, z, decay, loc, S0, R, dO, dS, scheme: str = "rewy"):
     Returns (ChunkGrads, dS0) with ``dS0 = Qγᵀ dO + Diag(γ_C) dS − Ēᵀ Λ`` (Λ = dZ).
     """
     C = loc.A.shape[0]
-    dR = mm_tn(loc.P, dO) + mm(loc.Kt, dS)  # exact: dR and Λ feed the state cotangent dS0
+    dR = xmm_tn(loc.P, dO) + xmm(loc.Kt, dS)  # exact: dR and Λ feed the state cotangent dS0
     strict = ca._tril_mask(C, strict=True)
     dA_qk = jnp.where(ca._tril_mask(C, strict=False), fmm_nt(dO, R), 0.0)
     if scheme == "wy":
         dW = -fmm_nt(dR, S0)  # 1
         dA = fmm_nt(dR, z) + fmm_nt(dW, loc.Eg)  # 2, 3
-        lam = mm_tn(loc.A, dR)  # 4
+        lam = xmm_tn(loc.A, dR)  # 4
         dEg_state = fmm_tn(loc.A, dW)  # 5
         dT = -jnp.where(strict, fmm_nt(fmm_tn(loc.A, dA), loc.A), 0.0)  # 6, 7
     else:
-        lam = mm_tn(loc.A, dR)  # 1: Λ = Aᵀ dR
+        lam = xmm_tn(loc.A, dR)  # 1: Λ = Aᵀ dR
         dT = -jnp.where(strict, fmm_nt(lam, R), 0.0)  # 2: −tril(Λ Rᵀ, −1)
         dEg_state = -fmm_nt(lam, S0)  # 3: −Λ S0ᵀ
     g = leaf_grads(q, k, e, decay, loc, S0, R, dO, dS, dT, dA_qk, dEg_state, lam)
-    dS0 = mm_tn(loc.Qg, dO) + decay.last_col() * dS - mm_tn(loc.Eg, lam)
+    dS0 = xmm_tn(loc.Qg, dO) + decay.last_col() * dS - xmm_tn(loc.Eg, lam)
     return g, dS0

@@ -108,7 +108,7 @@ def forward_chunk(q, k, v, b, w, g, S0, operands=None):
     q, k, v = (x.astype(f32) for x in (q, k, v))
     e, z, _, _ = _leaf_in(k, v, b, w)
     decay = ta.make_decay(_cum_gate(g, q.shape[0]), q.shape[0])
-    with ta.fast_operands(operands):
+    with ta.operand_policy(operands):
         loc = ta.chunk_local(q, k, e, z, decay)
         O, R = ta.chunk_output(loc, S0)
         return O, R, ta.next_state(loc, decay, S0, R)
@@ -123,7 +123,7 @@ def backward_chunk(q, k, v, b, w, g, S0, R, dO, dS, scheme="rewy", operands=None
     q, k, v, dO = (x.astype(f32) for x in (q, k, v, dO))
     e, z, bc, wc = _leaf_in(k, v, b, w)
     decay = ta.make_decay(_cum_gate(g, q.shape[0]), q.shape[0])
-    with ta.fast_operands(operands):
+    with ta.operand_policy(operands):
         if R is not None:  # policy "save": R and S0 come from the forward; W, U not needed
             with ta.fast_operands(None):  # the forward's exact T, A, P
                 loc = ChunkLocal(A=ta.unit_lower_inverse(decay.gram(e, k, strict=True)), W=None,
@@ -131,7 +131,7 @@ def backward_chunk(q, k, v, b, w, g, S0, R, dO, dS, scheme="rewy", operands=None
                                  Eg=decay.head(e), Kt=decay.tail(k))
         else:
             loc = ta.chunk_local(q, k, e, z, decay)
-            R = loc.U - ta.mm(loc.W, S0)  # exact: U and W S0 nearly cancel
+            R = loc.U - ta.xmm(loc.W, S0)  # fp32: U and W S0 nearly cancel
         grads, dS0 = ta.backward_chunk(q, k, e, z, decay, loc, S0, R, dO, dS, scheme)
     dg = None
     if grads.dG is not None:
