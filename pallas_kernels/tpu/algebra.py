@@ -1,25 +1,28 @@
 """Mosaic-lowerable forms of the per-chunk algebra (``pallas_kernels.chunk_algebra``).
 
-The TPU kernels evaluate :mod:`pallas_kernels.chunk_algebra` on the blocks they load. Most of it
-lowers unchanged (``mm``/``mm_nt``/``mm_tn``, ``chunk_output``, the masks). Three pieces do not,
-and get a lowerable twin here, each with the same contract as the original:
+The TPU kernels evaluate :mod:`pallas_kernels.chunk_algebra` on the blocks they load. Its
+products, masks and ``ChunkLocal``/``ChunkGrads`` structure lower unchanged; four pieces do not,
+and get a lowerable twin here with the same contract as the original (checked against it in
+float32 to ~1e-6 and, through the kernels, against the float64 recurrence in the tests):
 
 * ``VectorDecay`` builds 4-D per-pair tensors with gathers (``P4[idx, :, idx, :]``) and 4-D
   einsums, which Mosaic cannot lower ("Unable to parse attribute"). :class:`VectorDecayTPU` keeps
-  the same reference frames (rewy-math §3) but uses only 2-D ``[C, K]`` / ``[C, C]`` arrays:
-  off-diagonal sub-chunk blocks are one full-size masked matmul per frame, diagonal blocks are
-  exact per-pair factors swept over the 16 pivot rows of every sub-chunk at once. It never forms
-  ``exp(−G)``: every exponent is masked to ``≤ 0`` *before* ``exp``.
+  the same reference frames (rewy-math §3) with 2-D ``[C, K]`` / ``[C, C]`` arrays only:
+  off-diagonal sub-chunk blocks are one ``[σ, C] × [C, K]`` matmul per sub-chunk (rows sliced at
+  tile-aligned offsets, stacked back by sublane concatenation), diagonal blocks exact per-pair
+  factors swept over the σ pivot rows of every sub-chunk at once (σ = ``DIAG_SUB`` = 8). It never
+  forms ``exp(−G)``: every exponent is masked to ``≤ 0`` *before* ``exp``.
 * ``ScalarDecay`` takes ``G`` as a rank-1 ``[C]`` array; a TPU block wants 2-D tails, so
   :class:`ScalarDecayTPU` takes ``G`` as a ``[C, 1]`` column and builds the row by a mask-reduce.
 * ``_leaf_grads`` adds the last-row gate terms with ``rows.at[-1].add(...)`` (a scatter, no Mosaic
   rule) on rank-1 sums; :func:`leaf_grads` uses a row mask and ``[1, K]`` sums instead.
 * ``unit_lower_inverse`` slices and concatenates ``[C, C]`` at 16/32-lane offsets (relayouts
   Mosaic may reject); :func:`unit_lower_inverse` here runs forward substitution on all diagonal
-  16×16 blocks at once with full-size masks, then merges the blocks by the nilpotent product
-  ``(I + N)⁻¹ = (I − N)(I + N²)…`` at block level (N = D·T_off is strictly block-lower).
+  16×16 blocks at once (one ``[C/16, C] × [C, C]`` product per step), then merges the blocks by
+  the nilpotent product ``(I + N)⁻¹ = (I − N)(I + N²)…`` at block level (N = D·T_off).
 
-Everything is fp32 with ``HIGHEST`` matmuls, no cumsum (a triangular ones matmul), no solve.
+No cumsum (a triangular ones matmul), no triangular solve; fp32 state and accumulation. Matmul
+precision/operands follow :func:`operand_policy` (below).
 """
 
 from __future__ import annotations
