@@ -39,8 +39,11 @@ except ImportError:  # pragma: no cover
     pass
 
 
+RUN_SLOW = os.environ.get("RUN_SLOW", "0") not in ("", "0")
+
+
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("RUN_SLOW", "0") not in ("", "0"):
+    if RUN_SLOW:
         return
     skip = pytest.mark.skip(reason="slow test: set RUN_SLOW=1 to run it")
     for item in items:

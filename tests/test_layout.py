@@ -7,12 +7,14 @@ gradient of the round trip.
 
 from __future__ import annotations
 
+import os
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rewy_jax import layout
@@ -72,8 +74,8 @@ def _check_varlen_plan(plan, cu, T, C, x, xc):
     assert np.all(flat[:, ~used] == 0)
 
 
-@pytest.mark.parametrize("cu,C", [([0, 5, 40, 41, 70], 16), ([0, 16, 32], 16), ([0, 70], 32),
-                                  ([0, 1, 2, 3], 16), ([0, 33, 34, 100], 32)])
+@pytest.mark.parametrize("cu,C", [([0, 5, 40, 41, 70], 16), ([0, 1, 2, 3], 16),
+                                  ([0, 33, 34, 100], 32)])
 def test_varlen_plan_and_round_trip(cu, C):
     T = cu[-1]
     plan = layout.plan_chunks(T, C, jnp.asarray(cu, jnp.int32))
@@ -119,6 +121,7 @@ def test_round_trip_gradient_is_identity():
     np.testing.assert_array_equal(jax.jit(jax.grad(f))(x), w)
 
 
+@settings(max_examples=(25 if os.environ.get("RUN_SLOW", "0") not in ("", "0") else 4), deadline=None)
 @given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=5),
        C=st.sampled_from([16, 32, 64]))
 def test_varlen_round_trip_property(lens, C):

@@ -116,7 +116,7 @@ class VariantsTest(chex.TestCase):
 # ----------------------------------------------------------------------------------------------
 # vmap, checkpoint, jit with traced arguments
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("op", ["gdn", "gdn2"])
+@pytest.mark.parametrize("op", ["gdn2"])
 def test_vmap_forward_and_grad_equal_loop(op):
     ds = [make_inputs(op, B, T, H, K, V, seed=220 + i) for i in range(2)]
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *[_args(op, d) for d in ds])
@@ -145,36 +145,25 @@ def test_grad_of_checkpoint(op, policy, jit):
         chex.assert_trees_all_close(g_ckpt_jit, g_plain, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("op", ["gdn2"])
-def test_jit_with_traced_cu_seqlens(op):
-    """Offsets traced under jit (a static chunk bound): same outputs and grads as eager."""
+def test_jit_with_traced_cu_seqlens():
+    """Offsets traced under jit (a static chunk bound): same outputs and grads as eager, and the
+    same compiled function serves other offsets (nothing baked in at trace time)."""
+    op = "gdn2"
     d = make_inputs(op, 1, T, H, K, V, seed=240, n_seqs=4)
-    cu = jnp.asarray([0, 3, 20, 21, T], jnp.int32)  # short, long, length-1 and unaligned
-
-    def run(args, cu):
-        o, s = OPS[op].fn(*args[:-1], initial_state=args[-1], output_final_state=True,
-                          cu_seqlens=cu, **KW)
-        return o, s
+    args = _args(op, d)
 
     def loss(args, cu):
-        o, s = run(args, cu)
-        return jnp.sum(o * o) + jnp.sum(jnp.sin(s))
+        o, s = OPS[op].fn(*args[:-1], initial_state=args[-1], output_final_state=True,
+                          cu_seqlens=cu, **KW)
+        return jnp.sum(o * o) + jnp.sum(jnp.sin(s)), (o, s)
 
-    args = _args(op, d)
-    eager = run(args, cu)
-    jitted = jax.jit(run)(args, cu)
-    chex.assert_trees_all_close(jitted, eager, rtol=1e-5, atol=1e-6)
-    g_eager = jax.grad(loss)(args, cu)
-    g_jit = jax.jit(jax.grad(loss))(args, cu)
-    chex.assert_trees_all_close(g_jit, g_eager, rtol=1e-4, atol=1e-5)
-    # different offsets through the same compiled function (nothing baked in at trace time)
-    cu2 = jnp.asarray([0, 16, 17, 40, T], jnp.int32)
-    chex.assert_trees_all_close(jax.jit(run)(args, cu2), run(args, cu2), rtol=1e-5, atol=1e-6)
-    # and the eager varlen result matches the reference
-    o_r, s_r = OPS[op].fn(*[a.astype(jnp.float64) for a in args[:-1]],
-                          initial_state=args[-1].astype(jnp.float64), output_final_state=True,
-                          cu_seqlens=cu, backend="reference", use_qk_l2norm=True)
-    assert _rel(eager[0], o_r) < 1e-5 and _rel(eager[1], s_r) < 1e-5
+    vg = jax.value_and_grad(loss, has_aux=True)
+    vg_jit = jax.jit(vg)
+    for cu in ([0, 3, 20, 21, T], [0, 16, 17, 40, T]):  # short, long, length-1, unaligned
+        cu = jnp.asarray(cu, jnp.int32)
+        eager = vg(args, cu)
+        jitted = vg_jit(args, cu)
+        _assert_close_rel(jitted, eager, 1e-5, f"jit vs eager, cu={cu}")
 
 
 def test_traced_scale_under_jit_and_grad():
@@ -194,8 +183,7 @@ def test_traced_scale_under_jit_and_grad():
 # ----------------------------------------------------------------------------------------------
 # check_grads: finite differences against the custom VJP (float64 in, fp32 inside)
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("op,backward", [("deltanet", "rewy"), ("gdn", "rewy"), ("kda", "wy"),
-                                         ("gdn2", "rewy")])
+@pytest.mark.parametrize("op,backward", [("gdn", "wy"), ("gdn2", "rewy")])
 def test_check_grads_each_argument(op, backward):
     """Central differences (eps 1e-3) vs the VJP for each input separately. The path computes in
     fp32, so differences carry ~3e-4 relative noise; a 2% error in any one gradient is > 1e-3."""
@@ -312,7 +300,7 @@ def test_prefill_then_decode(op, prefill):
 
 
 def test_fused_recurrent_varlen_and_jit():
-    d = make_inputs("kda", 1, T, H, K, V, seed=320, n_seqs=3)
+    d = make_inputs("kda", 1, T, H, K, V, seed=320, n_seqs=2)
     args = _args("kda", d)
     o_c, s_c = rj.chunk_kda(*args[:-1], initial_state=args[-1], output_final_state=True,
                             cu_seqlens=d["cu_seqlens"], **KW)
