@@ -121,8 +121,8 @@ def stamp_lines(meta: dict, runs: dict | None = None) -> list[str]:
              f"* command: `{meta.get('command', '?')}`"]
     c = meta.get("ceilings")
     if c:
-        lines.append(f"* measured ceilings (this run): bf16 matmul {c['matmul_tflops']:.0f} TFLOP/s, "
-                     f"copy {c['copy_tbps']:.2f} TB/s")
+        lines.append(f"* measured ceilings (this run): bf16 matmul {c['matmul_tflops']:.3g} TFLOP/s, "
+                     f"copy {c['copy_tbps']:.3g} TB/s")
     if meta.get("merged_from"):
         lines.append("* merged from: " + "; ".join(f"`{m}`" for m in meta["merged_from"]))
     if runs and len(runs) > 1:

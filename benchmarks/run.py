@@ -126,6 +126,9 @@ def main(argv=None):
                   {"smoke": S.SMOKE_SHAPES, "quick": S.QUICK_SHAPES, "full": S.FULL_SHAPES}[mode])
     ops = a.ops.split(",") if a.ops else list(S.OPS)
     rounds = a.rounds or {"smoke": 2, "quick": 10, "full": 12}[mode]
+    if mode == "quick":  # fit one 10-minute device call (machine start and transfers included)
+        a.deadline_s = 330.0 if a.deadline_s is None else a.deadline_s
+        a.fla_deadline_s = 300.0 if a.fla_deadline_s is None else a.fla_deadline_s
     backends_ = a.backends.split(",") if a.backends else None
     impl_list = I.all_impls(quick=mode != "full", backends_=backends_)
     if a.impls:
