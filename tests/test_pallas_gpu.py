@@ -35,6 +35,7 @@ def small_tiles(monkeypatch):
 
     monkeypatch.setattr(api, "DEFAULT_BV", 16)
     monkeypatch.setattr(api, "DEFAULT_BK", 16)
+    monkeypatch.setattr(api, "DEFAULT_BV_STATE", 16)
 
 
 # (op, T, K, V, chunk, decay, extra kwargs) — each case compiles its own interpret kernels.

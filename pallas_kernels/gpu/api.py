@@ -30,6 +30,7 @@ F32 = jnp.float32
 # lower it to exercise several tiles on small shapes).
 DEFAULT_BV = 64
 DEFAULT_BK = None  # key-tile width of the leaf-gradient kernel (None: 64, or 32 when V > 128)
+DEFAULT_BV_STATE = None  # value-tile width of the state passes (None: 32)
 
 
 class Config(NamedTuple):
@@ -59,7 +60,8 @@ def _shape(cfg, q, v, G, h0):
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     return kn.Shape(B, Tp, H, K, V, cfg.chunk_size, h0.shape[2], _mode(G),
-                    _precision(q.dtype, cfg.interpret), min(cfg.BV, V), DEFAULT_BK)
+                    _precision(q.dtype, cfg.interpret), min(cfg.BV, V), DEFAULT_BK,
+                    DEFAULT_BV_STATE)
 
 
 def _forward(cfg, q, k, e, z, G, h0, reset, end, seq):

@@ -46,24 +46,39 @@ def _compiler_params(num_warps, num_stages=None):
         return _plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _call(kernel, *, grid, in_specs, out_specs, out_shape, interpret, num_warps, name):
+def _call(kernel, *, grid, in_specs, out_specs, out_shape, interpret, num_warps, name,
+          num_stages=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return pl.pallas_call(
             kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
             interpret=interpret, name=name,
-            compiler_params=None if interpret else _compiler_params(num_warps))
+            compiler_params=None if interpret else _compiler_params(num_warps, num_stages))
+
+
+# Launch settings, chosen from ptxas's resource report of the lowered kernels (sm_90, K = V = 128):
+# with 4 warps the blocked kernels need > 255 registers per thread and spill; 8 warps removes most
+# of it. The state passes software-pipeline their per-chunk loads (num_stages = 3, ~210 KB of
+# shared memory at K = 128); at K = 256 that would need ~400 KB, so they drop to one stage there.
+NUM_WARPS = 8
+
+
+def _pass_stages(K):
+    return 3 if K <= 128 else 1
 
 
 class Shape:
     """Static problem description shared by the kernels."""
 
-    def __init__(self, B, Tp, H, K, V, C, n_seq1, mode, prec, BV, BK=None):
+    def __init__(self, B, Tp, H, K, V, C, n_seq1, mode, prec, BV, BK=None, BVs=None):
         self.B, self.Tp, self.H, self.K, self.V, self.C = B, Tp, H, K, V, C
         self.N, self.n = Tp // C, C // BS
         self.n_seq1, self.mode, self.prec, self.BV = n_seq1, mode, prec, BV
         # key-tile width of bwd_leaf (it holds [BK, V] state tiles)
         self.BK = min(K, BK or (64 if V <= 128 else 32))
+        # value-tile width of the two state passes: 32 keeps S [K, 32] and the chunk's R in
+        # registers without spills (ptxas, sm_90) and gives B·H·V/32 programs to the SMs
+        self.BVs = min(V, BVs or 32)
 
     # BlockSpecs ---------------------------------------------------------------------------
     def chunk_tok(self, D):
@@ -101,7 +116,7 @@ class Shape:
     def col_tok(self, D, tiled):
         H = self.H
         if tiled:
-            return pl.BlockSpec((None, self.Tp, None, self.BV), lambda bh, v: (bh // H, 0, bh % H, v))
+            return pl.BlockSpec((None, self.Tp, None, self.BVs), lambda bh, v: (bh // H, 0, bh % H, v))
         return pl.BlockSpec((None, self.Tp, None, D), lambda bh, v: (bh // H, 0, bh % H, 0))
 
     def col_gate(self):
@@ -110,9 +125,9 @@ class Shape:
             return pl.BlockSpec((None, self.Tp, None), lambda bh, v: (bh // H, 0, bh % H))
         return self.col_tok(self.K, False)
 
-    def col_states(self, lead):  # [B, H, lead, K, V] tiled over V
+    def col_states(self, lead):  # [B, H, lead, K, V] tiled over V (state passes)
         H = self.H
-        return pl.BlockSpec((None, None, lead, self.K, self.BV), lambda bh, v: (bh // H, bh % H, 0, 0, v))
+        return pl.BlockSpec((None, None, lead, self.K, self.BVs), lambda bh, v: (bh // H, bh % H, 0, 0, v))
 
     def col_meta(self):
         return pl.BlockSpec((self.N,), lambda bh, v: (0,))
@@ -175,7 +190,7 @@ def intra(s: Shape, k, e, z, G, *, interpret):
                  out_specs=[s.chunk_mat(C, C), s.chunk_tok(s.K), s.chunk_tok(s.V)],
                  out_shape=[jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32), s.sds_tok(s.K),
                             s.sds_tok(s.V)],
-                 interpret=interpret, num_warps=4, name="rewy_intra")(*ins)
+                 interpret=interpret, num_warps=NUM_WARPS, name="rewy_intra")(*ins)
 
 
 def _chunk_decay(mode, G_ref, base, C):
@@ -201,7 +216,7 @@ def _qg(mode, Gc, qc):
 
 def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret):
     """S0 [B,H,N,K,V], R [B,Tp,H,V], final [B,H,n_seq1,K,V] (fp32)."""
-    C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BV, s.prec, s.mode
+    C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
 
     def kernel(*refs):
         W_ref, U_ref, k_ref, G_ref, h0_ref, reset_ref, end_ref, seq_ref, S0_ref, R_ref, fin_ref = \
@@ -234,7 +249,8 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret):
                  out_specs=[s.col_states(N), s.col_tok(s.V, True), s.col_states(s.n_seq1)],
                  out_shape=[jax.ShapeDtypeStruct((s.B, s.H, N, K, s.V), F32), s.sds_tok(s.V),
                             jax.ShapeDtypeStruct((s.B, s.H, s.n_seq1, K, s.V), F32)],
-                 interpret=interpret, num_warps=4, name="rewy_fwd_pass")(*ins)
+                 interpret=interpret, num_warps=NUM_WARPS, name="rewy_fwd_pass",
+                 num_stages=_pass_stages(K))(*ins)
 
 
 def output(s: Shape, q, k, G, S0, R, out_dtype, *, interpret):
@@ -256,7 +272,7 @@ def output(s: Shape, q, k, G, S0, R, out_dtype, *, interpret):
         s.chunk_state_v(BV), s.chunk_tok_v(BV)]
     return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
                  out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V, out_dtype),
-                 interpret=interpret, num_warps=4, name="rewy_output")(*ins)
+                 interpret=interpret, num_warps=NUM_WARPS, name="rewy_output")(*ins)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,12 +296,12 @@ def bwd_local(s: Shape, q, k, G, dO, *, interpret):
         s.chunk_tok_v(BV)]
     return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
                  out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V), interpret=interpret,
-                 num_warps=4, name="rewy_bwd_local")(*ins)
+                 num_warps=NUM_WARPS, name="rewy_bwd_local")(*ins)
 
 
 def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret):
     """dS_end [B,H,N,K,V], dR [B,Tp,H,V], dh0 [B,H,n_seq1,K,V] (fp32)."""
-    C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BV, s.prec, s.mode
+    C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
 
     def kernel(*refs):
         (q_ref, k_ref, G_ref, W_ref, dO_ref, dRl_ref, dfin_ref, reset_ref, end_ref, seq_ref,
@@ -323,7 +339,8 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret)
                  out_specs=[s.col_states(N), s.col_tok(s.V, True), s.col_states(s.n_seq1)],
                  out_shape=[jax.ShapeDtypeStruct((s.B, s.H, N, K, s.V), F32), s.sds_tok(s.V),
                             jax.ShapeDtypeStruct((s.B, s.H, s.n_seq1, K, s.V), F32)],
-                 interpret=interpret, num_warps=4, name="rewy_bwd_pass")(*ins)
+                 interpret=interpret, num_warps=NUM_WARPS, name="rewy_bwd_pass",
+                 num_stages=_pass_stages(K))(*ins)
 
 
 def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret):
@@ -333,9 +350,11 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret):
     WY (seven products):  dZ = Aᵀ dR,  dA = dR Zᵀ + dW Ēᵀ with dW Ēᵀ = −dR (Ē S0)ᵀ,
                           dT = −tril(Aᵀ dA Aᵀ, −1)   (dĒ = Aᵀ dW is formed in bwd_leaf).
     Both: dA_qk = tril(dO Rᵀ).
+    No gate enters these products (only WY's Ē), so they run on whole-chunk [C, ·] tiles
+    (one matmul each) rather than 16-row sub-chunk blocks: far fewer live accumulators.
     Returns Λ [B,Tp,H,V] fp32 (= dz), dT and dA_qk [B,H,N,C,C] fp32 (masked).
     """
-    n, C, prec, mode, V, BV = s.n, s.C, s.prec, s.mode, s.V, s.BV
+    C, prec, mode, V, BV = s.C, s.prec, s.mode, s.V, s.BV
     wy = backward == "wy"
 
     def kernel(*refs):
@@ -345,54 +364,29 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret):
         elif mode == "none":
             refs.insert(6, None)
         A_ref, R_ref, dO_ref, dR_ref, e_ref, z_ref, G_ref, S0_ref, lam_ref, dT_ref, dAqk_ref = refs
-        A = Blocks(A_ref)
-        strict = iota((BS, BS), 1) < iota((BS, BS), 0)
-        lower = iota((BS, BS), 1) <= iota((BS, BS), 0)
-        acc = {}
-
-        def add(key, val):
-            acc[key] = val if key not in acc else acc[key] + val
-
+        A = A_ref[...]
+        r, c = iota((C, C), 0), iota((C, C), 1)
         if wy:
-            gt = Gates(mode, G_ref, 0, C)
-            es = Rows(e_ref)
+            Gc = None if mode == "none" else load_rows(G_ref, 0, C)
+            Eg = _qg(mode, Gc, load_rows(e_ref, 0, C))  # Ē = γ ⊙ E (exponents ≤ 0)
+        dT = dAqk = None
         for t in range(V // BV):
             vs = pl.ds(t * BV, BV)
-
-            def tile(ref, i, vs=vs):
-                return ref[pl.ds(i * BS, BS), vs].astype(F32)
-
-            for j in range(n):
-                lam_j = _sum(dot(A[i, j], tile(dR_ref, i), prec, ta=True) for i in range(j, n))
-                lam_ref[pl.ds(j * BS, BS), vs] = lam_j
-                for i in range(j, n):
-                    add(("dAqk", i, j), dot(tile(dO_ref, i), tile(R_ref, j), prec, tb=True))
-                if not wy:
-                    # dT_ij = −Λ_i R_jᵀ (i ≥ j): row block j of Λ meets column block j of R
-                    for i in range(j + 1):
-                        add(("dT", j, i), -dot(lam_j, tile(R_ref, i), prec, tb=True))
+            R_t, dR_t = R_ref[:, vs].astype(F32), dR_ref[:, vs].astype(F32)
+            lam = dot(A, dR_t, prec, ta=True)
+            lam_ref[:, vs] = lam
+            x = dot(dO_ref[:, vs].astype(F32), R_t, prec, tb=True)
+            dAqk = x if dAqk is None else dAqk + x
             if wy:
-                for j in range(n):
-                    ZmES = tile(z_ref, j) - dot(gt.head(j, es[j]), S0_ref[:, vs], prec)
-                    for i in range(n):
-                        add(("dA", i, j), dot(tile(dR_ref, i), ZmES, prec, tb=True))
+                ZmES = z_ref[:, vs].astype(F32) - dot(Eg, S0_ref[:, vs], prec)
+                x = dot(dR_t, ZmES, prec, tb=True)  # dA
+            else:
+                x = -dot(lam, R_t, prec, tb=True)
+            dT = x if dT is None else dT + x
         if wy:
-            # X = Aᵀ dA (X_kl = Σ_{i≥k} A_ikᵀ dA_il), then (X Aᵀ)_kj = Σ_{l≤j} X_kl A_jlᵀ.
-            X = {(kk, l): _sum(dot(A[i, kk], acc["dA", i, l], prec, ta=True) for i in range(kk, n))
-                 for kk in range(n) for l in range(n)}
-            for i in range(n):
-                for j in range(i + 1):
-                    acc["dT", i, j] = -_sum(dot(X[i, l], A[j, l], prec, tb=True)
-                                            for l in range(j + 1))
-        for i in range(n):
-            for j in range(n):
-                blk = pl.ds(i * BS, BS), pl.ds(j * BS, BS)
-                if j > i:
-                    dT_ref[blk] = jnp.zeros((BS, BS), F32)
-                    dAqk_ref[blk] = jnp.zeros((BS, BS), F32)
-                else:
-                    dT_ref[blk] = jnp.where(strict, acc["dT", i, j], 0.0) if i == j else acc["dT", i, j]
-                    dAqk_ref[blk] = jnp.where(lower, acc["dAqk", i, j], 0.0) if i == j else acc["dAqk", i, j]
+            dT = -dot(dot(A, dT, prec, ta=True), A, prec, tb=True)  # −Aᵀ dA Aᵀ
+        dT_ref[...] = jnp.where(c < r, dT, 0.0)
+        dAqk_ref[...] = jnp.where(c <= r, dAqk, 0.0)
 
     full_v = pl.BlockSpec((None, C, None, V), lambda n_, bh: (bh // s.H, n_, bh % s.H, 0))
     ins = [A, R, dO, dR] + ([e, z] + ([] if mode == "none" else [G]) + [S0] if wy else [])
@@ -403,7 +397,7 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret):
                  out_specs=[full_v, s.chunk_mat(C, C), s.chunk_mat(C, C)],
                  out_shape=[s.sds_tok(V), jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32),
                             jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32)],
-                 interpret=interpret, num_warps=4, name="rewy_bwd_dlam")(*ins)
+                 interpret=interpret, num_warps=NUM_WARPS, name="rewy_bwd_dlam")(*ins)
 
 
 def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, backward, dtypes,
@@ -431,6 +425,8 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         (q_ref, k_ref, e_ref, G_ref, A_ref, S0_ref, dSe_ref, lam_ref, R_ref, dO_ref, dR_ref,
          dT_ref, dAqk_ref, dq_ref, dk_ref, de_ref) = refs[:16]
         dG_ref = refs[16] if mode != "none" else None
+        if mode != "vector":
+            return _leaf_full(refs[:16], dG_ref)
         gt = Gates(mode, G_ref, 0, C)
         qs, ks, es = Rows(q_ref), Rows(k_ref), Rows(e_ref)
         dT, dAqk = Blocks(dT_ref), Blocks(dAqk_ref)
@@ -464,6 +460,48 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
                     dG = dG + jnp.where(iota((BS, 1), 0) == BS - 1, last, 0.0)
                 dG_ref[rows, :] = dG
 
+    def _leaf_full(refs, dG_ref):
+        """No or scalar gates: every decay is one [C, C] matrix D_rs = e^{G_r − G_s} (s ≤ r,
+        masked before exp), so the leaf maps are whole-chunk matmuls (no sub-chunk frames)."""
+        (q_ref, k_ref, e_ref, G_ref, A_ref, S0_ref, dSe_ref, lam_ref, R_ref, dO_ref, dR_ref,
+         dT_ref, dAqk_ref, dq_ref, dk_ref, de_ref) = refs
+        r, c = iota((C, C), 0), iota((C, C), 1)
+        qc, kc, ec = load_rows(q_ref, 0, C), load_rows(k_ref, 0, C), load_rows(e_ref, 0, C)
+        S0, dSe = S0_ref[...], dSe_ref[...]
+        if mode == "none":
+            D, gam, tail, gl = None, None, None, None
+        else:
+            Gc = load_rows(G_ref, 0, C)  # [C]
+            gl = load_rows(G_ref, C - 1, 1)  # [1]
+            D = jnp.exp(jnp.where(c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
+            gam, tail = jnp.exp(Gc)[:, None], jnp.exp(gl - Gc)[:, None]
+        dT, dAqk = dT_ref[...], dAqk_ref[...]
+        if D is not None:
+            dT, dAqk = dT * D, dAqk * D
+        if wy:
+            dW = -dot(dR_ref[...].astype(F32), S0, prec, tb=True)
+            dEs = dot(A_ref[...], dW, prec, ta=True)
+        else:
+            dEs = -dot(lam_ref[...], S0, prec, tb=True)
+        dOS = dot(dO_ref[...].astype(F32), S0, prec, tb=True)
+        RdS = dot(R_ref[...], dSe, prec, tb=True)
+        if gam is not None:
+            dEs, dOS, RdS_t = gam * dEs, gam * dOS, tail * RdS
+        else:
+            RdS_t = RdS
+        de = dEs + dot(dT, kc, prec)
+        dq = dOS + dot(dAqk, kc, prec)
+        dk = dot(dT, ec, prec, ta=True) + dot(dAqk, qc, prec, ta=True) + RdS_t
+        dq_ref[...] = dq.astype(dq_ref.dtype)
+        dk_ref[...] = dk.astype(dk_ref.dtype)
+        de_ref[...] = de.astype(de_ref.dtype)
+        if mode != "none":
+            dG = de * ec - dk * kc + dq * qc
+            tail_k = jnp.sum(RdS_t * kc, axis=0, keepdims=True)  # Σ_s (R dSᵀ)_s ⊙ K_tail,s
+            sd = jnp.sum(dSe * S0, axis=1)[None, :]
+            last = jnp.exp(gl) * sd + tail_k
+            dG_ref[...] = dG + jnp.where(iota((C, 1), 0) == C - 1, last, 0.0)
+
     tok_k = pl.BlockSpec((None, C, None, BK), lambda n_, bh, kt: (bh // H, n_, bh % H, kt))
     tok_v = pl.BlockSpec((None, C, None, V), lambda n_, bh, kt: (bh // H, n_, bh % H, 0))
     st_k = pl.BlockSpec((None, None, None, BK, V), lambda n_, bh, kt: (bh // H, bh % H, n_, kt, 0))
@@ -479,7 +517,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         [] if mode == "none" else [s.sds_tok(K)])
     outs = _call(kernel, grid=(s.N, s.B * H, K // BK), in_specs=in_specs,
                  out_specs=[tok_k] * len(out_shape), out_shape=out_shape, interpret=interpret,
-                 num_warps=4, name="rewy_bwd_leaf")(*ins)
+                 num_warps=NUM_WARPS, name="rewy_bwd_leaf")(*ins)
     return list(outs) + ([None] if mode == "none" else [])
 
 
