@@ -162,3 +162,24 @@ def test_autodiff_baseline_matches_recurrence():
                                              initial_state=x["initial_state"], precision="highest")
             o_r, s_r = testing.run_op(op, x, backend="reference")
             assert testing.ratio(o, o_r) < 1e-5 and testing.ratio(s, s_r) < 1e-5
+
+
+def test_refusing_implementation_is_reported(tmp_path, monkeypatch):
+    """An implementation that raises on the call (e.g. jla's "head dims must be in (64, 128)") is a
+    'refused' row with the reason, not a crash; an implementation not registered is 'skipped'."""
+    from benchmarks import impls, run
+
+    class Refuses(impls.JaxImpl):
+        family, name = "jla", "refuses"
+
+        def call(self, op, q, k, v, gates, output_final_state):
+            raise ValueError("head dims must be in (64, 128)")
+
+    monkeypatch.setattr(impls, "all_impls", lambda quick, backends_=None: [
+        Refuses(), impls.Ours("no_such_backend", "rewy", "recompute")])
+    assert run.main(["--cpu-smoke", "--shapes", TINY, "--ops", "deltanet", "--rounds", "1",
+                     "--out-dir", str(tmp_path), "--stem", "r"]) == 0
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
+    assert rows["refuses"]["status"] == "refused" and "head dims" in rows["refuses"]["reason"]
+    assert rows["ours no_such_backend rewy/recompute"]["status"] == "skipped"
+    assert "head dims" in (tmp_path / "r.md").read_text()
