@@ -104,17 +104,17 @@ def test_supports_reasons():
 # ----------------------------------------------------------------------------------------------
 # Lowering for TPU from CPU
 # ----------------------------------------------------------------------------------------------
-def _tpu_mesh():
+def _tpu_mesh(device_kind="TPU v6 lite"):
     return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-        device_kind="TPU v6 lite", num_cores=1, platform="tpu"))
+        device_kind=device_kind, num_cores=1, platform="tpu"))
 
 
-def lower_for_tpu(f, *args):
+def lower_for_tpu(f, *args, device_kind="TPU v6 lite"):
     """Lower ``f`` for TPU from CPU; returns the StableHLO text (with the Mosaic kernels).
 
     Unlike design.md's recipe, tracing also happens inside the abstract mesh: kernels with
     scalar prefetch / compiler params query the device kind already while tracing."""
-    with jax.sharding.use_abstract_mesh(_tpu_mesh()):
+    with jax.sharding.use_abstract_mesh(_tpu_mesh(device_kind)):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
 
 
@@ -164,7 +164,8 @@ def test_lowers_for_tpu(D, dtype, op):
     assert not failed, failed
 
 
-def test_op_lowers_for_tpu_end_to_end(monkeypatch):
+@pytest.mark.parametrize("device_kind", ["TPU v5 lite", "TPU v6 lite"], ids=["v5e", "v6e"])
+def test_op_lowers_for_tpu_end_to_end(monkeypatch, device_kind):
     """The public op with jax.grad (custom VJP, layout glue, both kernels) lowers for TPU."""
     inputs = testing.make_inputs("gdn2", 1, 100, 2, 128, 128, dtype=jnp.bfloat16)
 
@@ -176,7 +177,8 @@ def test_op_lowers_for_tpu_end_to_end(monkeypatch):
     args = [inputs[n] for n in ("q", "k", "v", "g", "b", "w", "initial_state")]
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
     monkeypatch.setattr(backends, "_platform", lambda: "tpu")  # dispatch as on a TPU
-    text = lower_for_tpu(jax.value_and_grad(loss, argnums=tuple(range(7))), *specs)
+    text = lower_for_tpu(jax.value_and_grad(loss, argnums=tuple(range(7))), *specs,
+                         device_kind=device_kind)
     assert text.count("tpu_custom_call") >= 3  # forward, recompute states, backward
 
 
