@@ -253,12 +253,28 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret):
                  num_stages=_pass_stages(K))(*ins)
 
 
+def _qk_full(mode, q_ref, k_ref, G_ref, C, prec):
+    """No or scalar gates: (G rows or None, P = tril(Qγ K̄ᵀ) = (Q Kᵀ) ⊙ e^{G_r − G_s}) on the
+    whole chunk (the decay is masked before exp, so no factor exceeds 1)."""
+    r, c = iota((C, C), 0), iota((C, C), 1)
+    P = dot(load_rows(q_ref, 0, C), load_rows(k_ref, 0, C), prec, tb=True)
+    if mode == "none":
+        return None, jnp.where(c <= r, P, 0.0)
+    Gc = load_rows(G_ref, 0, C)
+    return Gc, P * jnp.exp(jnp.where(c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
+
+
 def output(s: Shape, q, k, G, S0, R, out_dtype, *, interpret):
     """O = Qγ S0 + P R, [B,Tp,H,V] in out_dtype. Grid (N, B·H, V/BV): P is rebuilt per tile."""
     n, C, prec, mode, BV = s.n, s.C, s.prec, s.mode, s.BV
 
     def kernel(*refs):
         q_ref, k_ref, G_ref, S0_ref, R_ref, o_ref = _split(refs, mode, 3)
+        if mode != "vector":  # one [C, C] decay matrix: whole-chunk matmuls
+            Gc, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)
+            o = dot(_qg(mode, Gc, load_rows(q_ref, 0, C)), S0_ref[...], prec)
+            o_ref[...] = (o + dot(P, R_ref[...], prec)).astype(o_ref.dtype)
+            return
         gt = Gates(mode, G_ref, 0, C)
         qs, ks, Rs = Rows(q_ref), Rows(k_ref), Rows(R_ref)
         for i in range(n):
@@ -284,6 +300,10 @@ def bwd_local(s: Shape, q, k, G, dO, *, interpret):
 
     def kernel(*refs):
         q_ref, k_ref, G_ref, dO_ref, out_ref = _split(refs, mode, 3)
+        if mode != "vector":
+            _, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)
+            out_ref[...] = dot(P, dO_ref[...].astype(F32), prec, ta=True)
+            return
         gt = Gates(mode, G_ref, 0, C)
         qs, ks, dOs = Rows(q_ref), Rows(k_ref), Rows(dO_ref)
         for j in range(n):
