@@ -135,8 +135,9 @@ def test_variable_length_matches_separate_sequences():
     np.testing.assert_allclose(packed, ref, **TOL)
     # packed prefill, then the N sequences continue as a batch of N
     layer.init_cache(3)
-    out = layer(jnp.concatenate([x[:, :n - 2] for x, n in zip(xs, lens)], 1),
-                cu_seqlens=jnp.array(np.cumsum([0] + [n - 2 for n in lens]), jnp.int32), decode=True)
+    prefill = nnx.jit(lambda m, x, cu: m(x, cu_seqlens=cu, decode=True))
+    out = prefill(layer, jnp.concatenate([x[:, :n - 2] for x, n in zip(xs, lens)], 1),
+                  jnp.array(np.cumsum([0] + [n - 2 for n in lens]), jnp.int32))
     assert out.shape == (1, sum(lens) - 6, HID)
     for i in (2, 1):
         step = jnp.concatenate([x[:, n - i:n - i + 1] for x, n in zip(xs, lens)], axis=0)  # [3, 1, D]
@@ -164,8 +165,9 @@ def test_gates():
 
 
 def test_linen_bridge():
+    # DeltaNet and GDN2 here, GDN inside a Linen model below, KDA in the next test: all four.
     x = _x(T=16)
-    for name, cls in LAYERS.items():
+    for cls in (DeltaNet, GatedDeltaNet2):
         model = to_linen(cls, HID, H, K, **REF)
         variables = jax.jit(model.init)(jax.random.key(0), x)
         assert set(variables) == {"params"}

@@ -87,7 +87,9 @@ class LowRankProjection(nnx.Module):
 
 
 class DeltaRuleLayer(nnx.Module):
-    """Base of :class:`DeltaNet`, :class:`GatedDeltaNet`, :class:`KimiDeltaAttention`, :class:`GatedDeltaNet2`.
+    """Base of :class:`DeltaNet`, :class:`GatedDeltaNet`, :class:`KimiDeltaAttention`,
+    :class:`GatedDeltaNet2`: ``Layer(hidden_size, num_heads, head_dim=None, *, rngs, **options)``;
+    ``head_dim`` defaults to hidden_size // num_heads.
 
     Common options (keyword-only):
       num_v_heads: value heads H_v, a multiple of num_heads (default num_heads).
@@ -97,6 +99,7 @@ class DeltaRuleLayer(nnx.Module):
         init, N(0, initializer_range²)) or "uniform" (PyTorch's Conv1d default, U(±conv_size^−½)).
       allow_neg_eigval: β (and GDN2's erase gate b) = 2·sigmoid(·) ∈ (0, 2) instead of (0, 1).
       use_gate: output gate (RMSNorm(o) ⊙ act(x W_g)); default per layer as in FLA.
+      gate_low_rank_dim: rank of the low-rank gate projections of KDA/GDN2 (default head_v_dim).
       norm_eps (1e-5), initializer_range (0.02; normal init of every projection and conv kernel,
         as FLA's ``_init_weights``), dtype (computation; None = promote input and params),
         param_dtype (fp32).
@@ -116,8 +119,8 @@ class DeltaRuleLayer(nnx.Module):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None = None, *,
                  rngs: nnx.Rngs, num_v_heads: int | None = None, expand_v: float | None = None,
                  head_v_dim: int | None = None, use_short_conv: bool = True, conv_size: int = 4,
-                 conv_bias: bool = False, conv_init: str = "normal", allow_neg_eigval: bool = False, use_gate: bool | None = None,
-                 gate_low_rank_dim: int | None = None, norm_eps: float = 1e-5,
+                 conv_bias: bool = False, conv_init: str = "normal", allow_neg_eigval: bool = False,
+                 use_gate: bool | None = None, gate_low_rank_dim: int | None = None, norm_eps: float = 1e-5,
                  initializer_range: float = 0.02, dtype=None, param_dtype=jnp.float32,
                  backend: str | None = None, chunk_size: int = 64, policy: str = "recompute",
                  backward: str = "rewy", interpret: bool = False, recurrent_max_len: int = 16):
