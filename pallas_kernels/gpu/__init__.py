@@ -1,1 +1,13 @@
-"""Pallas GPU kernels (Triton lowering)."""
+"""Pallas GPU kernels (Triton lowering) of the chunked delta rule and ReWY's reduced backward.
+
+* :mod:`pallas_kernels.gpu.blocks` — the per-chunk algebra of ``pallas_kernels.chunk_algebra`` in
+  a Triton-lowerable form (16-row sub-chunk blocks, reference frames for vector gates, masked
+  forward substitution for the inverse).
+* :mod:`pallas_kernels.gpu.kernels` — the ``pallas_call`` kernels (chunk-local, state passes,
+  output, backward core and leaf maps).
+* :mod:`pallas_kernels.gpu.api` — ``general_delta`` (the kernels behind ``jax.custom_vjp``) and
+  the adapter that ``rewy_jax.backends`` registers as backend ``"pallas_gpu"``.
+* ``bench_kernels.py`` — accuracy and timing script for the lent GPU (imports rewy_jax).
+
+Nothing here is imported by ``import rewy_jax``; the backend imports it on first use.
+"""
