@@ -319,6 +319,21 @@ Aᵀ dU, Aᵀ dW, Aᵀ dA, (·)A).
 {t_other}
 {t32}
 
+## Outside the kernels: the layout glue (not in the tables)
+
+The backend (`rewy_jax.backends.pallas_tpu_impl`) moves tokens between the public layout
+`[B, T, H, D]` and the kernels' chunk layout `[B, H, N, C, D]` with XLA transposes: one read and
+one write of q, k, v (and vector gates) on the way in, of o on the way out, of dO into the
+backward and of dq, dk, dv (db, dw, dg) out of it. At K = V = 128, bf16, that is ≈ 128 KiB per
+chunk around the forward and ≈ 128 KiB around the backward (plus 2·32 KiB per fp32 vector gate) —
+comparable to the kernels' own ≈ 350 KiB (forward + states pass + backward, DeltaNet), so on an
+HBM-bound v6e the end-to-end step would be up to ≈ 1.7× the kernel roofline. The fix is a
+token-layout BlockSpec: viewing `[B, T, H, D]` as `[B, T, H·D]` (a free reshape), a
+`(C, D)` block at column block h is a legal TPU tile for D ∈ {{128, 256}} (the last dim a multiple
+of 128), so the kernels could read and write the public layout directly, masking the rows past T
+in the last chunk; D = 64 and packed varlen (sequences re-laid to start on chunk boundaries) would
+keep the transposing path. Not done yet.
+
 ## Not modelled
 
 * Grid-step overhead: a step here is one chunk of one head (0.1–0.5 µs of work); a fixed
