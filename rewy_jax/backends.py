@@ -87,20 +87,39 @@ def _reference_supports(call, chunk_size, interpret):
 def pallas_tpu_impl(call, *, chunk_size, policy, backward, interpret=False):
     from pallas_kernels.tpu import chunk_meta, chunked_delta_tpu
 
-    plan = layout.plan_chunks(call.q.shape[1], chunk_size, call.cu_seqlens)
-    to = lambda x: None if x is None else layout.to_chunks(x, plan)  # noqa: E731
+    B, T, H, K = call.q.shape
+    V = call.v.shape[-1]
+    plan = layout.plan_chunks(T, chunk_size, call.cu_seqlens)
+    # Token layout (no HBM transpose): [B, T, H, D] padded to N·C rows and viewed as
+    # [B, N·C, H·D]; a (C, D) block is a legal TPU tile when D is a multiple of 128. Packed
+    # varlen (sequences re-laid on chunk boundaries) and D = 64 use the chunk layout.
+    token = call.cu_seqlens is None and K % 128 == 0 and V % 128 == 0
+    Tp = plan.n_chunks * chunk_size
+
+    def to(x, scalar=False):
+        if x is None:
+            return None
+        if token and not scalar:
+            x = jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2)) if Tp != T else x
+            return x.reshape(B, Tp, -1)
+        return layout.to_chunks(x, plan)
+
     # The leaf maps e = b ⊙ k, z = w ⊙ v and the gate cumsum run in-kernel; a shared scalar β
     # (DeltaNet, GDN, KDA) is passed once.
     w = None if call.w is call.b else call.w
+    sc = lambda x: x is not None and x.ndim == 3  # per-token scalar [B, T, H]  # noqa: E731
     h0 = call.h0[None] if call.cu_seqlens is not None else call.h0[:, None]
     h0 = jnp.concatenate([h0, jnp.zeros_like(h0[:, :1])], axis=1)  # + the padding chunks' slot
     meta = chunk_meta(plan.chunk_reset, plan.chunk_seq, plan.end_chunk)
     # bf16/fp16 callers: bf16 operands for the backward's leaf products (fp32 accumulation).
     operands = "bfloat16" if jnp.dtype(call.out_dtype).itemsize < 4 else None
-    o, final = chunked_delta_tpu(to(call.q), to(call.k), to(call.v), to(call.b), to(w),
-                                 to(call.g), h0, meta, policy, backward, operands, interpret)
+    o, final = chunked_delta_tpu(to(call.q), to(call.k), to(call.v), to(call.b, sc(call.b)),
+                                 to(w, sc(w)), to(call.g, sc(call.g)), h0, meta, policy, backward,
+                                 operands, interpret)
     final = final[0, :-1] if call.cu_seqlens is not None else final[:, 0]
-    return layout.from_chunks(o, plan, call.q.shape[1]), final
+    if token:
+        return o.reshape(B, Tp, H, V)[:, :T], final
+    return layout.from_chunks(o, plan, T), final
 
 
 def _pallas_tpu_supports(call, chunk_size, interpret):

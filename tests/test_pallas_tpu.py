@@ -26,7 +26,6 @@ from rewy_jax import backends, testing
 CASES = [
     ("deltanet", jnp.float32, 16, 40, {}, {}),
     ("gdn", jnp.float32, 16, 150, dict(policy="save", backward="wy"), {}),  # 10 chunks: 2 gate tiles
-    ("kda", jnp.float32, 32, 40, {}, {}),
     ("gdn2", jnp.float32, 64, 72, {}, {}),
     ("gdn2", jnp.float32, 32, 56, dict(policy="save", backward="wy"), dict(n_seqs=2)),
     ("gdn", jnp.float32, 32, 40, {}, dict(decay="strong")),
@@ -69,6 +68,16 @@ def test_interpret_accuracy(op, dtype, C, T, kw, mk, monkeypatch):
                                   chunk_size=C, **kw)
     bad = {k: v for k, v in rep.items() if not v[0] <= v[1]}
     assert not bad, f"{op}: ratios above tolerance: {bad} (all: {rep})"
+
+
+def test_interpret_token_layout():
+    """K = V = 128 and no cu_seqlens: the kernels read and write the public [B, T, H, D] layout
+    (viewed as [B, T, H·D]) without transposes; KDA, fp32, T not a multiple of the chunk."""
+    inputs = testing.make_inputs("kda", 1, 40, 2, 128, 128, seed=4)
+    rep = testing.accuracy_report("kda", inputs, backend="pallas_tpu", interpret=True,
+                                  chunk_size=16)
+    bad = {k: v for k, v in rep.items() if not v[0] <= v[1]}
+    assert not bad, f"ratios above tolerance: {bad} (all: {rep})"
 
 
 def test_interpret_race_detection():
@@ -164,22 +173,28 @@ def test_lowers_for_tpu(D, dtype, op):
     assert not failed, failed
 
 
+@pytest.mark.parametrize("op,D", [("gdn2", 128), ("gdn", 256), ("kda", 64)])
 @pytest.mark.parametrize("device_kind", ["TPU v5 lite", "TPU v6 lite"], ids=["v5e", "v6e"])
-def test_op_lowers_for_tpu_end_to_end(monkeypatch, device_kind):
-    """The public op with jax.grad (custom VJP, layout glue, both kernels) lowers for TPU."""
-    inputs = testing.make_inputs("gdn2", 1, 100, 2, 128, 128, dtype=jnp.bfloat16)
+def test_op_lowers_for_tpu_end_to_end(monkeypatch, device_kind, op, D):
+    """The public op with jax.grad (custom VJP, layout glue, both kernels) lowers for TPU; D 128
+    and 256 take the token layout (no transposes), D = 64 the chunk layout."""
+    spec = testing.OPS[op]
+    inputs = testing.make_inputs(op, 1, 100, 2, D, D, dtype=jnp.bfloat16)
+    names = ("q", "k", "v") + spec.gates + ("initial_state",)
 
-    def loss(q, k, v, g, b, w, h0):
-        o, s = testing.OPS["gdn2"].fn(q, k, v, g, b, w, initial_state=h0, output_final_state=True,
-                                      use_qk_l2norm=True, backend="pallas_tpu", chunk_size=64)
+    def loss(*a):
+        o, s = spec.fn(*a[:-1], initial_state=a[-1], output_final_state=True,
+                       use_qk_l2norm=True, backend="pallas_tpu", chunk_size=64)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
-    args = [inputs[n] for n in ("q", "k", "v", "g", "b", "w", "initial_state")]
+    args = [inputs[n] for n in names]
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
     monkeypatch.setattr(backends, "_platform", lambda: "tpu")  # dispatch as on a TPU
-    text = lower_for_tpu(jax.value_and_grad(loss, argnums=tuple(range(7))), *specs,
+    text = lower_for_tpu(jax.value_and_grad(loss, argnums=tuple(range(len(args)))), *specs,
                          device_kind=device_kind)
     assert text.count("tpu_custom_call") >= 3  # forward, recompute states, backward
+    if D % 128 == 0:  # token layout: the kernels take q as [B, N·C, H·D] = [1, 128, 2·D]
+        assert f"tensor<1x128x{2 * D}xbf16>" in text
 
 
 def test_jit_in_interpreter():

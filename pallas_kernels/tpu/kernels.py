@@ -145,14 +145,30 @@ def backward_chunk(q, k, v, b, w, g, S0, R, dO, dS, scheme="rewy", operands=None
 # ----------------------------------------------------------------------------------------------
 # BlockSpecs
 # ----------------------------------------------------------------------------------------------
-def _token_spec(x, N, C, reverse):
-    """BlockSpec of a per-token array in chunk layout: dense [B, H, N, C, D] or row tiles
-    [B, H, Np, C] (8 chunks per (8, C) tile)."""
+def _token_spec(x, H, N, C, reverse):
+    """BlockSpec of a per-token array, by layout:
+
+    * token layout ``[B, N·C, H·D]`` (the public ``[B, T, H, D]`` reshaped for free; D a multiple
+      of 128): block (C, D) at row block n, column block h — no transpose in HBM;
+    * chunk layout ``[B, H, N, C, D]``: block (C, D);
+    * scalar row tiles ``[B, H, Np, C]``: the (8, C) tile holding chunk n's row.
+    """
     sq = pl.Squeezed() if hasattr(pl, "Squeezed") else None
     idx = (lambda n: N - 1 - n) if reverse else (lambda n: n)
+    if x.ndim == 3:
+        return pl.BlockSpec((sq, C, x.shape[-1] // H), lambda b, h, n, *_: (b, idx(n), h))
     if x.ndim == 4:
         return pl.BlockSpec((sq, sq, _GATE_ROWS, C), lambda b, h, n, *_: (b, h, idx(n) // _GATE_ROWS, 0))
     return pl.BlockSpec((sq, sq, sq, C, x.shape[-1]), lambda b, h, n, *_: (b, h, idx(n), 0, 0))
+
+
+def _dims(q, h0, meta):
+    """(B, H, N, C, K, V) from the inputs, in either layout."""
+    B = q.shape[0]
+    H, K, V = h0.shape[2:]
+    N = meta[0].shape[0]
+    C = q.shape[-2] if q.ndim == 5 else q.shape[1] // N
+    return B, H, N, C, K, V
 
 
 def _state_specs(N, K, V, reverse):
@@ -230,19 +246,19 @@ def forward_call(q, k, v, b, w, g, h0, meta, *, mode="fwd", save=False, operands
     mode "fwd": returns (o [B,H,N,C,V] in v.dtype, final [B,S+1,H,K,V] fp32, S0s, R) with S0s, R
     None unless save. mode "states": returns S0s [B,H,N,K,V] fp32.
     """
-    B, H, N, C, K = q.shape
-    V = v.shape[-1]
+    B, H, N, C, K, V = _dims(q, h0, meta)
     xs, rows = _token_args(q, k, v, b, w, g)
     per_seq, per_chunk = _state_specs(N, K, V, False)
-    in_specs = [_token_spec(x, N, C, False) for x in xs] + [per_seq]
-    vspec = _token_spec(v, N, C, False)
+    in_specs = [_token_spec(x, H, N, C, False) for x in xs] + [per_seq]
+    vspec = _token_spec(v, H, N, C, False)  # o: v's layout
+    r_shape = jax.ShapeDtypeStruct((B, H, N, C, V), f32)  # R: chunk layout, kernel-internal
     s0_shape = jax.ShapeDtypeStruct((B, H, N, K, V), f32)
     if mode == "fwd":
-        out_specs = [vspec, per_seq] + ([per_chunk, vspec] if save else [])
-        out_shape = [jax.ShapeDtypeStruct((B, H, N, C, V), v.dtype),
-                     jax.ShapeDtypeStruct(h0.shape, f32)]
+        out_specs = [vspec, per_seq] + ([per_chunk, _token_spec(r_shape, H, N, C, False)]
+                                        if save else [])
+        out_shape = [jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(h0.shape, f32)]
         if save:
-            out_shape += [s0_shape, jax.ShapeDtypeStruct((B, H, N, C, V), f32)]
+            out_shape += [s0_shape, r_shape]
     else:
         out_specs, out_shape = [per_chunk], [s0_shape]
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -308,15 +324,14 @@ def backward_call(q, k, v, b, w, g, S0s, R, dO, dfinal, meta, *, scheme="rewy", 
     """Run the backward kernel.
 
     Returns (dq, dk, dv, db, dw or None, dg or None, dh0 [B,S+1,H,K,V])."""
-    B, H, N, C, K = q.shape
-    V = v.shape[-1]
+    B, H, N, C, K, V = _dims(q, dfinal, meta)
     xs, rows = _token_args(q, k, v, b, w, g)
     per_seq, per_chunk = _state_specs(N, K, V, True)
-    vspec = _token_spec(v, N, C, True)
     has_r = R is not None
-    in_specs = ([_token_spec(x, N, C, True) for x in xs] + [per_chunk]
-                + ([vspec] if has_r else []) + [vspec, per_seq])
-    out_specs = [_token_spec(x, N, C, True) for x in xs] + [per_seq]
+    in_specs = ([_token_spec(x, H, N, C, True) for x in xs] + [per_chunk]
+                + ([_token_spec(R, H, N, C, True)] if has_r else [])
+                + [_token_spec(dO, H, N, C, True), per_seq])
+    out_specs = [_token_spec(x, H, N, C, True) for x in xs] + [per_seq]
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
     out_shape.append(jax.ShapeDtypeStruct(dfinal.shape, f32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -350,7 +365,9 @@ def chunked_delta_tpu(q, k, v, b, w, g, h0, meta, policy="recompute", backward="
     """The general delta rule on chunk-layout inputs, by the TPU kernels (module docstring).
 
     Args:
-      q, k: [B, H, N, C, K] scaled query and key; v: [B, H, N, C, V].
+      q, k: [B, H, N, C, K] scaled query and key; v: [B, H, N, C, V] (chunk layout) — or all three
+        in token layout [B, N·C, H·D] (the public [B, T, H, D] padded to N·C rows and reshaped;
+        D ∈ {128, 256}: no HBM transpose), vector gates alike.
       b: erase gate, scalar [B, H, N, C(, 1)] or vector [B, H, N, C, K].
       w: write gate, None (the same scalar β as b), scalar or vector [B, H, N, C, V].
       g: None, scalar [B, H, N, C(, 1)] or vector [B, H, N, C, K] raw log-decays (≤ 0; the
