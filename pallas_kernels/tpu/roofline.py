@@ -321,18 +321,17 @@ Aᵀ dU, Aᵀ dW, Aᵀ dA, (·)A).
 
 ## Outside the kernels: the layout glue (not in the tables)
 
-The backend (`rewy_jax.backends.pallas_tpu_impl`) moves tokens between the public layout
-`[B, T, H, D]` and the kernels' chunk layout `[B, H, N, C, D]` with XLA transposes: one read and
-one write of q, k, v (and vector gates) on the way in, of o on the way out, of dO into the
-backward and of dq, dk, dv (db, dw, dg) out of it. At K = V = 128, bf16, that is ≈ 128 KiB per
-chunk around the forward and ≈ 128 KiB around the backward (plus 2·32 KiB per fp32 vector gate) —
-comparable to the kernels' own ≈ 350 KiB (forward + states pass + backward, DeltaNet), so on an
-HBM-bound v6e the end-to-end step would be up to ≈ 1.7× the kernel roofline. The fix is a
-token-layout BlockSpec: viewing `[B, T, H, D]` as `[B, T, H·D]` (a free reshape), a
-`(C, D)` block at column block h is a legal TPU tile for D ∈ {{128, 256}} (the last dim a multiple
-of 128), so the kernels could read and write the public layout directly, masking the rows past T
-in the last chunk; D = 64 and packed varlen (sequences re-laid to start on chunk boundaries) would
-keep the transposing path. Not done yet.
+For K and V multiples of 128 and no `cu_seqlens`, the kernels read and write the public layout
+directly: `[B, T, H, D]` is viewed as `[B, T, H·D]` (a free reshape) and a (C, D) block at column
+block h is a legal TPU tile, so q, k, v, o, vector gates and their gradients cross HBM once, as
+counted above. What remains outside the kernels: a zero-pad of T to a multiple of C when T is not
+one (one copy; none for the usual T), the per-token scalars (β, scalar g: `[B, T, H]` → (8, C)
+row tiles, T·H·4 bytes, negligible), and the q/k L2-norm and scaling of the public ops. With
+D = 64 or packed varlen (sequences re-laid to start on chunk boundaries), the backend still
+transposes to the chunk layout `[B, H, N, C, D]`: one extra read and write of q, k, v (and vector
+gates) before the forward, of o after it, of dO before the backward and of dq, dk, dv (db, dw,
+dg) after it — at D = 64, bf16, ≈ 64 KiB around each of the forward and the backward per chunk,
+comparable to the kernels' own traffic.
 
 ## Not modelled
 
