@@ -239,8 +239,8 @@ primitive is tallied. Re-run it after changing a kernel; the tables follow.
   gates / β as (8, C) row tiles — 8 chunks per tile, lanes padded to 128), o / dq, dk, dv, db, dw,
   dg, dO, plus S0 (K·V fp32) and R (C·V fp32) where the policy stores or reads them. The
   per-sequence state blocks (h0, final, dfinal, dh0) are read/written once per sequence and left
-  out. The XLA glue around the kernels (layout transposes `[B,T,H,D] ↔ [B,H,N,C,D]`, the q/k
-  L2-norm) is not counted.
+  out. The XLA work around the kernels (q/k L2-norm, the layout glue of D = 64 / varlen calls)
+  is not counted; see "Outside the kernels".
 * **EUP / VPU:** transcendental (`exp`) and other elementwise/reduction element counts. They are
   **not** in the MXU/HBM roofline (no published VPU/EUP peak), but they matter: see findings.
 * **bound:** the larger of MXU (as implemented) and HBM time on v6e.
