@@ -1,6 +1,9 @@
 """Mosaic TPU kernels of the general delta rule: chunked forward and ReWY's reduced backward.
 
-Chunk layout (as ``rewy_jax.xla_chunked``): q, k ``[B, H, N, C, K]``, v ``[B, H, N, C, V]``;
+Per-token arrays come in one of two layouts (see ``_token_spec``): the *token layout*
+``[B, N·C, H·D]`` — the public ``[B, T, H, D]`` padded to N·C rows and reshaped for free, whose
+(C, D) blocks are legal TPU tiles when D is a multiple of 128, so no HBM transpose is needed — or
+the chunk layout (as ``rewy_jax.xla_chunked``): q, k ``[B, H, N, C, K]``, v ``[B, H, N, C, V]``;
 the per-token gates — erase b, write w (None: the same scalar β as b) and log-decay g (None or
 raw per-token values; the chunk-local cumsum is a triangular ones matmul in-kernel and dg its
 transpose) — are either dense vectors ``[B, H, N, C, D]`` or per-token scalars laid out as
