@@ -24,8 +24,10 @@ Kernels (dense blocks are whole ``[C, D]`` / ``[K, V]`` tiles: last two dims equ
   ``_fwd_kernel``  mode "fwd": o, final (+ S0 and R per chunk with policy "save");
                    mode "states": only the chunk start states S0 (the recompute pass).
   ``_bwd_kernel``  reverse chunk order: dq, dk, dv, db, dw, dg, dh0 (ReWY or the seven-product WY).
-Matmuls are fp32 ``Precision.HIGHEST`` (the fp32 accuracy contract, rewy-math §8), except the
-backward's leaf products for bf16 callers (``operands="bfloat16"``; see ``algebra``).
+Matmuls are fp32 ``Precision.HIGHEST`` for fp32 callers (the 1e-4 contract, rewy-math §8). For
+bf16/fp16 callers (``operands="bfloat16"``; see ``algebra.operand_policy``) the backward's leaf
+products take bf16 operands and the other products ``Precision.HIGH`` (bf16x3); the gate cumsum
+and the triangular inverse stay ``HIGHEST``.
 """
 
 from __future__ import annotations
