@@ -57,9 +57,13 @@ def _emulate_bf16x3(monkeypatch):
     monkeypatch.setattr(talg, "lax", shim)
 
 
-@pytest.mark.parametrize("op,dtype,C,T,kw,mk", CASES,
-                         ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-C{c[2]}-{'-'.join(f'{v}' for v in c[4].values()) or 'default'}"
-                              f"{'-' + '-'.join(f'{k}' for k in c[5]) if c[5] else ''}" for c in CASES])
+def _case_id(case):
+    op, dtype, C, _, kw, mk = case
+    return "-".join([op, jnp.dtype(dtype).name, f"C{C}", *(list(map(str, kw.values())) or ["default"]),
+                     *mk])
+
+
+@pytest.mark.parametrize("op,dtype,C,T,kw,mk", CASES, ids=[_case_id(c) for c in CASES])
 def test_interpret_accuracy(op, dtype, C, T, kw, mk, monkeypatch):
     if dtype == jnp.bfloat16:
         _emulate_bf16x3(monkeypatch)

@@ -252,9 +252,9 @@ What one grid step computes (rewy-math §3–§5): cumsum of the gate (ones matm
 T = tril(Ē K̄ᵀ, −1) and P = tril(Qγ K̄ᵀ) (vector gates: one [8, C]×[C, K] frame product per 8-row
 sub-chunk plus the exact per-pair diagonal sweep); A = (I+T)⁻¹ (forward substitution on 16×16
 diagonal blocks + nilpotent block merge); W = AĒ, U = AZ; R = U − W S0; O = Qγ S0 + P R;
-S_C = γ_C⊙S0 + K_tailᵀ R. The backward kernel recomputes these (or reads R with policy "save"), then
-dR = Pᵀ dO + K_tail dS, Λ = Aᵀ dR, dT = −tril(Λ Rᵀ, −1), −Λ S0ᵀ, the Gram terms, the leaf maps,
-dG and dS0 = Qγᵀ dO + γ_C⊙dS − Ēᵀ Λ. "states pass" is the forward kernel writing only S0 (the
+S_C = γ_C⊙S0 + K_tailᵀ R. The backward kernel recomputes these (or reads R with policy "save"),
+then dR = Pᵀ dO + K_tail dS, Λ = Aᵀ dR, dT = −tril(Λ Rᵀ, −1), −Λ S0ᵀ, the Gram terms, the leaf
+maps, dG and dS0 = Qγᵀ dO + γ_C⊙dS − Ēᵀ Λ. "states pass" is the forward kernel writing only S0 (the
 recompute policy's extra pass).
 
 ## Findings
