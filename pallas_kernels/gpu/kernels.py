@@ -11,8 +11,12 @@ cumsum, ``[B, Tp, H]`` (scalar), ``[B, Tp, H, K]`` (vector) or None.
     bwd_local  grid (N, B·H)      Pᵀ dO (the state-free part of dR)
     bwd_pass   grid (B·H, V/BV)   reverse loop: dS_end, dR = Pᵀ dO + K_tail dS_end,
                                   dS0 = γ_C dS_end + Qγᵀ dO − Wᵀ dR   (Ēᵀ Λ = Wᵀ dR), dh0
-    bwd_chunk  grid (N, B·H)      Λ = Aᵀ dR, dT = −tril(Λ Rᵀ), −Λ S0ᵀ, leaf grads, dG
-                                  (or the seven-product WY form, backward="wy")
+    bwd_dlam   grid (N, B·H)      Λ = Aᵀ dR, dT = −tril(Λ Rᵀ, −1), dA_qk = tril(dO Rᵀ)
+                                  (or the seven-product WY form of dT, backward="wy")
+    bwd_leaf   grid (N, B·H, K/BK) −Λ S0ᵀ, the leaf maps (dq, dk, de) and dG per key tile
+
+Vector gates (KDA, GDN2) run on 16-row sub-chunk blocks in reference frames (blocks.py); with no
+or scalar gates the decay is one [C, C] matrix and the kernels use whole-chunk matmuls.
 
 Sequence metadata (per chunk, int32 [N]): ``reset`` (start state is an initial state), ``end``
 (end state is a final state), ``seq`` (which initial/final slot). Initial/final states are
