@@ -16,7 +16,12 @@ towards loss and accuracy. A model that only knows "some value from the context"
 1/num_kv_pairs (printed as chance); recall needs a memory that binds keys to values, which is
 exactly what the delta rule's S_t = S_{t−1} + β_t k_t (v_t − S_{t−1}ᵀk_t)ᵀ does.
 
-Defaults finish in a few minutes on 2 CPU cores. For bigger runs on a GPU, e.g.:
+Defaults (T=64, 8 pairs, d_model=64, 2 layers, 600 steps of batch 16) take a few minutes of CPU
+time per mixer; the four delta-rule mixers reach ≥ 0.97 held-out accuracy. The softmax baseline
+has no short convolution: it must first learn a previous-token head from positions (RoPE) before
+it can recall, and at this budget it stays near chance (it had not learnt at 2,400 steps either).
+
+For bigger runs on a GPU, e.g.:
 
     python examples/mqar.py --seq-len 512 --num-kv-pairs 64 --d-model 256 --steps 4000 \
         --batch-size 256 --backend pallas
