@@ -226,17 +226,23 @@ def inv_diag(T):
     return lax.fori_loop(1, BS, body, A0)
 
 
-def inv_blocks(T, n, prec):
-    """Blocked ``(I + T)⁻¹``: T dict {(i, j): [BS, BS]} for i ≥ j (diagonal blocks strict).
+def inv_blocks(T, n, prec, on_row=None):
+    """Blocked ``(I + T)⁻¹``: T(i, j) -> [BS, BS] for i ≥ j (diagonal blocks strict).
 
     A_ii = inv(L_ii); A_ij = −A_ii Σ_{j ≤ k < i} T_ik A_kj (block forward substitution).
+    Row block i of T is built only when row i of A is (``T`` is called, not indexed), and
+    ``on_row(i, A)`` may consume row i at once, so only A and one row of T are live.
     """
-    A = {(i, i): inv_diag(T[i, i]) for i in range(n)}
-    for i in range(1, n):
+    A = {}
+    for i in range(n):
+        Ti = {k: T(i, k) for k in range(i + 1)}
+        A[i, i] = inv_diag(Ti[i])
         for j in range(i - 1, -1, -1):
             acc = None
             for k in range(j, i):
-                t = dot(T[i, k], A[k, j], prec)
+                t = dot(Ti[k], A[k, j], prec)
                 acc = t if acc is None else acc + t
             A[i, j] = -dot(A[i, i], acc, prec)
+        if on_row is not None:
+            on_row(i, A)
     return A

@@ -175,17 +175,18 @@ def intra(s: Shape, k, e, z, G, *, interpret):
         k_ref, e_ref, z_ref, G_ref, A_ref, W_ref, U_ref = _split(refs, mode, 4)
         gt = Gates(mode, G_ref, 0, C)
         ks, es, zs = Rows(k_ref), Rows(e_ref), Rows(z_ref)
-        T = {(i, j): gt.gram(i, j, es[i], ks[j], k_ref, prec, strict=True)
-             for i in range(n) for j in range(i + 1)}
-        A = inv_blocks(T, n, prec)
-        for i in range(n):
+        def T(i, j):
+            return gt.gram(i, j, es[i], ks[j], k_ref, prec, strict=True)
+
+        def on_row(i, A):  # row block i of A is final: emit W_i, U_i and A's row
             W_ref[pl.ds(i * BS, BS), :] = _sum(
                 dot(A[i, j], gt.head(j, es[j]), prec) for j in range(i + 1))
             U_ref[pl.ds(i * BS, BS), :] = _sum(dot(A[i, j], zs[j], prec) for j in range(i + 1))
-        for i in range(n):
             for j in range(n):
                 A_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
                     A[i, j] if j <= i else jnp.zeros((BS, BS), F32))
+
+        inv_blocks(T, n, prec, on_row)
 
     ins = [k, e, z] + ([] if mode == "none" else [G])
     in_specs = [s.chunk_tok(s.K), s.chunk_tok(s.K), s.chunk_tok(s.V)] + (
