@@ -47,6 +47,8 @@ CPU_CASES = [
     ("kda", 40, 16, 16, 32, "normal", {"backward": "wy", "policy": "save"}),
     ("gdn", 40, 16, 16, 16, "normal", {"backward": "wy"}),
     ("gdn2", 40, 16, 16, 16, "strong", {"policy": "save"}),
+    ("kda", 70, 16, 16, 64, "strong", {}),  # the default chunk: four sub-chunk blocks
+    ("gdn", 70, 16, 16, 64, "normal", {"backward": "wy"}),
 ]
 
 
