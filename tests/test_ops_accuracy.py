@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import itertools
 
-import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -21,7 +21,6 @@ from absl.testing import parameterized
 from jax.test_util import check_grads
 
 import rewy_jax as rj
-from rewy_jax import testing
 from rewy_jax.testing import OPS, make_inputs
 
 ALL_OPS = tuple(OPS)
