@@ -105,19 +105,21 @@ def _backward_state_pass(loc, M, dO, dfinal, chunk_reset, chunk_seq, end_chunk, 
         return ca.mm_tn(loc.Qg, dO) - ca.mm_tn(loc.W, dR_o)
 
     X = _vmap_chunks(local_dS0)(loc, dO)  # [B, H, N, K, V]
-    # Final-state cotangents enter at each sequence's last chunk.
-    inject = jnp.zeros((Bsz, H, N, K, V), jnp.float32)
-    inject = inject.at[:, :, end_chunk].add(jnp.moveaxis(dfinal, 1, 2))
-
+    # Final-state cotangents enter at each sequence's last chunk. Picked per step inside the scan
+    # (not scattered into a [B, H, N, K, V] buffer up front: with no final-state cotangent that
+    # buffer is a constant, and XLA spent seconds constant-folding the scatter).
+    is_end = jnp.zeros((N,), bool).at[end_chunk].set(True)
+    seq_clamped = jnp.minimum(chunk_seq, n_seq - 1)
     mT_s = jax.vmap(jax.vmap(ca.mm_tn))  # Mᵀ dS over (B, H)
 
     def step(carry, xs):
-        X_c, M_c, inj_c, reset_c = xs
-        dS_end = carry + inj_c
+        X_c, M_c, reset_c, end_c, seq_c = xs
+        inj_c = lax.dynamic_index_in_dim(dfinal, seq_c, axis=1, keepdims=False)  # [B, H, K, V]
+        dS_end = carry + jnp.where(end_c, inj_c, 0.0)
         dS0 = X_c + mT_s(M_c, dS_end)
         return jnp.where(reset_c, 0.0, dS0), (dS_end, dS0)
 
-    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (X, M, inject)) + (chunk_reset,)
+    xs = (jnp.moveaxis(X, 2, 0), jnp.moveaxis(M, 2, 0), chunk_reset, is_end, seq_clamped)
     _, (dS_end, dS0) = lax.scan(step, jnp.zeros((Bsz, H, K, V), jnp.float32), xs, reverse=True)
     dS_end, dS0 = jnp.moveaxis(dS_end, 0, 2), jnp.moveaxis(dS0, 0, 2)
     # dh0[b, n] = Σ over chunks that start sequence n of dS0 (exactly one such chunk).
