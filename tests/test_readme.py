@@ -19,3 +19,14 @@ def test_readme_example_runs_and_gives_finite_gradients():
         assert grad.shape == scope["q"].shape[:3] + (grad.shape[-1],)
         assert np.all(np.isfinite(np.asarray(grad.astype(jnp.float32))))
     assert float(jnp.abs(scope["dq"].astype(jnp.float32)).sum()) > 0
+
+
+def test_readme_layer_example_runs_and_decoding_matches():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    layer_blocks = [b for b in blocks if "rewy_jax.layers" in b]
+    assert layer_blocks, "README has no Flax layer example"
+    scope: dict = {}
+    exec(compile(layer_blocks[0], "README.md", "exec"), scope)  # noqa: S102
+    assert scope["y"].shape == scope["x"].shape
+    np.testing.assert_allclose(np.asarray(scope["y_next"]), np.asarray(scope["y"][:, 99:]),
+                               rtol=2e-4, atol=2e-4)
