@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from rewy_jax import backends, validate
-from rewy_jax.reference import l2norm
+from rewy_jax.reference import l2norm, reference_general
 
 __all__ = [
     "chunk_delta_rule",
@@ -188,8 +188,6 @@ chunk_gdn2.__doc__ = "Gated DeltaNet-2 (GDN2): per-channel decay, erase gate b, 
 # Recurrent (decode) form
 # ----------------------------------------------------------------------------------------------
 def _run_recurrent(call: GeneralCall, output_final_state):
-    from rewy_jax.reference import reference_general  # the recurrence, in fp32 state
-
     if call.cu_seqlens is not None and isinstance(call.cu_seqlens, jax.core.Tracer):
         # reference_general runs the sequences one by one, so it needs the offsets' values.
         raise NotImplementedError(
