@@ -52,6 +52,8 @@ def _compiler_params(num_warps, num_stages=None):
 
 def _call(kernel, *, grid, in_specs, out_specs, out_shape, interpret, num_warps, name,
           num_stages=None):
+    num_warps = TUNE.get(name + ".warps", num_warps)
+    num_stages = TUNE.get(name + ".stages", num_stages)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return pl.pallas_call(
@@ -65,6 +67,8 @@ def _call(kernel, *, grid, in_specs, out_specs, out_shape, interpret, num_warps,
 # of it. The state passes software-pipeline their per-chunk loads (num_stages = 3, ~210 KB of
 # shared memory at K = 128); at K = 256 that would need ~400 KB, so they drop to one stage there.
 NUM_WARPS = 8
+# Launch-setting overrides for tuning runs (profile_kernels.py): {"rewy_intra.warps": 4, ...}.
+TUNE: dict = {}
 
 
 def _pass_stages(K):

@@ -1,0 +1,165 @@
+"""Per-kernel times of the Pallas GPU kernels, under launch-setting variants (one GPU process).
+
+    PYTHONPATH=$PWD python3 pallas_kernels/gpu/profile_kernels.py [--modes none,scalar,vector]
+        [--variants base,w4,bvs64] [--shape 2x4096x16x128] [--out FILE]
+
+Each kernel of the forward and the backward is jitted alone on random bf16 inputs of the anchor
+shape and timed as the mean of 20 back-to-back launches (median of 5 such runs), so launch
+gaps hide behind the previous kernel; the whole forward and forward+backward of
+``api.general_delta`` are timed the same way. Variants set ``kernels.TUNE`` and the tile widths
+of ``api`` before tracing. Kernel-work tooling, not the peer benchmark (benchmarks/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.gpu import api
+from pallas_kernels.gpu import kernels as kn
+
+F32 = jnp.float32
+
+# name -> (kernels.TUNE, api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK)
+VARIANTS = {
+    "base": ({}, 64, None, None),
+    "w4": ({f"rewy_{k}.warps": 4 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
+                                           "bwd_dlam", "bwd_leaf")}, 64, None, None),
+    "bvs64": ({}, 64, 64, None),
+    "bv128": ({}, 128, None, None),
+    "bk128": ({}, 64, None, 128),
+    "st2": ({"rewy_fwd_pass.stages": 2, "rewy_bwd_pass.stages": 2}, 64, None, None),
+}
+
+
+def _bench(f, *args, reps=20, runs=5):
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(reps):
+            out = f(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / reps)
+    return 1e3 * float(np.median(ts))
+
+
+def _inputs(mode, B, T, H, D, C=64, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    bf = jnp.bfloat16
+
+    def nrm(key, shape, scale=1.0):
+        x = jax.random.normal(key, shape, F32)
+        return (scale * x / jnp.linalg.norm(x, axis=-1, keepdims=True)).astype(bf)
+
+    q = nrm(ks[0], (B, T, H, D), D ** -0.5 * D ** 0.5)
+    k = nrm(ks[1], (B, T, H, D))
+    b = jax.random.uniform(ks[2], (B, T, H, 1), F32, 0.0, 1.0)
+    e = (b * k.astype(F32)).astype(bf)
+    z = (jax.random.normal(ks[3], (B, T, H, D), F32) * b).astype(bf)
+    G = None
+    if mode != "none":
+        gshape = (B, T, H) if mode == "scalar" else (B, T, H, D)
+        g = -jax.random.uniform(ks[4], gshape, F32, 0.005, 0.2)
+        N = T // C
+        G = jnp.cumsum(g.reshape((B, N, C) + gshape[2:]), axis=2).reshape(gshape)
+    N = T // C
+    h0 = jnp.zeros((B, H, 2, D, D), F32).at[:, :, 0].set(
+        0.1 * jax.random.normal(ks[5], (B, H, D, D), F32))
+    reset = (jnp.arange(N) == 0).astype(jnp.int32)
+    end = (jnp.arange(N) == N - 1).astype(jnp.int32)
+    seq = jnp.zeros((N,), jnp.int32)
+    dO = jax.random.normal(ks[6], (B, T, H, D), F32).astype(bf)
+    return q, k, e, z, G, h0, reset, end, seq, dO
+
+
+def profile(mode, variant, shape, backward="rewy", interpret=False):
+    tune, BV, BVs, BK = VARIANTS[variant]
+    kn.TUNE.clear()
+    kn.TUNE.update(tune)
+    api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = BV, BVs, BK
+    B, T, H, D = shape
+    q, k, e, z, G, h0, reset, end, seq, dO = _inputs(mode, B, T, H, D)
+    cfg = api.Config(64, "recompute", backward, interpret, BV)
+    s = api._shape(cfg, q, z, G, h0)
+    it = interpret
+    rows = {}
+
+    f = jax.jit(lambda k, e, z, G: kn.intra(s, k, e, z, G, interpret=it))
+    rows["intra"] = _bench(f, k, e, z, G)
+    A, W, U = f(k, e, z, G)
+    f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=it))
+    rows["fwd_pass"] = _bench(f, W, U, k, G, h0)
+    S0, R, fin = f(W, U, k, G, h0)
+    f = jax.jit(lambda q, k, G, S0, R: kn.output(s, q, k, G, S0, R, jnp.bfloat16, interpret=it))
+    rows["output"] = _bench(f, q, k, G, S0, R)
+    f = jax.jit(lambda q, k, G, dO: kn.bwd_local(s, q, k, G, dO, interpret=it))
+    rows["bwd_local"] = _bench(f, q, k, G, dO)
+    dRl = f(q, k, G, dO)
+    dfin = jnp.zeros_like(fin)
+    f = jax.jit(lambda q, k, G, W, dO, dRl, dfin: kn.bwd_pass(s, q, k, G, W, dO, dRl, dfin, reset,
+                                                              end, seq, interpret=it))
+    rows["bwd_pass"] = _bench(f, q, k, G, W, dO, dRl, dfin)
+    dSe, dR, dh0 = f(q, k, G, W, dO, dRl, dfin)
+    f = jax.jit(lambda A, R, dO, dR, e, z, G, S0: kn.bwd_dlam(s, A, R, dO, dR, e, z, G, S0,
+                                                             backward=backward, interpret=it))
+    rows["bwd_dlam"] = _bench(f, A, R, dO, dR, e, z, G, S0)
+    lam, dT, dAqk = f(A, R, dO, dR, e, z, G, S0)
+    bf = jnp.bfloat16
+    f = jax.jit(lambda q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk: kn.bwd_leaf(
+        s, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, backward=backward,
+        dtypes=(bf, bf, bf), interpret=it))
+    rows["bwd_leaf"] = _bench(f, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk)
+
+    def fwd(q, k, e, z, G, h0):
+        return api.general_delta(cfg, q, k, e, z, G, h0, reset, end, seq)[0]
+
+    def loss(q, k, e, z, G, h0):
+        return jnp.sum(fwd(q, k, e, z, G, h0).astype(F32) * dO.astype(F32))
+
+    argn = (0, 1, 2, 3, 5) if G is None else (0, 1, 2, 3, 4, 5)
+    rows["FWD (general_delta)"] = _bench(jax.jit(fwd), q, k, e, z, G, h0)
+    rows["FWD+BWD (general_delta)"] = _bench(jax.jit(jax.grad(loss, argnums=argn)), q, k, e, z, G, h0)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", default="none,scalar,vector")
+    ap.add_argument("--variants", default="base")
+    ap.add_argument("--shape", default="2x4096x16x128")
+    ap.add_argument("--backward", default="rewy")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
+    a = ap.parse_args()
+    shape = tuple(int(x) for x in a.shape.split("x"))
+    print(jax.devices(), jax.__version__, flush=True)
+    table = {}
+    for mode in a.modes.split(","):
+        for var in a.variants.split(","):
+            t0 = time.perf_counter()
+            try:
+                table[mode, var] = profile(mode, var, shape, a.backward, a.interpret)
+            except Exception as ex:  # noqa: BLE001 — one failing variant must not hide the rest
+                print(f"{mode} {var} ERROR {type(ex).__name__}: {str(ex)[:400]}", flush=True)
+                continue
+            print(f"{mode} {var} ({time.perf_counter() - t0:.0f}s incl. compile): " +
+                  ", ".join(f"{k} {v:.3f}" for k, v in table[mode, var].items()), flush=True)
+    lines = [f"per-kernel ms, shape {a.shape} bf16, backward={a.backward}, jax {jax.__version__}"]
+    for (mode, var), rows in table.items():
+        lines.append(f"{mode:6s} {var:6s} " + " ".join(f"{k.split(' ')[0]}={v:.3f}"
+                                                       for k, v in rows.items()))
+    print("\n".join(lines))
+    if a.out:
+        with open(a.out, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
