@@ -138,7 +138,7 @@ def pallas_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
     plan = (None if call.cu_seqlens is None
             else layout.plan_chunks(call.q.shape[1], chunk_size, call.cu_seqlens))
     return api.delta_rule_call(call, chunk_size=chunk_size, policy=policy, backward=backward,
-                               interpret=interpret, plan=plan)
+                               interpret=interpret, plan=plan, gate_lower_bound=call.g_bound)
 
 
 def _pallas_gpu_supports(call, chunk_size, interpret):

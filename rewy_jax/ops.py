@@ -54,6 +54,7 @@ class GeneralCall(NamedTuple):
     h0: jax.Array  # [B or N, H, K, V] fp32
     cu_seqlens: jax.Array | None
     out_dtype: jnp.dtype
+    g_bound: float | None = None  # declared lower bound of g (vector gates), g clamped to it
 
 
 # A gate below this is a reset for every purpose in fp32 (exp(-40) ≈ 4e-18). Clamping keeps −inf
@@ -63,7 +64,7 @@ GATE_FLOOR = -40.0
 
 
 def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, use_qk_l2norm,
-             cu_seqlens, gate_names):
+             cu_seqlens, gate_names, gate_lower_bound=None):
     validate.check_qkv(q, k, v)
     validate.check_scale(scale)
     K, V = q.shape[-1], v.shape[-1]
@@ -75,6 +76,7 @@ def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, 
     validate.check_per_token(b_name, b, q, K if b_kind == "vector" else None, "K")
     if w_name is not None:
         validate.check_per_token(w_name, w, q, V if w_kind == "vector" else None, "V")
+    validate.check_gate_lower_bound(gate_lower_bound, g, GATE_FLOOR)
     n_seq = validate.check_cu_seqlens(cu_seqlens, q)
     validate.check_initial_state(initial_state, q, v, n_seq)
     if scale is None:
@@ -87,12 +89,14 @@ def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, 
         q, k = l2norm(q.astype(f32)), l2norm(k.astype(f32))
     q = q.astype(f32) * scale
     if g is not None:
-        g = jnp.maximum(g.astype(jnp.float32), GATE_FLOOR)
+        floor = GATE_FLOOR if gate_lower_bound is None else float(gate_lower_bound)
+        g = jnp.maximum(g.astype(jnp.float32), floor)
     B, _, H, _ = q.shape
     lead = B if n_seq is None else n_seq
     h0 = (jnp.zeros((lead, H, K, V), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
-    return GeneralCall(q, k, v, g, b, w, h0, cu_seqlens, out_dtype)
+    return GeneralCall(q, k, v, g, b, w, h0, cu_seqlens, out_dtype,
+                       None if gate_lower_bound is None else float(gate_lower_bound))
 
 
 def _run_chunk(call: GeneralCall, *, chunk_size, policy, backward, backend, interpret,
@@ -123,7 +127,7 @@ _COMMON_DOC = """
         "reference" (token recurrence).
       interpret: run a Pallas backend in interpret mode (on CPU).
       cu_seqlens: [N+1] int offsets of N packed sequences (FLA convention, B must be 1).
-    Returns:
+{extra}    Returns:
       (o [B, T, H, V] in q's dtype, final_state fp32 or None).
 """
 
@@ -153,10 +157,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm=False, chunk_size=64, policy="recompute", backward="rewy",
-              backend=None, interpret=False, cu_seqlens=None):
+              backend=None, interpret=False, cu_seqlens=None, gate_lower_bound=None):
     call = _prepare(q, k, v, g, beta, beta, g_kind="vector", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_names=("g", "beta", None))
+                    cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound, gate_names=("g", "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
                       scale=scale)
@@ -164,24 +168,32 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
 def chunk_gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None, output_final_state=False,
                use_qk_l2norm=False, chunk_size=64, policy="recompute", backward="rewy",
-               backend=None, interpret=False, cu_seqlens=None):
+               backend=None, interpret=False, cu_seqlens=None, gate_lower_bound=None):
     call = _prepare(q, k, v, g, b, w, g_kind="vector", b_kind="vector", w_kind="vector",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_names=("g", "b", "w"))
+                    cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound, gate_names=("g", "b", "w"))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
                       scale=scale)
 
 
+_BOUND_DOC = """      gate_lower_bound: None, or a static float in [−40, 0) that every g respects (a concrete g
+        below it raises; a traced one is clamped to it), as a layer with bounded gates declares.
+        At ≥ −5 the Pallas GPU kernels evaluate diagonal sub-chunk decays as one centred matmul
+        instead of exact per-pair loops (rewy-math §3); other backends are exact regardless.
+"""
+
 chunk_delta_rule.__doc__ = "DeltaNet: α = 1, e = βk, z = βv (chunked).\n" + _COMMON_DOC.format(
-    gates="      beta: [B, T, H] write strength β ∈ [0, 2].")
+    gates="      beta: [B, T, H] write strength β ∈ [0, 2].", extra="")
 chunk_gated_delta_rule.__doc__ = "Gated DeltaNet (GDN): scalar decay per head (chunked).\n" + \
-    _COMMON_DOC.format(gates="      g: [B, T, H] log-decay ≤ 0 (−inf = reset); beta: [B, T, H] in [0, 2].")
+    _COMMON_DOC.format(gates="      g: [B, T, H] log-decay ≤ 0 (−inf = reset); beta: [B, T, H] in [0, 2].",
+                       extra="")
 chunk_kda.__doc__ = "Kimi Delta Attention (KDA): per-key-channel decay (chunked).\n" + \
-    _COMMON_DOC.format(gates="      g: [B, T, H, K] log-decay ≤ 0 (−inf = reset); beta: [B, T, H] in [0, 2].")
+    _COMMON_DOC.format(gates="      g: [B, T, H, K] log-decay ≤ 0 (−inf = reset); beta: [B, T, H] in [0, 2].",
+                       extra=_BOUND_DOC)
 chunk_gdn2.__doc__ = "Gated DeltaNet-2 (GDN2): per-channel decay, erase gate b, write gate w.\n" + \
     _COMMON_DOC.format(gates=("      g: [B, T, H, K] log-decay ≤ 0; b: [B, T, H, K] erase gate in [0, 2];\n"
-                              "      w: [B, T, H, V] write gate."))
+                              "      w: [B, T, H, V] write gate."), extra=_BOUND_DOC)
 
 
 # ----------------------------------------------------------------------------------------------

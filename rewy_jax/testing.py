@@ -65,7 +65,8 @@ def make_inputs(op: str, B: int, T: int, H: int, K: int, V: int | None = None, *
     """Random inputs for ``OPS[op]`` as a dict of keyword arrays.
 
     decay: "normal" (g = log-sigmoid of N(2, 1)-ish, mild), "strong" (g down to −10, some −50
-    and −inf), or "none" (g = 0). β, b ∈ [0, 2]; w ∈ [0, 2]. q, k unnormalised (pass
+    and −inf), "bounded" (g uniform in [−5, 0], a tenth exactly −5: the strongest decays that
+    ``gate_lower_bound=-5`` admits) or "none" (g = 0). β, b ∈ [0, 2]; w ∈ [0, 2]. q, k unnormalised (pass
     use_qk_l2norm=True as the layers do). With ``n_seqs`` (B must be 1), also random
     ``cu_seqlens`` of that many sequences and per-sequence initial states.
     """
@@ -85,6 +86,9 @@ def make_inputs(op: str, B: int, T: int, H: int, K: int, V: int | None = None, *
                 idx = rng.choice(flat.size, size=max(1, flat.size // 50), replace=False)
                 flat[idx[: len(idx) // 2]] = -50.0
                 flat[idx[len(idx) // 2:]] = -np.inf
+            elif decay == "bounded":
+                g = -rng.uniform(0, 5, shape).astype(np.float32)
+                g[rng.uniform(size=shape) < 0.1] = -5.0
             else:
                 g = np.log(1 / (1 + np.exp(-(rng.standard_normal(shape) + 3.0)))).astype(np.float32)
             out[name] = g

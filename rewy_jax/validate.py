@@ -68,6 +68,21 @@ def check_scale(scale):
         raise ValueError(f"scale must be a positive number; got {scale!r}")
 
 
+def check_gate_lower_bound(bound, g, floor):
+    """``gate_lower_bound``: None or a Python number in [floor, 0); a concrete g must respect it."""
+    if bound is None:
+        return
+    if isinstance(bound, bool) or not isinstance(bound, (int, float, np.floating, np.integer)):
+        raise TypeError(f"gate_lower_bound must be None or a Python float (a static bound, "
+                        f"not an array); got {type(bound).__name__}")
+    if not floor <= float(bound) < 0:
+        raise ValueError(f"gate_lower_bound must lie in [{floor}, 0); got {bound!r}")
+    c = _concrete(g)
+    if c is not None and c.size and float(np.min(c)) < float(bound):
+        raise ValueError(f"g has values below gate_lower_bound={bound} (min {float(np.min(c)):.4g}); "
+                         f"raise the bound or bound the gates (e.g. g = bound * sigmoid(x))")
+
+
 def _concrete(x):
     """A numpy copy of x if its value is known now (not traced under jit), else None."""
     try:

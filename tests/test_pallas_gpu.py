@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import rewy_jax
@@ -49,6 +50,9 @@ CPU_CASES = [
     ("gdn2", 40, 16, 16, 16, "strong", {"policy": "save"}),
     ("kda", 70, 16, 16, 64, "strong", {}),  # the default chunk: four sub-chunk blocks
     ("gdn", 70, 16, 16, 64, "normal", {"backward": "wy"}),
+    # declared gate bound: centred diagonal blocks, at the strongest decays the bound admits
+    ("kda", 70, 16, 16, 64, "bounded", {"gate_lower_bound": -5.0}),
+    ("gdn2", 40, 32, 16, 16, "bounded", {"gate_lower_bound": -5.0, "backward": "wy", "policy": "save"}),
 ]
 
 
@@ -107,3 +111,16 @@ def test_gpu_bf16_matches_reference(op, K, V):
 def test_gpu_fp32_strong_decay(op):
     inp = testing.make_inputs(op, 1, 200, 2, 64, 64, dtype=jnp.float32, decay="strong", seed=8)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu"))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+def test_declared_bound_takes_the_centred_path(small_tiles):
+    """gate_lower_bound switches the kernels' diagonal blocks to the centred contraction: a
+    different rounding (so a different bit pattern) of the same function."""
+    inp = testing.make_inputs("kda", 1, 40, 2, 16, 16, decay="bounded", seed=7)
+    o1, s1 = testing.run_op("kda", inp, backend="pallas_gpu", interpret=True, chunk_size=16)
+    o2, s2 = testing.run_op("kda", inp, backend="pallas_gpu", interpret=True, chunk_size=16,
+                            gate_lower_bound=-5.0)
+    assert not np.array_equal(np.asarray(o1), np.asarray(o2))
+    np.testing.assert_allclose(np.asarray(o2), np.asarray(o1), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(s2), np.asarray(s1), rtol=2e-4, atol=2e-5)

@@ -290,3 +290,38 @@ def test_fused_recurrent_validates(gdn, kda):
                                             initial_state=jnp.zeros((B, H, K, K)))
     with pytest.raises(TypeError, match=r"^v must be a floating-point array"):
         rj.fused_recurrent_delta_rule(gdn["q"], gdn["k"], gdn["v"].astype(jnp.int8), gdn["beta"])
+
+
+# ----------------------------------------------------------------------------------------------
+# gate_lower_bound (KDA, GDN2)
+# ----------------------------------------------------------------------------------------------
+def _kda(d, g=None, **kw):
+    kw.setdefault("backend", "xla")
+    kw.setdefault("chunk_size", 16)
+    return rj.chunk_kda(d["q"], d["k"], d["v"], d["g"] if g is None else g, d["beta"], **kw)
+
+
+@pytest.mark.parametrize("bound", [0.0, 0.5, -41.0, float("nan")])
+def test_gate_lower_bound_range(kda, bound):
+    with pytest.raises(ValueError, match=r"^gate_lower_bound must lie in \[-40.0, 0\)"):
+        _kda(kda, gate_lower_bound=bound)
+
+
+def test_gate_lower_bound_must_be_static(kda):
+    with pytest.raises(TypeError, match=r"^gate_lower_bound must be None or a Python float"):
+        _kda(kda, gate_lower_bound=jnp.float32(-5.0)[None])
+
+
+def test_concrete_gate_below_bound_is_named(kda):
+    g = kda["g"].at[0, 3, 1, 2].set(-7.5)
+    with pytest.raises(ValueError, match=r"^g has values below gate_lower_bound=-5.0 \(min -7.5\)"):
+        _kda(kda, g=g, gate_lower_bound=-5.0)
+
+
+def test_traced_gate_is_clamped_to_bound(kda):
+    """Under jit the values are unknown: the op clamps g to the bound (documented), so it equals
+    the op on explicitly clamped gates — never a NaN or an unrelated answer."""
+    g = kda["g"].at[0, 3, 1, 2].set(-7.5).at[1, 10].set(-30.0)
+    o = jax.jit(lambda g: _kda(kda, g=g, gate_lower_bound=-5.0)[0])(g)
+    ref, _ = _kda(kda, g=jnp.maximum(g, -5.0))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(ref), rtol=1e-5, atol=1e-6)

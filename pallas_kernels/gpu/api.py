@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.gpu import kernels as kn
+from pallas_kernels.gpu.blocks import CENTRED_MIN_GATE
 
 F32 = jnp.float32
 # Value-tile width of the state passes and the per-chunk kernels (a power of two ≥ 16; tests
@@ -38,7 +39,8 @@ class Config(NamedTuple):
     policy: str  # "recompute" | "save"
     backward: str  # "rewy" | "wy"
     interpret: bool
-    BV: int  # value-tile width of the state passes
+    BV: int  # value-tile width of the per-chunk output kernels
+    centred: bool = False  # vector gates declared ≥ blocks.CENTRED_MIN_GATE (centred diagonals)
 
 
 def _mode(G):
@@ -61,15 +63,20 @@ def _shape(cfg, q, v, G, h0):
     V = v.shape[-1]
     return kn.Shape(B, Tp, H, K, V, cfg.chunk_size, h0.shape[2], _mode(G),
                     _precision(q.dtype, cfg.interpret), min(cfg.BV, V), DEFAULT_BK,
-                    DEFAULT_BV_STATE)
+                    DEFAULT_BV_STATE, cfg.centred)
+
+
+def _intra(s, q, k, e, z, G, interpret):
+    """(A, W, U, P): P (vector gates only, else None) is the gated query-key matrix."""
+    return kn.intra(s, k, e, z, G, q if s.mode == "vector" else None, interpret=interpret)
 
 
 def _forward(cfg, q, k, e, z, G, h0, reset, end, seq):
     s = _shape(cfg, q, z, G, h0)
-    A, W, U = kn.intra(s, k, e, z, G, interpret=cfg.interpret)
+    A, W, U, P = _intra(s, q, k, e, z, G, cfg.interpret)
     S0, R, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret)
-    o = kn.output(s, q, k, G, S0, R, z.dtype, interpret=cfg.interpret)
-    return o, final, (A, W, S0, R)
+    o = kn.output(s, q, k, G, S0, R, P, z.dtype, interpret=cfg.interpret)
+    return o, final, (A, W, S0, R, P)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -90,11 +97,11 @@ def _bwd(cfg, res, cts):
     s = _shape(cfg, q, z, G, h0)
     it = cfg.interpret
     if saved is None:  # "recompute": one more chunk-local pass and forward state pass
-        A, W, U = kn.intra(s, k, e, z, G, interpret=it)
+        A, W, U, P = _intra(s, q, k, e, z, G, it)
         S0, R, _ = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=it)
     else:
-        A, W, S0, R = saved
-    dRl = kn.bwd_local(s, q, k, G, dO, interpret=it)
+        A, W, S0, R, P = saved
+    dRl = kn.bwd_local(s, q, k, G, P, dO, interpret=it)
     dSe, dR, dh0 = kn.bwd_pass(s, q, k, G, W, dO, dRl, dfin.astype(F32), reset, end, seq,
                                interpret=it)
     dq, dk, de, dz, dG = kn.bwd_chunk(s, q, k, e, z, G, A, S0, dSe, R, dO, dR,
@@ -131,7 +138,8 @@ def _expand(x, ndim):
     return x if x.ndim == ndim else x[..., None]
 
 
-def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None, BV=None):
+def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None, BV=None,
+                    gate_lower_bound=None):
     """Serve a ``rewy_jax.ops.GeneralCall``: returns (o [B,T,H,V], final [B or N,H,K,V] fp32).
 
     ``plan``: a ``rewy_jax.layout.ChunkPlan`` for variable-length inputs (its ``gather`` and
@@ -182,7 +190,9 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
         gc = lay(g)
         gc = gc.reshape((B, N, C) + gc.shape[2:])
         G = jnp.cumsum(gc, axis=2).reshape((B, Tp) + gc.shape[3:])
-    cfg = Config(C, policy, backward, bool(interpret), BV or DEFAULT_BV)
+    centred = (gate_lower_bound is not None and g is not None and g.ndim == 4
+               and gate_lower_bound >= CENTRED_MIN_GATE)
+    cfg = Config(C, policy, backward, bool(interpret), BV or DEFAULT_BV, centred)
     o, final = general_delta(cfg, lay(q), lay(k), lay(e), lay(z), G, h0x, reset, end, seq)
     if n_seq is None:
         return o[:, :T], final[:, :, 0]

@@ -71,6 +71,20 @@ NUM_WARPS = 8
 TUNE: dict = {}
 
 
+# Warps per kernel, from profile_kernels.py on the H200 (2x4096x16x128 bf16, commit cd69bc4):
+# the whole-chunk matmul kernels run faster with 4 (0.55 -> 0.43 ms for intra without gates,
+# 0.27 -> 0.18 for output); the two with the most live tiles (bwd_pass, bwd_leaf) and the
+# vector-gate intra (sub-chunk blocks) keep 8.
+_WARPS = {"intra": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "bwd_pass": 8, "bwd_dlam": 4,
+          "bwd_leaf": 8}
+
+
+def _warps(s, name):
+    if s.mode == "vector" and name in ("intra", "bwd_leaf"):
+        return NUM_WARPS
+    return _WARPS[name]
+
+
 def _pass_stages(K):
     return 3 if K <= 128 else 1
 
@@ -78,8 +92,12 @@ def _pass_stages(K):
 class Shape:
     """Static problem description shared by the kernels."""
 
-    def __init__(self, B, Tp, H, K, V, C, n_seq1, mode, prec, BV, BK=None, BVs=None):
+    def __init__(self, B, Tp, H, K, V, C, n_seq1, mode, prec, BV, BK=None, BVs=None,
+                 centred=False):
         self.B, self.Tp, self.H, self.K, self.V, self.C = B, Tp, H, K, V, C
+        # vector gates with a declared lower bound (blocks.CENTRED_MIN_GATE): diagonal sub-chunk
+        # blocks as one centred matmul instead of per-pair loops
+        self.centred = centred
         self.N, self.n = Tp // C, C // BS
         self.n_seq1, self.mode, self.prec, self.BV = n_seq1, mode, prec, BV
         # key-tile width of bwd_leaf (it holds [BK, V] state tiles)
@@ -106,6 +124,10 @@ class Shape:
         if self.mode == "scalar":
             return pl.BlockSpec((None, self.C, None), lambda n, bh, v: (bh // H, n, bh % H))
         return self.chunk_tok3(self.K)
+
+    def chunk_mat3(self, r, c):  # [B, H, N, r, c] on grid (N, B·H, V/BV)
+        H = self.H
+        return pl.BlockSpec((None, None, None, r, c), lambda n, bh, v: (bh // H, bh % H, n, 0, 0))
 
     def chunk_state_v(self, BV):  # [B, H, N, K, V] tile
         H = self.H
@@ -171,13 +193,26 @@ def _split(refs, mode, n_in):
     return refs
 
 
-def intra(s: Shape, k, e, z, G, *, interpret):
-    """A [B,H,N,C,C], W [B,Tp,H,K], U [B,Tp,H,V] (fp32)."""
+def intra(s: Shape, k, e, z, G, q=None, *, interpret):
+    """A [B,H,N,C,C], W [B,Tp,H,K], U [B,Tp,H,V] (fp32), and with vector gates (q given) also
+    P = tril(Qγ K̄ᵀ) [B,H,N,C,C] fp32, so that the output and its backward are plain matmuls.
+
+    With vector gates the diagonal sub-chunk blocks of T and P need per-pair decays (or the
+    centred contraction, ``s.centred``): building P here, once per chunk, replaces rebuilding
+    it in ``output`` for every value tile and again in ``bwd_local``.
+    """
     n, C, prec, mode = s.n, s.C, s.prec, s.mode
+    with_p = q is not None
 
     def kernel(*refs):
-        k_ref, e_ref, z_ref, G_ref, A_ref, W_ref, U_ref = _split(refs, mode, 4)
-        gt = Gates(mode, G_ref, 0, C)
+        refs = list(refs)
+        if mode == "none":
+            refs.insert(3, None)
+        if not with_p:
+            refs.insert(4, None)  # q
+            refs.append(None)  # P
+        k_ref, e_ref, z_ref, G_ref, q_ref, A_ref, W_ref, U_ref, P_ref = refs
+        gt = Gates(mode, G_ref, 0, C, s.centred)
         ks, es, zs = Rows(k_ref), Rows(e_ref), Rows(z_ref)
         def T(i, j):
             return gt.gram(i, j, es[i], ks[j], k_ref, prec, strict=True)
@@ -191,15 +226,24 @@ def intra(s: Shape, k, e, z, G, *, interpret):
                     A[i, j] if j <= i else jnp.zeros((BS, BS), F32))
 
         inv_blocks(T, n, prec, on_row)
+        if with_p:
+            qs = Rows(q_ref)
+            for i in range(n):
+                for j in range(n):
+                    P_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
+                        gt.gram(i, j, qs[i], ks[j], k_ref, prec, strict=False) if j <= i
+                        else jnp.zeros((BS, BS), F32))
 
-    ins = [k, e, z] + ([] if mode == "none" else [G])
+    ins = [k, e, z] + ([] if mode == "none" else [G]) + ([q] if with_p else [])
     in_specs = [s.chunk_tok(s.K), s.chunk_tok(s.K), s.chunk_tok(s.V)] + (
-        [] if mode == "none" else [s.chunk_gate()])
-    return _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
-                 out_specs=[s.chunk_mat(C, C), s.chunk_tok(s.K), s.chunk_tok(s.V)],
-                 out_shape=[jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32), s.sds_tok(s.K),
-                            s.sds_tok(s.V)],
-                 interpret=interpret, num_warps=NUM_WARPS, name="rewy_intra")(*ins)
+        [] if mode == "none" else [s.chunk_gate()]) + ([s.chunk_tok(s.K)] if with_p else [])
+    cc = jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32)
+    out = _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
+                out_specs=[s.chunk_mat(C, C), s.chunk_tok(s.K), s.chunk_tok(s.V)] + (
+                    [s.chunk_mat(C, C)] if with_p else []),
+                out_shape=[cc, s.sds_tok(s.K), s.sds_tok(s.V)] + ([cc] if with_p else []),
+                interpret=interpret, num_warps=_warps(s, "intra"), name="rewy_intra")(*ins)
+    return tuple(out) + (() if with_p else (None,))
 
 
 def _chunk_decay(mode, G_ref, base, C):
@@ -258,7 +302,7 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret):
                  out_specs=[s.col_states(N), s.col_tok(s.V, True), s.col_states(s.n_seq1)],
                  out_shape=[jax.ShapeDtypeStruct((s.B, s.H, N, K, s.V), F32), s.sds_tok(s.V),
                             jax.ShapeDtypeStruct((s.B, s.H, s.n_seq1, K, s.V), F32)],
-                 interpret=interpret, num_warps=NUM_WARPS, name="rewy_fwd_pass",
+                 interpret=interpret, num_warps=_warps(s, "fwd_pass"), name="rewy_fwd_pass",
                  num_stages=_pass_stages(K))(*ins)
 
 
@@ -273,59 +317,70 @@ def _qk_full(mode, q_ref, k_ref, G_ref, C, prec):
     return Gc, P * jnp.exp(jnp.where(c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
 
 
-def output(s: Shape, q, k, G, S0, R, out_dtype, *, interpret):
-    """O = Qγ S0 + P R, [B,Tp,H,V] in out_dtype. Grid (N, B·H, V/BV): P is rebuilt per tile."""
-    n, C, prec, mode, BV = s.n, s.C, s.prec, s.mode, s.BV
+def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
+    """O = Qγ S0 + P R, [B,Tp,H,V] in out_dtype. Grid (N, B·H, V/BV).
+
+    No or scalar gates rebuild P per tile (one masked [C, C] matmul); vector gates read the P
+    that ``intra`` built.
+    """
+    C, prec, mode, BV = s.C, s.prec, s.mode, s.BV
+    vec = mode == "vector"
 
     def kernel(*refs):
-        q_ref, k_ref, G_ref, S0_ref, R_ref, o_ref = _split(refs, mode, 3)
-        if mode != "vector":  # one [C, C] decay matrix: whole-chunk matmuls
+        refs = list(refs)
+        if vec:
+            refs.insert(1, None)  # k
+        else:
+            if mode == "none":
+                refs.insert(2, None)  # G
+            refs.insert(5, None)  # P
+        q_ref, k_ref, G_ref, S0_ref, R_ref, P_ref, o_ref = refs
+        if vec:
+            Gc, P = load_rows(G_ref, 0, C), P_ref[...]
+        else:  # one [C, C] decay matrix: whole-chunk matmuls
             Gc, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)
-            o = dot(_qg(mode, Gc, load_rows(q_ref, 0, C)), S0_ref[...], prec)
-            o_ref[...] = (o + dot(P, R_ref[...], prec)).astype(o_ref.dtype)
-            return
-        gt = Gates(mode, G_ref, 0, C)
-        qs, ks, Rs = Rows(q_ref), Rows(k_ref), Rows(R_ref)
-        for i in range(n):
-            o = dot(gt.head(i, qs[i]), S0_ref[...], prec)
-            for j in range(i + 1):
-                o = o + dot(gt.gram(i, j, qs[i], ks[j], k_ref, prec, strict=False), Rs[j], prec)
-            o_ref[pl.ds(i * BS, BS), :] = o.astype(o_ref.dtype)
+        o = dot(_qg(mode, Gc, load_rows(q_ref, 0, C)), S0_ref[...], prec)
+        o_ref[...] = (o + dot(P, R_ref[...], prec)).astype(o_ref.dtype)
 
-    ins = [q, k] + ([] if mode == "none" else [G]) + [S0, R]
-    in_specs = [s.chunk_tok3(s.K)] * 2 + ([] if mode == "none" else [s.chunk_gate3()]) + [
-        s.chunk_state_v(BV), s.chunk_tok_v(BV)]
+    if vec:
+        ins = [q, G, S0, R, P]
+        in_specs = [s.chunk_tok3(s.K), s.chunk_gate3(), s.chunk_state_v(BV), s.chunk_tok_v(BV),
+                    s.chunk_mat3(C, C)]
+    else:
+        ins = [q, k] + ([] if mode == "none" else [G]) + [S0, R]
+        in_specs = [s.chunk_tok3(s.K)] * 2 + ([] if mode == "none" else [s.chunk_gate3()]) + [
+            s.chunk_state_v(BV), s.chunk_tok_v(BV)]
     return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
                  out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V, out_dtype),
-                 interpret=interpret, num_warps=NUM_WARPS, name="rewy_output")(*ins)
+                 interpret=interpret, num_warps=_warps(s, "output"), name="rewy_output")(*ins)
 
 
 # ----------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------
-def bwd_local(s: Shape, q, k, G, dO, *, interpret):
-    """Pᵀ dO per chunk, [B,Tp,H,V] fp32. Grid (N, B·H, V/BV)."""
-    n, C, prec, mode, BV = s.n, s.C, s.prec, s.mode, s.BV
+def bwd_local(s: Shape, q, k, G, P, dO, *, interpret):
+    """Pᵀ dO per chunk, [B,Tp,H,V] fp32. Grid (N, B·H, V/BV); P as in ``output``."""
+    C, prec, mode, BV = s.C, s.prec, s.mode, s.BV
+    vec = mode == "vector"
 
     def kernel(*refs):
-        q_ref, k_ref, G_ref, dO_ref, out_ref = _split(refs, mode, 3)
-        if mode != "vector":
+        if vec:
+            P_ref, dO_ref, out_ref = refs
+            P = P_ref[...]
+        else:
+            q_ref, k_ref, G_ref, dO_ref, out_ref = _split(refs, mode, 3)
             _, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)
-            out_ref[...] = dot(P, dO_ref[...].astype(F32), prec, ta=True)
-            return
-        gt = Gates(mode, G_ref, 0, C)
-        qs, ks, dOs = Rows(q_ref), Rows(k_ref), Rows(dO_ref)
-        for j in range(n):
-            out_ref[pl.ds(j * BS, BS), :] = _sum(
-                dot(gt.gram(i, j, qs[i], ks[j], k_ref, prec, strict=False), dOs[i], prec, ta=True)
-                for i in range(j, n))
+        out_ref[...] = dot(P, dO_ref[...].astype(F32), prec, ta=True)
 
-    ins = [q, k] + ([] if mode == "none" else [G]) + [dO]
-    in_specs = [s.chunk_tok3(s.K)] * 2 + ([] if mode == "none" else [s.chunk_gate3()]) + [
-        s.chunk_tok_v(BV)]
+    if vec:
+        ins, in_specs = [P, dO], [s.chunk_mat3(C, C), s.chunk_tok_v(BV)]
+    else:
+        ins = [q, k] + ([] if mode == "none" else [G]) + [dO]
+        in_specs = [s.chunk_tok3(s.K)] * 2 + ([] if mode == "none" else [s.chunk_gate3()]) + [
+            s.chunk_tok_v(BV)]
     return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
                  out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V), interpret=interpret,
-                 num_warps=NUM_WARPS, name="rewy_bwd_local")(*ins)
+                 num_warps=_warps(s, "bwd_local"), name="rewy_bwd_local")(*ins)
 
 
 def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret):
@@ -368,7 +423,7 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret)
                  out_specs=[s.col_states(N), s.col_tok(s.V, True), s.col_states(s.n_seq1)],
                  out_shape=[jax.ShapeDtypeStruct((s.B, s.H, N, K, s.V), F32), s.sds_tok(s.V),
                             jax.ShapeDtypeStruct((s.B, s.H, s.n_seq1, K, s.V), F32)],
-                 interpret=interpret, num_warps=NUM_WARPS, name="rewy_bwd_pass",
+                 interpret=interpret, num_warps=_warps(s, "bwd_pass"), name="rewy_bwd_pass",
                  num_stages=_pass_stages(K))(*ins)
 
 
@@ -426,7 +481,7 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret):
                  out_specs=[full_v, s.chunk_mat(C, C), s.chunk_mat(C, C)],
                  out_shape=[s.sds_tok(V), jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32),
                             jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32)],
-                 interpret=interpret, num_warps=NUM_WARPS, name="rewy_bwd_dlam")(*ins)
+                 interpret=interpret, num_warps=_warps(s, "bwd_dlam"), name="rewy_bwd_dlam")(*ins)
 
 
 def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, backward, dtypes,
@@ -456,7 +511,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         dG_ref = refs[16] if mode != "none" else None
         if mode != "vector":
             return _leaf_full(refs[:16], dG_ref)
-        gt = Gates(mode, G_ref, 0, C)
+        gt = Gates(mode, G_ref, 0, C, s.centred)
         qs, ks, es = Rows(q_ref), Rows(k_ref), Rows(e_ref)
         dT, dAqk = Blocks(dT_ref), Blocks(dAqk_ref)
         if wy:
@@ -546,7 +601,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         [] if mode == "none" else [s.sds_tok(K)])
     outs = _call(kernel, grid=(s.N, s.B * H, K // BK), in_specs=in_specs,
                  out_specs=[tok_k] * len(out_shape), out_shape=out_shape, interpret=interpret,
-                 num_warps=NUM_WARPS, name="rewy_bwd_leaf")(*ins)
+                 num_warps=_warps(s, "bwd_leaf"), name="rewy_bwd_leaf")(*ins)
     return list(outs) + ([None] if mode == "none" else [])
 
 

@@ -33,6 +33,10 @@ VARIANTS = {
     "bv128": ({}, 128, None, None),
     "bk128": ({}, 64, None, 128),
     "st2": ({"rewy_fwd_pass.stages": 2, "rewy_bwd_pass.stages": 2}, 64, None, None),
+    "bvs16": ({}, 64, 16, None),
+    "centred": ({}, 64, None, None),  # vector gates: centred diagonal blocks (g ≥ −5 here)
+    "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
+                                           "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
 
 
@@ -86,22 +90,23 @@ def profile(mode, variant, shape, backward="rewy", interpret=False):
     api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = BV, BVs, BK
     B, T, H, D = shape
     q, k, e, z, G, h0, reset, end, seq, dO = _inputs(mode, B, T, H, D)
-    cfg = api.Config(64, "recompute", backward, interpret, BV)
+    cfg = api.Config(64, "recompute", backward, interpret, BV, variant == "centred")
     s = api._shape(cfg, q, z, G, h0)
     it = interpret
     rows = {}
 
-    f = jax.jit(lambda k, e, z, G: kn.intra(s, k, e, z, G, interpret=it))
-    rows["intra"] = _bench(f, k, e, z, G)
-    A, W, U = f(k, e, z, G)
+    f = jax.jit(lambda q, k, e, z, G: api._intra(s, q, k, e, z, G, it))
+    rows["intra"] = _bench(f, q, k, e, z, G)
+    A, W, U, P = f(q, k, e, z, G)
     f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=it))
     rows["fwd_pass"] = _bench(f, W, U, k, G, h0)
     S0, R, fin = f(W, U, k, G, h0)
-    f = jax.jit(lambda q, k, G, S0, R: kn.output(s, q, k, G, S0, R, jnp.bfloat16, interpret=it))
-    rows["output"] = _bench(f, q, k, G, S0, R)
-    f = jax.jit(lambda q, k, G, dO: kn.bwd_local(s, q, k, G, dO, interpret=it))
-    rows["bwd_local"] = _bench(f, q, k, G, dO)
-    dRl = f(q, k, G, dO)
+    f = jax.jit(lambda q, k, G, S0, R, P: kn.output(s, q, k, G, S0, R, P, jnp.bfloat16,
+                                                    interpret=it))
+    rows["output"] = _bench(f, q, k, G, S0, R, P)
+    f = jax.jit(lambda q, k, G, P, dO: kn.bwd_local(s, q, k, G, P, dO, interpret=it))
+    rows["bwd_local"] = _bench(f, q, k, G, P, dO)
+    dRl = f(q, k, G, P, dO)
     dfin = jnp.zeros_like(fin)
     f = jax.jit(lambda q, k, G, W, dO, dRl, dfin: kn.bwd_pass(s, q, k, G, W, dO, dRl, dfin, reset,
                                                               end, seq, interpret=it))
