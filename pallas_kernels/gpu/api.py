@@ -68,7 +68,9 @@ def _shape(cfg, q, v, G, h0):
 
 def _intra(s, q, k, e, z, G, interpret):
     """(A, W, U, P): P (vector gates only, else None) is the gated query-key matrix."""
-    return kn.intra(s, k, e, z, G, q if s.mode == "vector" else None, interpret=interpret)
+    A, W, U = kn.intra(s, k, e, z, G, interpret=interpret)
+    P = kn.qk_gram(s, q, k, G, interpret=interpret) if s.mode == "vector" else None
+    return A, W, U, P
 
 
 def _forward(cfg, q, k, e, z, G, h0, reset, end, seq):

@@ -6,6 +6,7 @@ kernels take ``[C, D]`` blocks through BlockSpecs, state passes take one (batch,
 cumsum, ``[B, Tp, H]`` (scalar), ``[B, Tp, H, K]`` (vector) or None.
 
     intra      grid (N, B·H)      T (decay-gram), A = (I+T)⁻¹, W = AĒ, U = AZ
+    qk_gram    grid (N, B·H)      vector gates only: P = tril(Qγ K̄ᵀ) (output, bwd_local read it)
     fwd_pass   grid (B·H, V/BV)   loop over chunks: S0, R = U − W S0, S ← γ_C S0 + K_tailᵀ R
     output     grid (N, B·H)      O = Qγ S0 + P R
     bwd_local  grid (N, B·H)      Pᵀ dO (the state-free part of dR)
@@ -76,7 +77,7 @@ TUNE: dict = {}
 # 0.27 -> 0.18 for output); the two with the most live tiles (bwd_pass, bwd_leaf) and the
 # vector-gate intra (sub-chunk blocks) keep 8.
 _WARPS = {"intra": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "bwd_pass": 8, "bwd_dlam": 4,
-          "bwd_leaf": 8}
+          "bwd_leaf": 8, "qk_gram": 4}
 
 
 def _warps(s, name):
@@ -193,25 +194,12 @@ def _split(refs, mode, n_in):
     return refs
 
 
-def intra(s: Shape, k, e, z, G, q=None, *, interpret):
-    """A [B,H,N,C,C], W [B,Tp,H,K], U [B,Tp,H,V] (fp32), and with vector gates (q given) also
-    P = tril(Qγ K̄ᵀ) [B,H,N,C,C] fp32, so that the output and its backward are plain matmuls.
-
-    With vector gates the diagonal sub-chunk blocks of T and P need per-pair decays (or the
-    centred contraction, ``s.centred``): building P here, once per chunk, replaces rebuilding
-    it in ``output`` for every value tile and again in ``bwd_local``.
-    """
+def intra(s: Shape, k, e, z, G, *, interpret):
+    """A [B,H,N,C,C], W [B,Tp,H,K], U [B,Tp,H,V] (fp32)."""
     n, C, prec, mode = s.n, s.C, s.prec, s.mode
-    with_p = q is not None
 
     def kernel(*refs):
-        refs = list(refs)
-        if mode == "none":
-            refs.insert(3, None)
-        if not with_p:
-            refs.insert(4, None)  # q
-            refs.append(None)  # P
-        k_ref, e_ref, z_ref, G_ref, q_ref, A_ref, W_ref, U_ref, P_ref = refs
+        k_ref, e_ref, z_ref, G_ref, A_ref, W_ref, U_ref = _split(refs, mode, 4)
         gt = Gates(mode, G_ref, 0, C, s.centred)
         ks, es, zs = Rows(k_ref), Rows(e_ref), Rows(z_ref)
         def T(i, j):
@@ -226,24 +214,37 @@ def intra(s: Shape, k, e, z, G, q=None, *, interpret):
                     A[i, j] if j <= i else jnp.zeros((BS, BS), F32))
 
         inv_blocks(T, n, prec, on_row)
-        if with_p:
-            qs = Rows(q_ref)
-            for i in range(n):
-                for j in range(n):
-                    P_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
-                        gt.gram(i, j, qs[i], ks[j], k_ref, prec, strict=False) if j <= i
-                        else jnp.zeros((BS, BS), F32))
 
-    ins = [k, e, z] + ([] if mode == "none" else [G]) + ([q] if with_p else [])
+    ins = [k, e, z] + ([] if mode == "none" else [G])
     in_specs = [s.chunk_tok(s.K), s.chunk_tok(s.K), s.chunk_tok(s.V)] + (
-        [] if mode == "none" else [s.chunk_gate()]) + ([s.chunk_tok(s.K)] if with_p else [])
-    cc = jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32)
-    out = _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
-                out_specs=[s.chunk_mat(C, C), s.chunk_tok(s.K), s.chunk_tok(s.V)] + (
-                    [s.chunk_mat(C, C)] if with_p else []),
-                out_shape=[cc, s.sds_tok(s.K), s.sds_tok(s.V)] + ([cc] if with_p else []),
-                interpret=interpret, num_warps=_warps(s, "intra"), name="rewy_intra")(*ins)
-    return tuple(out) + (() if with_p else (None,))
+        [] if mode == "none" else [s.chunk_gate()])
+    return _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
+                 out_specs=[s.chunk_mat(C, C), s.chunk_tok(s.K), s.chunk_tok(s.V)],
+                 out_shape=[jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32), s.sds_tok(s.K),
+                            s.sds_tok(s.V)],
+                 interpret=interpret, num_warps=_warps(s, "intra"), name="rewy_intra")(*ins)
+
+
+def qk_gram(s: Shape, q, k, G, *, interpret):
+    """Vector gates only: P = tril(Qγ K̄ᵀ) [B,H,N,C,C] fp32, once per chunk, so that ``output``
+    and ``bwd_local`` are plain matmuls instead of rebuilding P's per-pair (or centred) diagonal
+    blocks per value tile. A kernel of its own: inside ``intra`` it would add live blocks to the
+    inverse's and spill (measured 1.8 -> 6.6 ms there)."""
+    n, C, prec = s.n, s.C, s.prec
+
+    def kernel(q_ref, k_ref, G_ref, P_ref):
+        gt = Gates("vector", G_ref, 0, C, s.centred)
+        qs, ks = Rows(q_ref), Rows(k_ref)
+        for i in range(n):
+            for j in range(n):
+                P_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
+                    gt.gram(i, j, qs[i], ks[j], k_ref, prec, strict=False) if j <= i
+                    else jnp.zeros((BS, BS), F32))
+
+    return _call(kernel, grid=(s.N, s.B * s.H), in_specs=[s.chunk_tok(s.K)] * 2 + [s.chunk_gate()],
+                 out_specs=s.chunk_mat(C, C),
+                 out_shape=jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32),
+                 interpret=interpret, num_warps=_warps(s, "qk_gram"), name="rewy_qk_gram")(q, k, G)
 
 
 def _chunk_decay(mode, G_ref, base, C):

@@ -35,6 +35,7 @@ VARIANTS = {
     "st2": ({"rewy_fwd_pass.stages": 2, "rewy_bwd_pass.stages": 2}, 64, None, None),
     "bvs16": ({}, 64, 16, None),
     "centred": ({}, 64, None, None),  # vector gates: centred diagonal blocks (g ≥ −5 here)
+    "cw4": ({f"rewy_{k}.warps": 4 for k in ("intra", "bwd_leaf", "qk_gram")}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
@@ -90,14 +91,19 @@ def profile(mode, variant, shape, backward="rewy", interpret=False):
     api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = BV, BVs, BK
     B, T, H, D = shape
     q, k, e, z, G, h0, reset, end, seq, dO = _inputs(mode, B, T, H, D)
-    cfg = api.Config(64, "recompute", backward, interpret, BV, variant == "centred")
+    cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4"))
     s = api._shape(cfg, q, z, G, h0)
     it = interpret
     rows = {}
 
-    f = jax.jit(lambda q, k, e, z, G: api._intra(s, q, k, e, z, G, it))
-    rows["intra"] = _bench(f, q, k, e, z, G)
-    A, W, U, P = f(q, k, e, z, G)
+    f = jax.jit(lambda k, e, z, G: kn.intra(s, k, e, z, G, interpret=it))
+    rows["intra"] = _bench(f, k, e, z, G)
+    A, W, U = f(k, e, z, G)
+    P = None
+    if G is not None and G.ndim == 4:
+        f = jax.jit(lambda q, k, G: kn.qk_gram(s, q, k, G, interpret=it))
+        rows["qk_gram"] = _bench(f, q, k, G)
+        P = f(q, k, G)
     f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=it))
     rows["fwd_pass"] = _bench(f, W, U, k, G, h0)
     S0, R, fin = f(W, U, k, G, h0)
