@@ -90,7 +90,9 @@ def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, 
     q = q.astype(f32) * scale
     if g is not None:
         floor = GATE_FLOOR if gate_lower_bound is None else float(gate_lower_bound)
-        g = jnp.maximum(g.astype(jnp.float32), floor)
+        g = g.astype(jnp.float32)
+        # where, not maximum: maximum's VJP halves the gradient of a gate exactly at the floor
+        g = jnp.where(g < floor, floor, g)
     B, _, H, _ = q.shape
     lead = B if n_seq is None else n_seq
     h0 = (jnp.zeros((lead, H, K, V), jnp.float32) if initial_state is None

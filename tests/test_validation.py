@@ -325,3 +325,15 @@ def test_traced_gate_is_clamped_to_bound(kda):
     o = jax.jit(lambda g: _kda(kda, g=g, gate_lower_bound=-5.0)[0])(g)
     ref, _ = _kda(kda, g=jnp.maximum(g, -5.0))
     np.testing.assert_allclose(np.asarray(o), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_gate_at_bound_keeps_its_full_gradient(kda):
+    """A gate exactly at the bound is inside the admitted range: its gradient must be the
+    unclamped one (jnp.maximum's VJP would halve it at the tie)."""
+    g = kda["g"].at[:, ::3].set(-5.0)
+
+    def dg(**kw):
+        return jax.grad(lambda g: jnp.sum(_kda(kda, g=g, **kw)[0] ** 2))(g)
+
+    np.testing.assert_allclose(np.asarray(dg(gate_lower_bound=-5.0)), np.asarray(dg()),
+                               rtol=1e-6, atol=1e-7)
