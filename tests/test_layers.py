@@ -240,3 +240,23 @@ def test_bad_calls_are_rejected():
     layer.init_cache(3)
     with pytest.raises(ValueError, match="init_cache with batch=2"):
         layer(_x(), decode=True)
+
+
+@pytest.mark.parametrize("name", ["kda", "gdn2"])
+def test_bounded_gates_declare_their_bound(name, monkeypatch):
+    """gate_mode="bounded" guarantees g ≥ gate_lower_bound, so the layer declares it to the
+    chunked op (the GPU kernels' centred fast path); softplus gates declare nothing."""
+    seen = []
+    cls = LAYERS[name]
+    op = cls._chunk_op
+
+    def spy(*args, **kw):
+        seen.append(kw.get("gate_lower_bound"))
+        return op(*args, **kw)
+
+    monkeypatch.setattr(cls, "_chunk_op", staticmethod(spy))
+    x = _x()
+    y_b = _layer(name, gate_mode="bounded", gate_lower_bound=-4.0, **REF)(x)
+    _layer(name, **REF)(x)
+    assert seen == [-4.0, None]
+    assert bool(jnp.all(jnp.isfinite(y_b)))

@@ -40,8 +40,8 @@ def _positive_int(name, value):
 def check_gate_mode(gate_mode, gate_lower_bound):
     if gate_mode not in GATE_MODES:
         raise ValueError(f"gate_mode must be one of {GATE_MODES}; got {gate_mode!r}")
-    if gate_mode == "bounded" and not float(gate_lower_bound) < 0:
-        raise ValueError(f"gate_lower_bound must be negative (a log-decay); got {gate_lower_bound!r}")
+    if gate_mode == "bounded" and not -40.0 <= float(gate_lower_bound) < 0:
+        raise ValueError(f"gate_lower_bound must lie in [-40, 0) (a log-decay); got {gate_lower_bound!r}")
 
 
 def _uniform(bound):
@@ -226,6 +226,10 @@ class DeltaRuleLayer(nnx.Module):
         group = self.num_v_heads // self.num_heads
         return x if group == 1 else jnp.repeat(x, group, axis=2)
 
+    def _chunk_gate_options(self):
+        """Extra keywords of the chunked op about the gates (none by default)."""
+        return {}
+
     def _gates(self, x):  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -284,7 +288,8 @@ class DeltaRuleLayer(nnx.Module):
         if decode and cu_seqlens is None and T <= self.recurrent_max_len:
             o, state = self._recurrent_op(q, k, v, *gates, **common)
         else:
-            o, state = self._chunk_op(q, k, v, *gates, **common, **self.op_options)
+            o, state = self._chunk_op(q, k, v, *gates, **common, **self.op_options,
+                                      **self._chunk_gate_options())
         if decode:
             set_value(self.recurrent_state, state)
 

@@ -56,6 +56,13 @@ class KimiDeltaAttention(DeltaRuleLayer):
         self._init_decay(rngs)
         self._init_update_gates(rngs)
 
+    def _chunk_gate_options(self):
+        # bounded gates are ≥ gate_lower_bound by construction: declare it, so the GPU kernels
+        # may take their centred fast path (rewy-math §3) when the bound allows
+        if self.gate_mode == "bounded":
+            return {"gate_lower_bound": self.gate_lower_bound}
+        return {}
+
     def _init_decay(self, rngs):
         H, K = self.num_heads, self.head_dim
         self.f_proj = self._low_rank(H * K, rngs=rngs)
