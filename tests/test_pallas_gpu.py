@@ -130,3 +130,43 @@ def test_declared_bound_takes_the_centred_path(small_tiles):
     for name in g1:
         np.testing.assert_allclose(np.asarray(g2[name]), np.asarray(g1[name]), rtol=1e-3,
                                    atol=1e-4, err_msg=name)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: cross-lowering for the H200 — the kernels' Triton IR is generated without a GPU, so a
+# construct the Triton lowering rejects (a non-power-of-two tile, an unsupported op) fails here.
+# ----------------------------------------------------------------------------------------------
+LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
+    ("deltanet", 64, 64, jnp.bfloat16, {}, False),
+    ("gdn", 128, 64, jnp.bfloat16, {"backward": "wy"}, False),
+    ("kda", 64, 128, jnp.bfloat16, {"policy": "save"}, False),
+    ("kda", 64, 64, jnp.bfloat16, {"gate_lower_bound": -5.0}, True),
+    ("gdn2", 64, 64, jnp.float32, {"gate_lower_bound": -5.0, "backward": "wy"}, False),
+    ("gdn", 256, 256, jnp.float16, {}, False),
+]
+
+
+@pytest.mark.skipif(_ON_GPU, reason="the GPU tests above run the real kernels")
+@pytest.mark.parametrize("op,K,V,dtype,kw,varlen", LOWER_CASES,
+                         ids=[f"{c[0]}-K{c[1]}V{c[2]}-{jnp.dtype(c[3]).name}-" +
+                              "-".join(f"{v}" for v in c[4].values()) + ("-varlen" if c[5] else "")
+                              for c in LOWER_CASES])
+def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
+    from pallas_kernels.gpu import api
+
+    monkeypatch.setattr(api, "supports", lambda call, chunk_size, interpret: None)  # no GPU here
+    inp = testing.make_inputs(op, 1, 100, 2, K, V, dtype=dtype, n_seqs=3 if varlen else None)
+    diff = {n: x for n, x in inp.items() if n != "cu_seqlens"}
+
+    def loss(diff):
+        o, s = testing.run_op(op, dict(inp, **diff), backend="pallas_gpu", **kw)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(jax.value_and_grad(loss)).trace(diff).lower(lowering_platforms=("cuda",)).as_text()
+    kernels = {"rewy_intra", "rewy_fwd_pass", "rewy_output", "rewy_bwd_local", "rewy_bwd_pass",
+               "rewy_bwd_dlam", "rewy_bwd_leaf"} | ({"rewy_qk_gram"} if op in ("kda", "gdn2") else set())
+    missing = {k for k in kernels if k not in text}
+    assert not missing, f"kernels absent from the lowered module: {missing}"
