@@ -67,6 +67,21 @@ def test_interpret_matches_reference(op, T, K, V, C, decay, kw, small_tiles):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("kw", [{}, {"gate_lower_bound": -5.0}, {"backward": "wy"}],
+                         ids=["exact", "centred", "wy"])
+def test_interpret_leaf_row_grid(kw, small_tiles, monkeypatch):
+    """The row-grid variants of the leaf and qk_gram kernels (one program per 16-row block;
+    tuning options)."""
+    from pallas_kernels.gpu import kernels
+
+    monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.rowgrid", True)
+    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", True)
+    inp = testing.make_inputs("kda", 1, 70, 2, 16, 16, decay="bounded", seed=11)
+    _check(testing.accuracy_report("kda", inp, backend="pallas_gpu", interpret=True,
+                                   chunk_size=64, **kw))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op", ["kda", "deltanet"])
 def test_interpret_varlen(op, small_tiles):
     inp = testing.make_inputs(op, 1, 45, 2, 16, 32, n_seqs=3, seed=5)
@@ -152,9 +167,12 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
                               "-".join(f"{v}" for v in c[4].values()) + ("-varlen" if c[5] else "")
                               for c in LOWER_CASES])
 def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
-    from pallas_kernels.gpu import api
+    from pallas_kernels.gpu import api, kernels
 
     monkeypatch.setattr(api, "supports", lambda call, chunk_size, interpret: None)  # no GPU here
+    if varlen:  # and the leaf kernel's row-grid tuning variant
+        monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.rowgrid", True)
+        monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", True)
     inp = testing.make_inputs(op, 1, 100, 2, K, V, dtype=dtype, n_seqs=3 if varlen else None)
     diff = {n: x for n, x in inp.items() if n != "cu_seqlens"}
 

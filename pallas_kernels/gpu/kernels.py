@@ -231,19 +231,31 @@ def qk_gram(s: Shape, q, k, G, *, interpret):
     blocks per value tile. A kernel of its own: inside ``intra`` it would add live blocks to the
     inverse's and spill (measured 1.8 -> 6.6 ms there)."""
     n, C, prec = s.n, s.C, s.prec
+    # Row grid (kernels.TUNE["rewy_qk_gram.rowgrid"]): one program per 16-row block of P.
+    rowgrid = bool(TUNE.get("rewy_qk_gram.rowgrid", False))
 
     def kernel(q_ref, k_ref, G_ref, P_ref):
         gt = Gates("vector", G_ref, 0, C)  # exact diagonals: as fast as centred here (0.95 ms)
         qs, ks = Rows(q_ref), Rows(k_ref)
-        for i in range(n):
+
+        def row_block(i):
             for j in range(n):
                 P_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
                     gt.gram(i, j, qs[i], ks[j], k_ref, prec, strict=False) if j <= i
                     else jnp.zeros((BS, BS), F32))
 
-    return _call(kernel, grid=(s.N, s.B * s.H), in_specs=[s.chunk_tok(s.K)] * 2 + [s.chunk_gate()],
-                 out_specs=s.chunk_mat(C, C),
-                 out_shape=jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32),
+        for i in range(n):
+            if rowgrid:
+                pl.when(pl.program_id(0) % n == i)(lambda i=i: row_block(i))
+            else:
+                row_block(i)
+
+    ch = (lambda m: m // n) if rowgrid else (lambda m: m)
+    H = s.H
+    tok = pl.BlockSpec((None, C, None, s.K), lambda m, bh: (bh // H, ch(m), bh % H, 0))
+    mat = pl.BlockSpec((None, None, None, C, C), lambda m, bh: (bh // H, bh % H, ch(m), 0, 0))
+    return _call(kernel, grid=(s.N * (n if rowgrid else 1), s.B * H), in_specs=[tok] * 3,
+                 out_specs=mat, out_shape=jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32),
                  interpret=interpret, num_warps=_warps(s, "qk_gram"), name="rewy_qk_gram")(q, k, G)
 
 
@@ -500,6 +512,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     BK = s.BK
     wy = backward == "wy"
     H = s.H
+    rowgrid = mode == "vector" and bool(TUNE.get("rewy_bwd_leaf.rowgrid", False))
 
     def kernel(*refs):
         refs = list(refs)
@@ -515,35 +528,59 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         gt = Gates(mode, G_ref, 0, C, s.centred)
         qs, ks, es = Rows(q_ref), Rows(k_ref), Rows(e_ref)
         dT, dAqk = Blocks(dT_ref), Blocks(dAqk_ref)
-        if wy:
-            A = Blocks(A_ref)
-            dW = [-dot(load_rows(dR_ref, i * BS), S0_ref[...], prec, tb=True) for i in range(n)]
-        tail_k = None
-        for i in range(n):
-            lam_i, R_i = load_rows(lam_ref, i * BS), load_rows(R_ref, i * BS)
-            dO_i = load_rows(dO_ref, i * BS)
-            if wy:
-                dEs = _sum(dot(A[j, i], dW[j], prec, ta=True) for j in range(i, n))
+        A = Blocks(A_ref) if wy else None
+        dW_memo = {}
+
+        def dW(j):  # WY's dW_j = −dR_j S0ᵀ, formed once per program at first use
+            if j not in dW_memo:
+                dW_memo[j] = -dot(load_rows(dR_ref, j * BS), S0_ref[...], prec, tb=True)
+            return dW_memo[j]
+
+        def RdS(i):  # R_i dS_endᵀ [BS, BK]
+            return dot(load_rows(R_ref, i * BS), dSe_ref[...], prec, tb=True)
+
+        def tail_sum(i, RdS_i):  # Σ_s (R dSᵀ)_s ⊙ K_tail,s over row block i, [1, BK]
+            return jnp.sum(RdS_i * gt.tail(i, ks[i]), axis=0, keepdims=True)
+
+        def row_block(i, tail_k):
+            """Row block i of dq, dk, de, dG; tail_k: Σ of tail_sum over blocks < i, or None
+            when they are not at hand (row grid): the last block then recomputes them."""
+            if wy:  # dĒ_state = Aᵀ dW, dW_j = −dR_j S0ᵀ
+                dEs = _sum(dot(A[j, i], dW(j), prec, ta=True) for j in range(i, n))
             else:
-                dEs = -dot(lam_i, S0_ref[...], prec, tb=True)
+                dEs = -dot(load_rows(lam_ref, i * BS), S0_ref[...], prec, tb=True)
             de = gt.head(i, dEs) + gt.apply(dT, i, ks, k_ref, prec)
-            dq = gt.head(i, dot(dO_i, S0_ref[...], prec, tb=True)) + gt.apply(dAqk, i, ks, k_ref, prec)
-            RdS = dot(R_i, dSe_ref[...], prec, tb=True)
+            dq = gt.head(i, dot(load_rows(dO_ref, i * BS), S0_ref[...], prec, tb=True)) + \
+                gt.apply(dAqk, i, ks, k_ref, prec)
+            RdS_i = RdS(i)
             dk = (gt.apply_t(dT, i, es, e_ref, prec, n) + gt.apply_t(dAqk, i, qs, q_ref, prec, n)
-                  + gt.tail(i, RdS))
+                  + gt.tail(i, RdS_i))
             rows = pl.ds(i * BS, BS)
             dq_ref[rows, :] = dq.astype(dq_ref.dtype)
             dk_ref[rows, :] = dk.astype(dk_ref.dtype)
             de_ref[rows, :] = de.astype(de_ref.dtype)
-            if mode != "none":
-                tk = jnp.sum(RdS * gt.tail(i, ks[i]), axis=0, keepdims=True)  # [1, BK]
-                tail_k = tk if tail_k is None else tail_k + tk
-                dG = de * es[i] - dk * ks[i] + dq * qs[i]
-                if i == n - 1:  # γ_C enters Diag(γ_C) S0 and K_tail: its terms sit on the last row
-                    sd = jnp.sum(dSe_ref[...] * S0_ref[...], axis=1)[None, :]  # [1, BK]
-                    last = jnp.exp(gt.glast()) * sd + tail_k
-                    dG = dG + jnp.where(iota((BS, 1), 0) == BS - 1, last, 0.0)
-                dG_ref[rows, :] = dG
+            tk = tail_sum(i, RdS_i)
+            tail_k = tk if tail_k is None else tail_k + tk
+            dG = de * es[i] - dk * ks[i] + dq * qs[i]
+            if i == n - 1:  # γ_C enters Diag(γ_C) S0 and K_tail: its terms sit on the last row
+                sd = jnp.sum(dSe_ref[...] * S0_ref[...], axis=1)[None, :]  # [1, BK]
+                last = jnp.exp(gt.glast()) * sd + tail_k
+                dG = dG + jnp.where(iota((BS, 1), 0) == BS - 1, last, 0.0)
+            dG_ref[rows, :] = dG
+            return tail_k
+
+        if rowgrid:  # this program owns row block program_id(0) % n of its chunk
+            ib = pl.program_id(0) % n
+            for i in range(n):
+                def one(i=i):
+                    dW_memo.clear()  # values of another branch are out of scope here
+                    before = _sum(tail_sum(j, RdS(j)) for j in range(i)) if i == n - 1 else None
+                    row_block(i, before)
+                pl.when(ib == i)(one)
+        else:
+            tail_k = None
+            for i in range(n):
+                tail_k = row_block(i, tail_k)
 
     def _leaf_full(refs, dG_ref):
         """No or scalar gates: every decay is one [C, C] matrix D_rs = e^{G_r − G_s} (s ≤ r,
@@ -587,11 +624,16 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             last = jnp.exp(gl) * sd + tail_k
             dG_ref[...] = dG + jnp.where(iota((C, 1), 0) == C - 1, last, 0.0)
 
-    tok_k = pl.BlockSpec((None, C, None, BK), lambda n_, bh, kt: (bh // H, n_, bh % H, kt))
-    tok_v = pl.BlockSpec((None, C, None, V), lambda n_, bh, kt: (bh // H, n_, bh % H, 0))
-    st_k = pl.BlockSpec((None, None, None, BK, V), lambda n_, bh, kt: (bh // H, bh % H, n_, kt, 0))
-    mat = pl.BlockSpec((None, None, None, C, C), lambda n_, bh, kt: (bh // H, bh % H, n_, 0, 0))
-    gate = (pl.BlockSpec((None, C, None), lambda n_, bh, kt: (bh // H, n_, bh % H))
+    # Row grid (vector gates, kernels.TUNE["rewy_bwd_leaf.rowgrid"]): n programs per chunk, one
+    # per 16-row block — n× the parallelism and one block's live tiles per program, at the cost
+    # of the last block recomputing the others' tail sums for dG. Blocks stay whole chunks
+    # (each program stores only its rows).
+    ch = (lambda m: m // n) if rowgrid else (lambda m: m)
+    tok_k = pl.BlockSpec((None, C, None, BK), lambda m, bh, kt: (bh // H, ch(m), bh % H, kt))
+    tok_v = pl.BlockSpec((None, C, None, V), lambda m, bh, kt: (bh // H, ch(m), bh % H, 0))
+    st_k = pl.BlockSpec((None, None, None, BK, V), lambda m, bh, kt: (bh // H, bh % H, ch(m), kt, 0))
+    mat = pl.BlockSpec((None, None, None, C, C), lambda m, bh, kt: (bh // H, bh % H, ch(m), 0, 0))
+    gate = (pl.BlockSpec((None, C, None), lambda m, bh, kt: (bh // H, ch(m), bh % H))
             if mode == "scalar" else tok_k)
     ins = [q, k, e] + ([] if mode == "none" else [G]) + ([A] if wy else []) + [
         S0, dSe, lam, R, dO, dR, dT, dAqk]
@@ -600,7 +642,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     qd, kd, ed = dtypes
     out_shape = [s.sds_tok(K, qd), s.sds_tok(K, kd), s.sds_tok(K, ed)] + (
         [] if mode == "none" else [s.sds_tok(K)])
-    outs = _call(kernel, grid=(s.N, s.B * H, K // BK), in_specs=in_specs,
+    outs = _call(kernel, grid=(s.N * (n if rowgrid else 1), s.B * H, K // BK), in_specs=in_specs,
                  out_specs=[tok_k] * len(out_shape), out_shape=out_shape, interpret=interpret,
                  num_warps=_warps(s, "bwd_leaf"), name="rewy_bwd_leaf")(*ins)
     return list(outs) + ([None] if mode == "none" else [])

@@ -36,6 +36,9 @@ VARIANTS = {
     "bvs16": ({}, 64, 16, None),
     "centred": ({}, 64, None, None),  # vector gates: centred diagonal blocks (g ≥ −5 here)
     "cw4": ({f"rewy_{k}.warps": 4 for k in ("intra", "bwd_leaf", "qk_gram")}, 64, None, None),
+    "rowgrid": ({"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True}, 64, None, None),
+    "crowgrid": ({"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True}, 64, None,
+                 None),  # centred + row grids
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
@@ -91,7 +94,7 @@ def profile(mode, variant, shape, backward="rewy", interpret=False):
     api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = BV, BVs, BK
     B, T, H, D = shape
     q, k, e, z, G, h0, reset, end, seq, dO = _inputs(mode, B, T, H, D)
-    cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4"))
+    cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4", "crowgrid"))
     s = api._shape(cfg, q, z, G, h0)
     it = interpret
     rows = {}
