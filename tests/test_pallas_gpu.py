@@ -82,6 +82,19 @@ def test_interpret_leaf_row_grid(kw, small_tiles, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,kw", [("kda", {}), ("gdn2", {"backward": "wy", "policy": "save"})])
+def test_interpret_exact_levels_diagonal(op, kw, small_tiles, monkeypatch):
+    """The exact bit-level diagonal blocks (a tuning option) at strong decays (g down to −10,
+    −50 and −inf): every output and gradient, no overflow."""
+    from pallas_kernels.gpu import kernels
+
+    monkeypatch.setitem(kernels.TUNE, "rewy.exact_diag", "levels")
+    inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay="strong", seed=12)
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
+                                   chunk_size=64, **kw))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op", ["kda", "deltanet"])
 def test_interpret_varlen(op, small_tiles):
     inp = testing.make_inputs(op, 1, 45, 2, 16, 32, n_seqs=3, seed=5)
@@ -157,6 +170,7 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("kda", 64, 128, jnp.bfloat16, {"policy": "save"}, False),
     ("kda", 64, 64, jnp.bfloat16, {"gate_lower_bound": -5.0}, True),
     ("gdn2", 64, 64, jnp.float32, {"gate_lower_bound": -5.0, "backward": "wy"}, False),
+    ("gdn2", 128, 128, jnp.bfloat16, {"_exact_diag": "levels"}, False),
     ("gdn", 256, 256, jnp.float16, {}, False),
 ]
 
@@ -170,6 +184,9 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
     from pallas_kernels.gpu import api, kernels
 
     monkeypatch.setattr(api, "supports", lambda call, chunk_size, interpret: None)  # no GPU here
+    kw = dict(kw)
+    if "_exact_diag" in kw:  # the exact bit-level diagonal blocks (a tuning option)
+        monkeypatch.setitem(kernels.TUNE, "rewy.exact_diag", kw.pop("_exact_diag"))
     if varlen:  # and the leaf kernel's row-grid tuning variant
         monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.rowgrid", True)
         monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", True)

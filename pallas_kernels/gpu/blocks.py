@@ -55,17 +55,59 @@ CENTRED_MIN_GATE = -5.0
 _MID = BS // 2
 
 
+# How a vector-gate diagonal sub-chunk block is evaluated:
+#   "loop"     exact per-pair factors, one column per step (16 dependent [16, K] steps);
+#   "levels"   exact, by bit levels: a pair s < r of the block differs first at one bit b of its
+#              row index (b = 8, 4, 2, 1); at that level r lies in the upper half of a 2b-group
+#              and s in its lower half, and the row u where the upper half starts is a reference
+#              frame with both exponents ≤ 0: (x_r e^{G_r − G_u}) · (y_s e^{G_u − G_s}). Four
+#              masked [16, K] × [K, 16] matmuls (frame rows gathered from the ref) replace the
+#              16 steps; rows outside a level's role are zeroed *before* exp, so nothing overflows;
+#   "centred"  one matmul in the frame of row 8, only under a declared bound (CENTRED_MIN_GATE).
+DIAG_METHODS = ("loop", "levels", "centred")
+
+
 class Gates:
     """Decay of one chunk whose cumulative gate G lives in ``G_ref`` from row ``base``.
 
     mode: "none" (DeltaNet), "scalar" (G_ref [R]) or "vector" (G_ref [R, K]).
-    centred: vector gates known to satisfy g ≥ CENTRED_MIN_GATE: diagonal blocks use the
-    centred contraction (one matmul) instead of the exact per-pair loops.
+    diag: how vector-gate diagonal blocks are evaluated (DIAG_METHODS); "centred" only for
+    gates known to satisfy g ≥ CENTRED_MIN_GATE.
     """
 
-    def __init__(self, mode, G_ref, base, C, centred=False):
+    def __init__(self, mode, G_ref, base, C, diag="loop"):
+        if diag not in DIAG_METHODS:
+            raise ValueError(f"diag must be one of {DIAG_METHODS}; got {diag!r}")
         self.mode, self.G_ref, self.base, self.C = mode, G_ref, base, C
-        self.centred = centred and mode == "vector"
+        self.diag = diag if mode == "vector" else "loop"
+        self.centred = self.diag == "centred"
+
+    def _levels(self, i):
+        """Per bit level of diagonal block i: (up [BS,1], lo [BS,1] role masks of the rows,
+        e_up = e^{G_r − G_u} on up rows (else 0), e_lo = e^{G_u − G_s} on lo rows (else 0),
+        pair mask [BS, BS]: r up, s lo, same 2b-group)."""
+        r = iota((BS, 1), 0)
+        rr, ss = iota((BS, BS), 0), iota((BS, BS), 1)
+        Gi = self.blk(i)
+        start = self.base + i * BS
+        out = []
+        for b in (8, 4, 2, 1):
+            up = (r // b) % 2 == 1
+            lo = jnp.logical_not(up)
+            G_up = self.G_ref[start + (r[:, 0] // b) * b, :].astype(F32)  # frame of an up row
+            G_lo = self.G_ref[start + jnp.where(lo[:, 0], (r[:, 0] // b + 1) * b, r[:, 0]),
+                              :].astype(F32)  # frame of a lo row (its own row otherwise)
+            e_up = jnp.exp(jnp.where(up, Gi - G_up, -jnp.inf))
+            e_lo = jnp.exp(jnp.where(lo, G_lo - Gi, -jnp.inf))
+            pair = (((rr // b) % 2 == 1) & ((ss // b) % 2 == 0)
+                    & (rr // (2 * b) == ss // (2 * b)))
+            out.append((e_up, e_lo, pair))
+        return out
+
+    @staticmethod
+    def _diag_of(P):  # [BS, 1]: P's diagonal
+        eye = iota((BS, BS), 0) == iota((BS, BS), 1)
+        return jnp.sum(jnp.where(eye, P, 0.0), axis=1, keepdims=True)
 
     def blk(self, i):
         # Re-loaded at every use (an L1/L2 hit) rather than kept live: register pressure, not
@@ -119,6 +161,15 @@ class Gates:
             Gm = self.row(i * BS + _MID)
             m = dot(x_i * jnp.exp(Gi - Gm), y_j * jnp.exp(Gm - Gi), prec, tb=True)
             return jnp.where(mask, m, 0.0)
+        if self.diag == "levels":  # exact: one masked matmul per bit level, + the diagonal
+            m = None
+            for e_up, e_lo, pair in self._levels(i):
+                t = jnp.where(pair, dot(x_i * e_up, y_j * e_lo, prec, tb=True), 0.0)
+                m = t if m is None else m + t
+            if not strict:
+                d = jnp.sum(x_i * y_j, axis=1, keepdims=True)  # r = s: factor 1
+                m = m + jnp.where(iota((BS, BS), 0) == iota((BS, BS), 1), d, 0.0)
+            return m
         # diagonal block: per-pair exact factors, one column s = o per step
         rr = iota((BS, 1), 0)
         cc = iota((1, BS), 1)
@@ -160,6 +211,12 @@ class Gates:
             Gm = self.row(i * BS + _MID)
             dia = jnp.exp(Gi - Gm) * dot(Pii, y[i] * jnp.exp(Gm - Gi), prec)
             return dia if out is None else out + dia
+        if self.diag == "levels":
+            y_i = y[i]
+            dia = self._diag_of(Pii) * y_i
+            for e_up, e_lo, pair in self._levels(i):
+                dia = dia + e_up * dot(jnp.where(pair, Pii, 0.0), y_i * e_lo, prec)
+            return dia if out is None else out + dia
         rr = iota((BS, 1), 0)
         cc = iota((1, BS), 1)
         base = self.base + i * BS
@@ -196,6 +253,12 @@ class Gates:
         if self.centred:  # e^{G_m − G_s} ⊙ P_jjᵀ (x ⊙ e^{G_r − G_m})
             Gm = self.row(j * BS + _MID)
             dia = jnp.exp(Gm - Gj) * dot(Pjj, x[j] * jnp.exp(Gj - Gm), prec, ta=True)
+            return dia if out is None else out + dia
+        if self.diag == "levels":
+            x_j = x[j]
+            dia = self._diag_of(Pjj) * x_j
+            for e_up, e_lo, pair in self._levels(j):
+                dia = dia + e_lo * dot(jnp.where(pair, Pjj, 0.0), x_j * e_up, prec, ta=True)
             return dia if out is None else out + dia
         ss = iota((BS, 1), 0)  # output row s
         rr = iota((BS, BS), 0)

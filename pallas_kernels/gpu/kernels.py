@@ -95,8 +95,10 @@ class Shape:
                  centred=False):
         self.B, self.Tp, self.H, self.K, self.V, self.C = B, Tp, H, K, V, C
         # vector gates with a declared lower bound (blocks.CENTRED_MIN_GATE): diagonal sub-chunk
-        # blocks as one centred matmul instead of per-pair loops
+        # blocks of the leaf kernel as one centred matmul instead of exact per-pair work
         self.centred = centred
+        # exact diagonal blocks: "loop" (per column) or "levels" (bit levels; a tuning option)
+        self.exact_diag = TUNE.get("rewy.exact_diag", "loop")
         self.N, self.n = Tp // C, C // BS
         self.n_seq1, self.mode, self.prec, self.BV = n_seq1, mode, prec, BV
         # key-tile width of bwd_leaf (it holds [BK, V] state tiles)
@@ -200,7 +202,7 @@ def intra(s: Shape, k, e, z, G, *, interpret):
         k_ref, e_ref, z_ref, G_ref, A_ref, W_ref, U_ref = _split(refs, mode, 4)
         # exact per-pair diagonals even under a declared bound: the centred blocks measured
         # slower here (1.81 -> 2.39 ms, H200), unlike in bwd_leaf (6.0 -> 3.1 ms)
-        gt = Gates(mode, G_ref, 0, C)
+        gt = Gates(mode, G_ref, 0, C, s.exact_diag)
         ks, es, zs = Rows(k_ref), Rows(e_ref), Rows(z_ref)
         def T(i, j):
             return gt.gram(i, j, es[i], ks[j], k_ref, prec, strict=True)
@@ -235,7 +237,7 @@ def qk_gram(s: Shape, q, k, G, *, interpret):
     rowgrid = bool(TUNE.get("rewy_qk_gram.rowgrid", False))
 
     def kernel(q_ref, k_ref, G_ref, P_ref):
-        gt = Gates("vector", G_ref, 0, C)  # exact diagonals: as fast as centred here (0.95 ms)
+        gt = Gates("vector", G_ref, 0, C, s.exact_diag)  # exact: as fast as centred here (0.95 ms)
         qs, ks = Rows(q_ref), Rows(k_ref)
 
         def row_block(i):
@@ -525,7 +527,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         dG_ref = refs[16] if mode != "none" else None
         if mode != "vector":
             return _leaf_full(refs[:16], dG_ref)
-        gt = Gates(mode, G_ref, 0, C, s.centred)
+        gt = Gates(mode, G_ref, 0, C, "centred" if s.centred else s.exact_diag)
         qs, ks, es = Rows(q_ref), Rows(k_ref), Rows(e_ref)
         dT, dAqk = Blocks(dT_ref), Blocks(dAqk_ref)
         A = Blocks(A_ref) if wy else None

@@ -39,6 +39,9 @@ VARIANTS = {
     "rowgrid": ({"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True}, 64, None, None),
     "crowgrid": ({"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True}, 64, None,
                  None),  # centred + row grids
+    "levels": ({"rewy.exact_diag": "levels"}, 64, None, None),  # exact bit-level diagonals
+    "lrowgrid": ({"rewy.exact_diag": "levels", "rewy_bwd_leaf.rowgrid": True,
+                  "rewy_qk_gram.rowgrid": True}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
