@@ -205,3 +205,18 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
                "rewy_bwd_dlam", "rewy_bwd_leaf"} | ({"rewy_qk_gram"} if op in ("kda", "gdn2") else set())
     missing = {k for k in kernels if k not in text}
     assert not missing, f"kernels absent from the lowered module: {missing}"
+
+
+@pytest.mark.skipif(_ON_GPU, reason="CPU smoke test of the profiling script")
+def test_profile_script_runs_its_variants():
+    """pallas_kernels/gpu/profile_kernels.py (the device-session tool) runs every kernel of a
+    variant in interpret mode and leaves the module settings as it found them."""
+    from pallas_kernels.gpu import api, kernels, profile_kernels
+
+    before = dict(kernels.TUNE), api.DEFAULT_BV
+    rows = profile_kernels.profile("vector", "lrowgrid", (1, 64, 1, 16), interpret=True,
+                                   reps=1, runs=1)
+    assert {"intra", "qk_gram", "fwd_pass", "output", "bwd_local", "bwd_pass", "bwd_dlam",
+            "bwd_leaf"} <= set(rows)
+    assert all(t > 0 for t in rows.values())
+    assert (dict(kernels.TUNE), api.DEFAULT_BV) == before

@@ -90,11 +90,23 @@ def _inputs(mode, B, T, H, D, C=64, seed=0):
     return q, k, e, z, G, h0, reset, end, seq, dO
 
 
-def profile(mode, variant, shape, backward="rewy", interpret=False):
+def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, runs=5):
+    """{kernel or whole pass: ms} for one gate mode ("none", "scalar", "vector") and variant."""
+    saved = dict(kn.TUNE), (api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK)
     tune, BV, BVs, BK = VARIANTS[variant]
     kn.TUNE.clear()
     kn.TUNE.update(tune)
     api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = BV, BVs, BK
+    try:
+        return _profile(mode, variant, shape, backward, interpret, BV,
+                        lambda f, *a: _bench(f, *a, reps=reps, runs=runs))
+    finally:  # leave the module settings as they were
+        kn.TUNE.clear()
+        kn.TUNE.update(saved[0])
+        api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = saved[1]
+
+
+def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     B, T, H, D = shape
     q, k, e, z, G, h0, reset, end, seq, dO = _inputs(mode, B, T, H, D)
     cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4", "crowgrid"))
