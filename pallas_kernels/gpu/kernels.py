@@ -160,6 +160,15 @@ class Shape:
         H = self.H
         return pl.BlockSpec((None, None, lead, self.K, self.BVs), lambda bh, v: (bh // H, bh % H, 0, 0, v))
 
+    def pass_outputs(self):
+        """out_specs/out_shape of both state passes: per-chunk states [B,H,N,K,V], a token
+        tensor [B,Tp,H,V] and the per-sequence end states [B,H,n_seq1,K,V] (all fp32)."""
+        K, V = self.K, self.V
+        return dict(
+            out_specs=[self.col_states(self.N), self.col_tok(V, True), self.col_states(self.n_seq1)],
+            out_shape=[jax.ShapeDtypeStruct((self.B, self.H, self.N, K, V), F32), self.sds_tok(V),
+                       jax.ShapeDtypeStruct((self.B, self.H, self.n_seq1, K, V), F32)])
+
     def col_meta(self):
         return pl.BlockSpec((self.N,), lambda bh, v: (0,))
 
@@ -313,10 +322,7 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret):
     ins = [W, U, k] + ([] if mode == "none" else [G]) + [h0, reset, end, seq]
     in_specs = [s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(K, False)] + (
         [] if mode == "none" else [s.col_gate()]) + [s.col_states(s.n_seq1)] + [s.col_meta()] * 3
-    return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs,
-                 out_specs=[s.col_states(N), s.col_tok(s.V, True), s.col_states(s.n_seq1)],
-                 out_shape=[jax.ShapeDtypeStruct((s.B, s.H, N, K, s.V), F32), s.sds_tok(s.V),
-                            jax.ShapeDtypeStruct((s.B, s.H, s.n_seq1, K, s.V), F32)],
+    return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs, **s.pass_outputs(),
                  interpret=interpret, num_warps=_warps(s, "fwd_pass"), name="rewy_fwd_pass",
                  num_stages=_pass_stages(K))(*ins)
 
@@ -434,10 +440,7 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret)
     in_specs = [s.col_tok(K, False)] * 2 + ([] if mode == "none" else [s.col_gate()]) + [
         s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(s.V, True),
         s.col_states(s.n_seq1)] + [s.col_meta()] * 3
-    return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs,
-                 out_specs=[s.col_states(N), s.col_tok(s.V, True), s.col_states(s.n_seq1)],
-                 out_shape=[jax.ShapeDtypeStruct((s.B, s.H, N, K, s.V), F32), s.sds_tok(s.V),
-                            jax.ShapeDtypeStruct((s.B, s.H, s.n_seq1, K, s.V), F32)],
+    return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs, **s.pass_outputs(),
                  interpret=interpret, num_warps=_warps(s, "bwd_pass"), name="rewy_bwd_pass",
                  num_stages=_pass_stages(K))(*ins)
 
