@@ -63,25 +63,20 @@ def _call(kernel, *, grid, in_specs, out_specs, out_shape, interpret, num_warps,
             compiler_params=None if interpret else _compiler_params(num_warps, num_stages))
 
 
-# Launch settings, chosen from ptxas's resource report of the lowered kernels (sm_90, K = V = 128):
-# with 4 warps the blocked kernels need > 255 registers per thread and spill; 8 warps removes most
-# of it. The state passes software-pipeline their per-chunk loads (num_stages = 3, ~210 KB of
-# shared memory at K = 128); at K = 256 that would need ~400 KB, so they drop to one stage there.
-NUM_WARPS = 8
-# Launch-setting overrides for tuning runs (profile_kernels.py): {"rewy_intra.warps": 4, ...}.
+# Launch settings. Warps per kernel from profile_kernels.py on the H200 (2x4096x16x128 bf16,
+# commits cd69bc4 and after; benchmarks/results/profile-*.txt): the per-chunk kernels run faster
+# with 4 (intra 0.55 -> 0.43 ms without gates and 2.39 -> 1.54 with vector gates, output
+# 0.27 -> 0.18); the two with the most live tiles (bwd_pass, bwd_leaf) keep 8 (bwd_leaf with
+# vector gates: 3.09 at 8, 3.23 at 4; ptxas showed the blocked kernels spilling at 4). The state
+# passes software-pipeline their per-chunk loads (num_stages = 3, ~210 KB of shared memory at
+# K = 128); at K = 256 that would need ~400 KB, so they drop to one stage there.
+WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "bwd_pass": 8,
+         "bwd_dlam": 4, "bwd_leaf": 8}
+# Overrides for tuning runs (profile_kernels.py), read when a kernel is traced:
+#   "<kernel name>.warps" / ".stages"          launch settings, e.g. "rewy_intra.warps": 8
+#   "rewy_bwd_leaf.rowgrid", "rewy_qk_gram.rowgrid"   one program per 16-row block (bool)
+#   "rewy.exact_diag"                           exact vector-gate diagonal blocks: "loop" | "levels"
 TUNE: dict = {}
-
-
-# Warps per kernel, from profile_kernels.py on the H200 (2x4096x16x128 bf16, commits cd69bc4 and
-# after): the per-chunk kernels run faster with 4 (intra 0.55 -> 0.43 ms without gates and
-# 2.39 -> 1.54 with vector gates, output 0.27 -> 0.18); the two with the most live tiles
-# (bwd_pass, bwd_leaf) keep 8 (bwd_leaf with vector gates: 3.09 at 8, 3.23 at 4).
-_WARPS = {"intra": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "bwd_pass": 8, "bwd_dlam": 4,
-          "bwd_leaf": 8, "qk_gram": 4}
-
-
-def _warps(s, name):
-    return _WARPS[name]
 
 
 def _pass_stages(K):
@@ -233,7 +228,7 @@ def intra(s: Shape, k, e, z, G, *, interpret):
                  out_specs=[s.chunk_mat(C, C), s.chunk_tok(s.K), s.chunk_tok(s.V)],
                  out_shape=[jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32), s.sds_tok(s.K),
                             s.sds_tok(s.V)],
-                 interpret=interpret, num_warps=_warps(s, "intra"), name="rewy_intra")(*ins)
+                 interpret=interpret, num_warps=WARPS["intra"], name="rewy_intra")(*ins)
 
 
 def qk_gram(s: Shape, q, k, G, *, interpret):
@@ -267,7 +262,7 @@ def qk_gram(s: Shape, q, k, G, *, interpret):
     mat = pl.BlockSpec((None, None, None, C, C), lambda m, bh: (bh // H, bh % H, ch(m), 0, 0))
     return _call(kernel, grid=(s.N * (n if rowgrid else 1), s.B * H), in_specs=[tok] * 3,
                  out_specs=mat, out_shape=jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32),
-                 interpret=interpret, num_warps=_warps(s, "qk_gram"), name="rewy_qk_gram")(q, k, G)
+                 interpret=interpret, num_warps=WARPS["qk_gram"], name="rewy_qk_gram")(q, k, G)
 
 
 def _chunk_decay(mode, G_ref, base, C):
@@ -323,7 +318,7 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret):
     in_specs = [s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(K, False)] + (
         [] if mode == "none" else [s.col_gate()]) + [s.col_states(s.n_seq1)] + [s.col_meta()] * 3
     return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs, **s.pass_outputs(),
-                 interpret=interpret, num_warps=_warps(s, "fwd_pass"), name="rewy_fwd_pass",
+                 interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
                  num_stages=_pass_stages(K))(*ins)
 
 
@@ -342,7 +337,7 @@ def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
     """O = Qγ S0 + P R, [B,Tp,H,V] in out_dtype. Grid (N, B·H, V/BV).
 
     No or scalar gates rebuild P per tile (one masked [C, C] matmul); vector gates read the P
-    that ``intra`` built.
+    that ``qk_gram`` built.
     """
     C, prec, mode, BV = s.C, s.prec, s.mode, s.BV
     vec = mode == "vector"
@@ -373,7 +368,7 @@ def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
             s.chunk_state_v(BV), s.chunk_tok_v(BV)]
     return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
                  out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V, out_dtype),
-                 interpret=interpret, num_warps=_warps(s, "output"), name="rewy_output")(*ins)
+                 interpret=interpret, num_warps=WARPS["output"], name="rewy_output")(*ins)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,7 +396,7 @@ def bwd_local(s: Shape, q, k, G, P, dO, *, interpret):
             s.chunk_tok_v(BV)]
     return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
                  out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V), interpret=interpret,
-                 num_warps=_warps(s, "bwd_local"), name="rewy_bwd_local")(*ins)
+                 num_warps=WARPS["bwd_local"], name="rewy_bwd_local")(*ins)
 
 
 def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret):
@@ -441,7 +436,7 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret)
         s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(s.V, True),
         s.col_states(s.n_seq1)] + [s.col_meta()] * 3
     return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs, **s.pass_outputs(),
-                 interpret=interpret, num_warps=_warps(s, "bwd_pass"), name="rewy_bwd_pass",
+                 interpret=interpret, num_warps=WARPS["bwd_pass"], name="rewy_bwd_pass",
                  num_stages=_pass_stages(K))(*ins)
 
 
@@ -499,7 +494,7 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret):
                  out_specs=[full_v, s.chunk_mat(C, C), s.chunk_mat(C, C)],
                  out_shape=[s.sds_tok(V), jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32),
                             jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32)],
-                 interpret=interpret, num_warps=_warps(s, "bwd_dlam"), name="rewy_bwd_dlam")(*ins)
+                 interpret=interpret, num_warps=WARPS["bwd_dlam"], name="rewy_bwd_dlam")(*ins)
 
 
 def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, backward, dtypes,
@@ -649,7 +644,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         [] if mode == "none" else [s.sds_tok(K)])
     outs = _call(kernel, grid=(s.N * (n if rowgrid else 1), s.B * H, K // BK), in_specs=in_specs,
                  out_specs=[tok_k] * len(out_shape), out_shape=out_shape, interpret=interpret,
-                 num_warps=_warps(s, "bwd_leaf"), name="rewy_bwd_leaf")(*ins)
+                 num_warps=WARPS["bwd_leaf"], name="rewy_bwd_leaf")(*ins)
     return list(outs) + ([None] if mode == "none" else [])
 
 

@@ -9,7 +9,7 @@ Two steps, because the lowering needs jax and the compile needs the Triton of th
     python pallas_kernels/gpu/resource_report.py ptxas /tmp/ttir/*.ttir [--warps 8] [--stages 3]
 
 Step 2 reports per kernel: shared memory (must stay under ~227 KB on Hopper), registers per
-thread and spill bytes. Pass the same --warps/--stages the kernels use (kernels.NUM_WARPS,
+thread and spill bytes. Pass the same --warps/--stages the kernels use (kernels.WARPS,
 kernels._pass_stages): the Triton IR does not carry them. The GPU model is forced to H200 for the
 lowering (a lowering-only shortcut through jax internals; never used by the library).
 """
