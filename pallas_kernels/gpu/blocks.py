@@ -83,15 +83,15 @@ class Gates:
         self.centred = self.diag == "centred"
 
     def _levels(self, i):
-        """Per bit level of diagonal block i: (up [BS,1], lo [BS,1] role masks of the rows,
-        e_up = e^{G_r − G_u} on up rows (else 0), e_lo = e^{G_u − G_s} on lo rows (else 0),
-        pair mask [BS, BS]: r up, s lo, same 2b-group)."""
+        """Per bit level b of diagonal block i, yielded one at a time (so that only one level's
+        tiles are live): e_up = e^{G_r − G_u} on rows in the upper half of their 2b-group (else
+        0), e_lo = e^{G_u − G_s} on rows in the lower half (else 0), and the pair mask [BS, BS]
+        (r upper, s lower, same 2b-group); u = the row where r's (s's next) b-block starts."""
         r = iota((BS, 1), 0)
         rr, ss = iota((BS, BS), 0), iota((BS, BS), 1)
-        Gi = self.blk(i)
         start = self.base + i * BS
-        out = []
         for b in (8, 4, 2, 1):
+            Gi = self.blk(i)
             up = (r // b) % 2 == 1
             lo = jnp.logical_not(up)
             G_up = self.G_ref[start + (r[:, 0] // b) * b, :].astype(F32)  # frame of an up row
@@ -101,8 +101,7 @@ class Gates:
             e_lo = jnp.exp(jnp.where(lo, G_lo - Gi, -jnp.inf))
             pair = (((rr // b) % 2 == 1) & ((ss // b) % 2 == 0)
                     & (rr // (2 * b) == ss // (2 * b)))
-            out.append((e_up, e_lo, pair))
-        return out
+            yield e_up, e_lo, pair
 
     @staticmethod
     def _diag_of(P):  # [BS, 1]: P's diagonal
