@@ -69,26 +69,29 @@ def test_interpret_matches_reference(op, T, K, V, C, decay, kw, small_tiles):
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("kw", [{}, {"gate_lower_bound": -5.0}, {"backward": "wy"}],
                          ids=["exact", "centred", "wy"])
-def test_interpret_leaf_row_grid(kw, small_tiles, monkeypatch):
-    """The row-grid variants of the leaf and qk_gram kernels (one program per 16-row block;
-    tuning options)."""
+def test_interpret_leaf_chunk_grid(kw, small_tiles, monkeypatch):
+    """The leaf and qk_gram kernels with one program per chunk (their row grids off; a tuning
+    option — the row grids are the default)."""
     from pallas_kernels.gpu import kernels
 
-    monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.rowgrid", True)
-    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", True)
+    monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.rowgrid", False)
+    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", False)
     inp = testing.make_inputs("kda", 1, 70, 2, 16, 16, decay="bounded", seed=11)
     _check(testing.accuracy_report("kda", inp, backend="pallas_gpu", interpret=True,
                                    chunk_size=64, **kw))
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,kw", [("kda", {}), ("gdn2", {"backward": "wy", "policy": "save"})])
-def test_interpret_exact_levels_diagonal(op, kw, small_tiles, monkeypatch):
-    """The exact bit-level diagonal blocks (a tuning option) at strong decays (g down to −10,
-    −50 and −inf): every output and gradient, no overflow."""
+@pytest.mark.parametrize("op,kw,diag", [("kda", {}, "levels"), ("kda", {}, "loop"),
+                                        ("gdn2", {"backward": "wy", "policy": "save"}, "levels")])
+def test_interpret_exact_diagonals_strong_decay(op, kw, diag, small_tiles, monkeypatch):
+    """Both exact diagonal-block methods (per-column loop, bit levels) in every kernel that has
+    them, at strong decays (g down to −10, −50 and −inf): every output and gradient, no
+    overflow. (The defaults mix them: loop in intra/qk_gram, levels in bwd_leaf.)"""
     from pallas_kernels.gpu import kernels
 
-    monkeypatch.setitem(kernels.TUNE, "rewy.exact_diag", "levels")
+    for k in ("intra", "qk_gram", "bwd_leaf"):
+        monkeypatch.setitem(kernels.TUNE, f"rewy_{k}.exact_diag", diag)
     inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay="strong", seed=12)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
                                    chunk_size=64, **kw))
@@ -170,7 +173,7 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("kda", 64, 128, jnp.bfloat16, {"policy": "save"}, False),
     ("kda", 64, 64, jnp.bfloat16, {"gate_lower_bound": -5.0}, True),
     ("gdn2", 64, 64, jnp.float32, {"gate_lower_bound": -5.0, "backward": "wy"}, False),
-    ("gdn2", 128, 128, jnp.bfloat16, {"_exact_diag": "levels"}, False),
+    ("gdn2", 128, 128, jnp.bfloat16, {"_exact_diag": "loop"}, False),
     ("gdn", 256, 256, jnp.float16, {}, False),
 ]
 
@@ -185,11 +188,13 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
 
     monkeypatch.setattr(api, "supports", lambda call, chunk_size, interpret: None)  # no GPU here
     kw = dict(kw)
-    if "_exact_diag" in kw:  # the exact bit-level diagonal blocks (a tuning option)
-        monkeypatch.setitem(kernels.TUNE, "rewy.exact_diag", kw.pop("_exact_diag"))
-    if varlen:  # and the leaf kernel's row-grid tuning variant
-        monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.rowgrid", True)
-        monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", True)
+    if "_exact_diag" in kw:  # one exact diagonal method everywhere (a tuning option)
+        diag = kw.pop("_exact_diag")
+        for k in ("intra", "qk_gram", "bwd_leaf"):
+            monkeypatch.setitem(kernels.TUNE, f"rewy_{k}.exact_diag", diag)
+    if varlen:  # and the one-program-per-chunk tuning variant of the leaf and qk_gram kernels
+        monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.rowgrid", False)
+        monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", False)
     inp = testing.make_inputs(op, 1, 100, 2, K, V, dtype=dtype, n_seqs=3 if varlen else None)
     diff = {n: x for n, x in inp.items() if n != "cu_seqlens"}
 
@@ -214,7 +219,7 @@ def test_profile_script_runs_its_variants():
     from pallas_kernels.gpu import api, kernels, profile_kernels
 
     before = dict(kernels.TUNE), api.DEFAULT_BV
-    rows = profile_kernels.profile("vector", "lrowgrid", (1, 64, 1, 16), interpret=True,
+    rows = profile_kernels.profile("vector", "levels", (1, 64, 1, 16), interpret=True,
                                    reps=1, runs=1)
     assert {"intra", "qk_gram", "fwd_pass", "output", "bwd_local", "bwd_pass", "bwd_dlam",
             "bwd_leaf"} <= set(rows)

@@ -72,11 +72,26 @@ def _call(kernel, *, grid, in_specs, out_specs, out_shape, interpret, num_warps,
 # K = 128); at K = 256 that would need ~400 KB, so they drop to one stage there.
 WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "bwd_pass": 8,
          "bwd_dlam": 4, "bwd_leaf": 8}
+# Algorithm choices of the vector-gate kernels, from profile-4 (H200, KDA at the anchor shape,
+# benchmarks/results/profile-4-256267b.txt):
+#   rowgrid     one program per 16-row block of a chunk instead of per chunk: bwd_leaf
+#               5.32 -> 4.94 ms (exact loop), 3.81 -> 2.43 (exact levels), 3.09 -> 2.05
+#               (centred); qk_gram 0.95 -> 0.90.
+#   exact_diag  exact diagonal sub-chunk blocks: "loop" (16 dependent per-column steps) or
+#               "levels" (4 masked matmuls on bit levels, blocks.Gates): bwd_leaf 5.32 -> 3.81
+#               but qk_gram 0.95 -> 1.03 (1.32 with the row grid) and intra 1.50 -> 1.62.
+DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
+            "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
+            "rewy_bwd_leaf.exact_diag": "levels"}
 # Overrides for tuning runs (profile_kernels.py), read when a kernel is traced:
 #   "<kernel name>.warps" / ".stages"          launch settings, e.g. "rewy_intra.warps": 8
-#   "rewy_bwd_leaf.rowgrid", "rewy_qk_gram.rowgrid"   one program per 16-row block (bool)
-#   "rewy.exact_diag"                           exact vector-gate diagonal blocks: "loop" | "levels"
+#   any key of DEFAULTS                         e.g. "rewy_bwd_leaf.rowgrid": False
 TUNE: dict = {}
+
+
+def setting(key):
+    """A DEFAULTS choice, or its TUNE override."""
+    return TUNE.get(key, DEFAULTS[key])
 
 
 def _pass_stages(K):
@@ -92,8 +107,6 @@ class Shape:
         # vector gates with a declared lower bound (blocks.CENTRED_MIN_GATE): diagonal sub-chunk
         # blocks of the leaf kernel as one centred matmul instead of exact per-pair work
         self.centred = centred
-        # exact diagonal blocks: "loop" (per column) or "levels" (bit levels; a tuning option)
-        self.exact_diag = TUNE.get("rewy.exact_diag", "loop")
         self.N, self.n = Tp // C, C // BS
         self.n_seq1, self.mode, self.prec, self.BV = n_seq1, mode, prec, BV
         # key-tile width of bwd_leaf (it holds [BK, V] state tiles)
@@ -206,7 +219,7 @@ def intra(s: Shape, k, e, z, G, *, interpret):
         k_ref, e_ref, z_ref, G_ref, A_ref, W_ref, U_ref = _split(refs, mode, 4)
         # exact per-pair diagonals even under a declared bound: the centred blocks measured
         # slower here (1.81 -> 2.39 ms, H200), unlike in bwd_leaf (6.0 -> 3.1 ms)
-        gt = Gates(mode, G_ref, 0, C, s.exact_diag)
+        gt = Gates(mode, G_ref, 0, C, setting("rewy_intra.exact_diag"))
         ks, es, zs = Rows(k_ref), Rows(e_ref), Rows(z_ref)
         def T(i, j):
             return gt.gram(i, j, es[i], ks[j], k_ref, prec, strict=True)
@@ -237,11 +250,12 @@ def qk_gram(s: Shape, q, k, G, *, interpret):
     blocks per value tile. A kernel of its own: inside ``intra`` it would add live blocks to the
     inverse's and spill (measured 1.8 -> 6.6 ms there)."""
     n, C, prec = s.n, s.C, s.prec
-    # Row grid (kernels.TUNE["rewy_qk_gram.rowgrid"]): one program per 16-row block of P.
-    rowgrid = bool(TUNE.get("rewy_qk_gram.rowgrid", False))
+    # Row grid (DEFAULTS): one program per 16-row block of P.
+    rowgrid = bool(setting("rewy_qk_gram.rowgrid"))
+    diag = setting("rewy_qk_gram.exact_diag")
 
     def kernel(q_ref, k_ref, G_ref, P_ref):
-        gt = Gates("vector", G_ref, 0, C, s.exact_diag)  # exact: as fast as centred here (0.95 ms)
+        gt = Gates("vector", G_ref, 0, C, diag)  # exact: as fast as centred here (0.95 ms)
         qs, ks = Rows(q_ref), Rows(k_ref)
 
         def row_block(i):
@@ -512,7 +526,8 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     BK = s.BK
     wy = backward == "wy"
     H = s.H
-    rowgrid = mode == "vector" and bool(TUNE.get("rewy_bwd_leaf.rowgrid", False))
+    rowgrid = mode == "vector" and bool(setting("rewy_bwd_leaf.rowgrid"))
+    diag = "centred" if s.centred else setting("rewy_bwd_leaf.exact_diag")
 
     def kernel(*refs):
         refs = list(refs)
@@ -525,7 +540,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         dG_ref = refs[16] if mode != "none" else None
         if mode != "vector":
             return _leaf_full(refs[:16], dG_ref)
-        gt = Gates(mode, G_ref, 0, C, "centred" if s.centred else s.exact_diag)
+        gt = Gates(mode, G_ref, 0, C, diag)
         qs, ks, es = Rows(q_ref), Rows(k_ref), Rows(e_ref)
         dT, dAqk = Blocks(dT_ref), Blocks(dAqk_ref)
         A = Blocks(A_ref) if wy else None
@@ -624,7 +639,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             last = jnp.exp(gl) * sd + tail_k
             dG_ref[...] = dG + jnp.where(iota((C, 1), 0) == C - 1, last, 0.0)
 
-    # Row grid (vector gates, kernels.TUNE["rewy_bwd_leaf.rowgrid"]): n programs per chunk, one
+    # Row grid (vector gates, DEFAULTS): n programs per chunk, one
     # per 16-row block — n× the parallelism and one block's live tiles per program, at the cost
     # of the last block recomputing the others' tail sums for dG. Blocks stay whole chunks
     # (each program stores only its rows).

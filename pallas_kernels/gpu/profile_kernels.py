@@ -36,12 +36,12 @@ VARIANTS = {
     "bvs16": ({}, 64, 16, None),
     "centred": ({}, 64, None, None),  # vector gates: centred diagonal blocks (g ≥ −5 here)
     "cw4": ({f"rewy_{k}.warps": 4 for k in ("intra", "bwd_leaf", "qk_gram")}, 64, None, None),
-    "rowgrid": ({"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True}, 64, None, None),
-    "crowgrid": ({"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True}, 64, None,
-                 None),  # centred + row grids
-    "levels": ({"rewy.exact_diag": "levels"}, 64, None, None),  # exact bit-level diagonals
-    "lrowgrid": ({"rewy.exact_diag": "levels", "rewy_bwd_leaf.rowgrid": True,
-                  "rewy_qk_gram.rowgrid": True}, 64, None, None),
+    "lw4": ({"rewy_bwd_leaf.warps": 4}, 64, None, None),
+    "chunkgrid": ({"rewy_bwd_leaf.rowgrid": False, "rewy_qk_gram.rowgrid": False}, 64, None,
+                  None),  # one program per chunk (the row grids off)
+    "loopleaf": ({"rewy_bwd_leaf.exact_diag": "loop"}, 64, None, None),
+    "levels": ({f"rewy_{k}.exact_diag": "levels" for k in ("intra", "qk_gram", "bwd_leaf")},
+               64, None, None),  # exact bit-level diagonals everywhere
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
@@ -109,7 +109,7 @@ def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, run
 def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     B, T, H, D = shape
     q, k, e, z, G, h0, reset, end, seq, dO = _inputs(mode, B, T, H, D)
-    cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4", "crowgrid"))
+    cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4"))
     s = api._shape(cfg, q, z, G, h0)
     it = interpret
     rows = {}
