@@ -9,7 +9,8 @@
 # under a hard timeout with results and the full log in $OUT, and packs every
 # *.autotune.json into $OUT/fla-autotune.tgz: unpack it here and refresh the cache with
 # `bash benchmarks/update_autotune_cache.sh <files_at>/fla-autotune.tgz`.
-# Env: BENCH_TIMEOUT (s, default 480) bounds the Python run.
+# Env: BENCH_TIMEOUT (s, default 480) bounds the Python run; BENCH_SPLIT and BENCH_STEM run
+# several processes side by side (below).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/bench-out}"
@@ -30,8 +31,32 @@ if [ -d .bench_snapshot ]; then  # the committed code (benchmarks/snapshot.sh), 
   export PYTHONPATH="$ROOT/.bench_snapshot:${PYTHONPATH#"$ROOT:"}"
   cd .bench_snapshot
 fi
-timeout -k 10 "${BENCH_TIMEOUT:-480}" python3 -m benchmarks.run --out-dir "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
-rc=$?
+if [ -n "${BENCH_SPLIT:-}" ]; then
+  # Side by side: one process per item of BENCH_SPLIT ("OPS[@SHAPES] ...", e.g.
+  # "kda@2x4096x16x128,8x1024x8x64 deltanet"), each writing $OUT/$BENCH_STEM-pI.*, merged into
+  # $OUT/$BENCH_STEM.*. They compile on their own cores and take turns on the GPU through one
+  # lock file (benchmarks.run --gpu-lock), so no timing shares the GPU with another process.
+  stem="${BENCH_STEM:?BENCH_SPLIT needs BENCH_STEM}"
+  lock="$(mktemp /tmp/rewy-gpu-lock.XXXXXX)"
+  pids=() i=0
+  for item in $BENCH_SPLIT; do
+    part=(--ops "${item%%@*}")
+    [[ "$item" == *@* ]] && part+=(--shapes "${item#*@}")
+    timeout -k 10 "${BENCH_TIMEOUT:-480}" python3 -m benchmarks.run --out-dir "$OUT" \
+      --gpu-lock "$lock" --stem "$stem-p$i" "${part[@]}" "$@" > "$OUT/bench-p$i.log" 2>&1 &
+    pids+=($!) i=$((i + 1))
+  done
+  rc=0
+  for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+  parts=("$OUT/$stem"-p*.json)
+  python3 -m benchmarks.merge "${parts[@]}" --out-dir "$OUT" --stem "$stem" >/dev/null \
+    || { echo "merge failed"; rc=1; }
+  grep -h "accuracy\|error\|Error" "$OUT"/bench-p*.log | cut -c1-400
+  [ -f "$OUT/$stem.md" ] && sed -n "/^## Headline/,/^## All rows/p" "$OUT/$stem.md"
+else
+  timeout -k 10 "${BENCH_TIMEOUT:-480}" python3 -m benchmarks.run --out-dir "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+  rc=$?
+fi
 cd "$ROOT"
 find .tcache -name '*.autotune.json' -print0 | tar czf "$OUT/fla-autotune.tgz" --null -T -
 echo "benchmark exit code: $rc"

@@ -207,6 +207,11 @@ def _mem_of(compiled):
         return None
 
 
+def _all_finite(tree) -> bool:
+    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(tree)
+               if jnp.issubdtype(x.dtype, jnp.inexact))
+
+
 class JaxRunner:
     """Times ``impl`` on rotated input sets: each sample runs ``reps`` back-to-back calls (each on
     the next set), blocks, and returns the mean per call in ms; the harness takes medians."""
@@ -215,6 +220,7 @@ class JaxRunner:
         self.impl, self.op, self.sets, self.do_sets = impl, op, sets, do_sets
         self.target_ms = target_ms
         self.fns, self.reps, self.mem, self.refused = {}, {}, {}, {}
+        self.nonfinite = []  # phases whose full-shape output or gradients hold a NaN/inf
 
     def compile(self, phases=PHASES):
         """Trace and compile (thread-safe: the harness compiles all runners of a group in parallel)."""
@@ -248,7 +254,9 @@ class JaxRunner:
                 else:
                     call = lambda i, c=c: c(self.sets[i % len(self.sets)],  # noqa: E731
                                             self.do_sets[i % len(self.do_sets)])
-                jax.block_until_ready(call(0))  # warm-up
+                out = jax.block_until_ready(call(0))  # warm-up, at the full shape: finite?
+                if not _all_finite(out):
+                    self.nonfinite.append(ph)
                 t0 = time.perf_counter()
                 jax.block_until_ready(call(1))
                 t = (time.perf_counter() - t0) * 1e3

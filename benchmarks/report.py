@@ -104,6 +104,8 @@ def _x(x):
 
 def acc_cell(r) -> str:
     a = r.get("accuracy")
+    if r.get("nonfinite"):
+        return f"**FAIL** (NaN/inf at the full shape: {', '.join(r['nonfinite'])})"
     if not a:
         return "not checked"
     st = a.get("status")
@@ -142,7 +144,8 @@ NOTES = [
     "compiled step; PyTorch: max_memory_allocated growth).",
     "accuracy: every output and gradient vs the float64 token recurrence (ratio ‖x−ref‖/‖ref‖, "
     "rewy-math §8 bf16 thresholds) on a reduced shape with the same (H, D): B=1, T=512 "
-    "(computed on the CPU in float64); worst ratio shown.",
+    "(computed on the CPU in float64); worst ratio shown. Our implementations' output and "
+    "gradients at the full timed shape are also checked finite (a NaN/inf there is a FAIL).",
 ]
 
 
@@ -186,7 +189,8 @@ def markdown(result: dict) -> str:
 def best_ours(grp):
     cands = [r for r in grp if r.get("family") == "ours" and r.get("status") == "ok"
              and _num(r.get("ms", {}).get("fwdbwd"))
-             and (r.get("accuracy") or {}).get("status") in ("pass", None)]
+             and (r.get("accuracy") or {}).get("status") in ("pass", None)
+             and not r.get("nonfinite")]
     return min(cands, key=lambda r: r["ms"]["fwdbwd"]) if cands else None
 
 
@@ -206,7 +210,7 @@ def headline(rows) -> list[str]:
         t = r["ms"]
         ok_fb = "fwdbwd" not in r.get("refused", {})
         fb = _f(t.get("fwdbwd")) if ok_fb else "bwd refused"
-        flag = "" if (r.get("accuracy") or {}).get("status") != "FAIL" else " ✗"
+        flag = " ✗" if ((r.get("accuracy") or {}).get("status") == "FAIL" or r.get("nonfinite")) else ""
         return f"{fb} ({_f(t.get('fwd'))}){flag}"
 
     for (shape, op), grp in sorted(groups.items(), key=lambda kv: _group_order(kv[0])):

@@ -32,6 +32,7 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 import uuid  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -84,6 +85,27 @@ def environment() -> dict:
             "host": platform.node()}
 
 
+@contextmanager
+def gpu_turn(path):
+    """Exclusive use of the GPU among the benchmark processes sharing the lock file ``path``
+    (none: no-op). Compiles stay outside it, so processes overlap their CPU work only and no
+    timing ever shares the GPU."""
+    if not path:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as fh:
+        t0 = time.time()
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        if time.time() - t0 > 1:
+            log(f"  (waited {time.time() - t0:.0f}s for the GPU)")
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="two shapes, a subset of our variants")
@@ -104,6 +126,10 @@ def parse_args(argv):
     ap.add_argument("--fla-shapes", default=None,
                     help="comma list of shapes where FLA runs, or 'all' (quick default: the anchor "
                          "shape, whose autotune results benchmarks/fla-autotune-cache.tgz holds)")
+    ap.add_argument("--gpu-lock", default=None,
+                    help="a lock file shared by benchmark processes run side by side (gpu_run.sh "
+                         "BENCH_SPLIT): each compiles on its own CPU cores but holds the lock "
+                         "whenever it runs on the GPU (timing, FLA autotune, accuracy)")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--stem", default=None, help="file stem (default: <mode>-<date>)")
     return ap.parse_args(argv)
@@ -155,7 +181,8 @@ def main(argv=None):
             unavailable[impl.name] = why
             log(f"skip {impl.name}: {why}")
 
-    meta["ceilings"] = roofline.measure_ceilings()
+    with gpu_turn(a.gpu_lock):
+        meta["ceilings"] = roofline.measure_ceilings()
     log("ceilings", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in meta["ceilings"].items()})
     result = {"meta": meta, "runs": {run_id: {"date": meta["date"], "command": meta["command"]}}, "rows": []}
 
@@ -274,6 +301,39 @@ def run_group(a, shape, op, impl_list, unavailable, meta, rounds, run_id, elapse
     jax_runners = [r for r in runners if isinstance(r, I.JaxRunner)]
     parallel_compile(jax_runners, lambda r: r.compile(r.phases), a.serial_compile)
     log(f"  compiled {len(jax_runners)} JAX runners in {time.time() - t0:.1f}s")
+    with gpu_turn(a.gpu_lock):  # FLA's autotune and the timing rounds: the GPU to ourselves
+        runners = _setup_and_sample(a, runners, rounds, elapsed)
+    for r in runners:
+        row = r.row
+        row["ms"], row["spread_ms"], row["n_samples"] = {}, {}, {}
+        for ph, xs in r.samples.items():
+            if xs and ph not in r.refused:
+                row["ms"][ph] = float(np.median(xs))
+                row["spread_ms"][ph] = [float(np.percentile(xs, 25)), float(np.percentile(xs, 75))]
+                row["n_samples"][ph] = len(xs)
+        if r.shared_fwd is not None:
+            src = r.shared_fwd.row
+            for key in ("ms", "spread_ms", "n_samples"):
+                if "fwd" in src.get(key, {}):
+                    row[key]["fwd"] = src[key]["fwd"]
+            row["fwd_shared_with"] = src["impl"]
+            r.mem.setdefault("fwd", r.shared_fwd.mem.get("fwd"))
+        row["mem_bytes"] = dict(r.mem)
+        row["calls_per_sample"] = dict(r.reps)
+        if r.refused:
+            row["refused"] = dict(r.refused)
+        ms = row["ms"]
+        log(f"  {row['impl']:<32} fwd {ms.get('fwd', float('nan')):8.3f}  fwd+bwd "
+            f"{ms.get('fwdbwd', float('nan')):8.3f} ms" + (f"  refused {list(r.refused)}" if r.refused else ""))
+    for r in runners:
+        r.close()
+    del sets, do_sets
+    return rows
+
+
+def _setup_and_sample(a, runners, rounds, elapsed):
+    """Set up every runner (FLA: compile + autotune) and sample them in interleaved rounds;
+    returns the runners that are ready, with ``.samples`` {phase: [ms]}."""
     ready = []
     for runner in runners:
         row = runner.row
@@ -298,43 +358,21 @@ def run_group(a, shape, op, impl_list, unavailable, meta, rounds, run_id, elapse
             runner.close()
             continue
         row["status"] = "ok"
+        if getattr(runner, "nonfinite", None):
+            row["nonfinite"] = list(runner.nonfinite)
         ready.append(runner)
     runners = ready
-    samples = {id(r): {ph: [] for ph in r.fns} for r in runners}
+    for r in runners:
+        r.samples = {ph: [] for ph in r.fns}
     for k in range(rounds):
         order = runners[k % max(1, len(runners)):] + runners[:k % max(1, len(runners))]
         for r in order:
             for ph in r.fns:
                 try:
-                    samples[id(r)][ph].append(r.sample(ph))
+                    r.samples[ph].append(r.sample(ph))
                 except Exception as e:  # noqa: BLE001
                     r.refused[ph] = f"sampling: {type(e).__name__}: {str(e)[:200]}"
-    for r in runners:
-        row = r.row
-        row["ms"], row["spread_ms"], row["n_samples"] = {}, {}, {}
-        for ph, xs in samples[id(r)].items():
-            if xs and ph not in r.refused:
-                row["ms"][ph] = float(np.median(xs))
-                row["spread_ms"][ph] = [float(np.percentile(xs, 25)), float(np.percentile(xs, 75))]
-                row["n_samples"][ph] = len(xs)
-        if r.shared_fwd is not None:
-            src = r.shared_fwd.row
-            for key in ("ms", "spread_ms", "n_samples"):
-                if "fwd" in src.get(key, {}):
-                    row[key]["fwd"] = src[key]["fwd"]
-            row["fwd_shared_with"] = src["impl"]
-            r.mem.setdefault("fwd", r.shared_fwd.mem.get("fwd"))
-        row["mem_bytes"] = dict(r.mem)
-        row["calls_per_sample"] = dict(r.reps)
-        if r.refused:
-            row["refused"] = dict(r.refused)
-        ms = row["ms"]
-        log(f"  {row['impl']:<32} fwd {ms.get('fwd', float('nan')):8.3f}  fwd+bwd "
-            f"{ms.get('fwdbwd', float('nan')):8.3f} ms" + (f"  refused {list(r.refused)}" if r.refused else ""))
-    for r in runners:
-        r.close()
-    del sets, do_sets
-    return rows
+    return runners
 
 
 def check_accuracy(op, acc_shape, impl_list, unavailable, rows, refs, cache, elapsed, a):
@@ -362,16 +400,17 @@ def check_accuracy(op, acc_shape, impl_list, unavailable, rows, refs, cache, ela
 
             compiled = parallel_compile(todo, prep, a.serial_compile,
                                         is_kernel=lambda i: getattr(i, "kernels", False))
-            for impl, c in zip(todo, compiled):
-                try:
-                    if isinstance(c, Exception):
-                        raise c
-                    o, s, grads = accuracy.run_impl(impl, op, inputs, cts, compiled=c)
-                    cache[key][impl.name] = accuracy.compare(o, s, grads, ref)
-                except Exception as e:  # noqa: BLE001
-                    msg = str(e).strip().splitlines()
-                    cache[key][impl.name] = {"status": "error",
-                                             "reason": f"{type(e).__name__}: {msg[0][:200] if msg else ''}"}
+            with gpu_turn(a.gpu_lock):
+                for impl, c in zip(todo, compiled):
+                    try:
+                        if isinstance(c, Exception):
+                            raise c
+                        o, s, grads = accuracy.run_impl(impl, op, inputs, cts, compiled=c)
+                        cache[key][impl.name] = accuracy.compare(o, s, grads, ref)
+                    except Exception as e:  # noqa: BLE001
+                        msg = str(e).strip().splitlines()
+                        cache[key][impl.name] = {"status": "error",
+                                                 "reason": f"{type(e).__name__}: {msg[0][:200] if msg else ''}"}
         log(f"  accuracy {op} {acc_shape.label()} in {time.time() - t0:.1f}s: "
             + "; ".join(f"{n}: {cache[key][n]['status']}" for n in [i.name for i in todo]))
     for row in rows:

@@ -183,3 +183,17 @@ def test_refusing_implementation_is_reported(tmp_path, monkeypatch):
     assert rows["refuses"]["status"] == "refused" and "head dims" in rows["refuses"]["reason"]
     assert rows["ours no_such_backend rewy/recompute"]["status"] == "skipped"
     assert "head dims" in (tmp_path / "r.md").read_text()
+
+
+def test_nonfinite_full_shape_is_a_failure():
+    """A NaN/inf in an implementation's full-shape output or gradients fails its row (even when
+    the reduced-shape accuracy passed) and keeps it out of the headline's best variant."""
+    from benchmarks import impls, report
+
+    assert impls._all_finite({"a": jnp.ones(3), "i": jnp.arange(3)})
+    assert not impls._all_finite([jnp.ones(3), jnp.array([1.0, jnp.nan])])
+    ok = {"family": "ours", "status": "ok", "ms": {"fwdbwd": 2.0}, "impl": "slow",
+          "accuracy": {"status": "pass", "worst_name": "o", "worst_ratio": 1e-3, "worst_tol": 5e-3}}
+    bad = dict(ok, impl="fast", ms={"fwdbwd": 1.0}, nonfinite=["fwdbwd"])
+    assert "FAIL" in report.acc_cell(bad) and "fwdbwd" in report.acc_cell(bad)
+    assert report.best_ours([ok, bad])["impl"] == "slow"
