@@ -68,6 +68,9 @@ def _shape(cfg, q, v, G, h0):
 
 def _intra(s, q, k, e, z, G, interpret):
     """(A, W, U, P): P (vector gates only, else None) is the gated query-key matrix."""
+    if s.mode == "vector" and kn.setting("rewy_intra.gram_from_qk"):
+        P, T = kn.qk_gram(s, q, k, G, e=e, interpret=interpret)
+        return (*kn.intra(s, k, e, z, G, T=T, interpret=interpret), P)
     A, W, U = kn.intra(s, k, e, z, G, interpret=interpret)
     P = kn.qk_gram(s, q, k, G, interpret=interpret) if s.mode == "vector" else None
     return A, W, U, P

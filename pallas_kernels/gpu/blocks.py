@@ -143,46 +143,56 @@ class Gates:
 
     # -- gram block M_ij[r, s] = Σ_c x_rc y_sc e^{G_rc − G_sc}, s ≤ r (s < r if strict) -------
     def gram(self, i, j, x_i, y_j, y_ref, prec, strict):
-        mask = None
-        if i == j:
-            r, s = iota((BS, BS), 0), iota((BS, BS), 1)
-            mask = s < r if strict else s <= r
+        return self.grams(i, j, [x_i], y_j, y_ref, prec, [strict])[0]
+
+    def grams(self, i, j, xs, y_j, y_ref, prec, stricts):
+        """``gram`` for several row operands against one column operand (e.g. Qγ K̄ᵀ and
+        Ēγ K̄ᵀ): the decay factors — the exponentials, most of the cost — are formed once."""
+        r, s = iota((BS, BS), 0), iota((BS, BS), 1)
+        masks = [(s < r if st else s <= r) if i == j else None for st in stricts]
         if self.mode == "none":
-            m = dot(x_i, y_j, prec, tb=True)
-            return m if mask is None else jnp.where(mask, m, 0.0)
+            return [dot(x, y_j, prec, tb=True) if m is None else
+                    jnp.where(m, dot(x, y_j, prec, tb=True), 0.0) for x, m in zip(xs, masks)]
         if self.mode == "scalar":
-            return dot(x_i, y_j, prec, tb=True) * self._sdecay(i, j, mask)
+            D = self._sdecay(i, j, None if i > j else (s <= r))
+            return [dot(x, y_j, prec, tb=True) * (D if m is None else jnp.where(m, D, 0.0))
+                    for x, m in zip(xs, masks)]
         Gi = self.blk(i)
-        if i > j:
-            Gm = self.row(i * BS)
-            return dot(x_i * jnp.exp(Gi - Gm), y_j * jnp.exp(Gm - self.blk(j)), prec, tb=True)
-        if self.centred:  # diagonal block, centred frame (factors up to e^40, masked after)
-            Gm = self.row(i * BS + _MID)
-            m = dot(x_i * jnp.exp(Gi - Gm), y_j * jnp.exp(Gm - Gi), prec, tb=True)
-            return jnp.where(mask, m, 0.0)
+        if i > j or self.centred:  # one frame row: the block's first (i > j) or middle row
+            # (centred diagonal blocks: factors up to e^40, masked after the matmul)
+            Gm = self.row(i * BS + (0 if i > j else _MID))
+            f_x = jnp.exp(Gi - Gm)
+            y_f = y_j * jnp.exp(Gm - (self.blk(j) if i > j else Gi))
+            return [dot(x * f_x, y_f, prec, tb=True) if m is None else
+                    jnp.where(m, dot(x * f_x, y_f, prec, tb=True), 0.0)
+                    for x, m in zip(xs, masks)]
+        eye = r == s
         if self.diag == "levels":  # exact: one masked matmul per bit level, + the diagonal
-            m = None
+            ms = [None] * len(xs)
             for e_up, e_lo, pair in self._levels(i):
-                t = jnp.where(pair, dot(x_i * e_up, y_j * e_lo, prec, tb=True), 0.0)
-                m = t if m is None else m + t
-            if not strict:
-                d = jnp.sum(x_i * y_j, axis=1, keepdims=True)  # r = s: factor 1
-                m = m + jnp.where(iota((BS, BS), 0) == iota((BS, BS), 1), d, 0.0)
-            return m
-        # diagonal block: per-pair exact factors, one column s = o per step
+                y_lo = y_j * e_lo
+                for n, x in enumerate(xs):
+                    t = jnp.where(pair, dot(x * e_up, y_lo, prec, tb=True), 0.0)
+                    ms[n] = t if ms[n] is None else ms[n] + t
+            for n, (x, st) in enumerate(zip(xs, stricts)):
+                if not st:  # r = s: factor 1
+                    ms[n] = ms[n] + jnp.where(eye, jnp.sum(x * y_j, axis=1, keepdims=True), 0.0)
+            return ms
+        # diagonal block: per-pair exact factors, one column s = o per step (factor 1 at r = o;
+        # strict outputs drop their diagonal after the loop)
         rr = iota((BS, 1), 0)
         cc = iota((1, BS), 1)
         base = self.base + i * BS
 
-        def body(o, m):
+        def body(o, ms):
             y_o = y_ref[pl.ds(base + o, 1), :].astype(F32)  # [1, K]
             g_o = load_rows(self.G_ref, base + o, 1)  # [1, K]
-            keep = rr > o if strict else rr >= o
-            f = jnp.exp(jnp.where(keep, Gi - g_o, -jnp.inf))
-            col = jnp.sum(x_i * y_o * f, axis=1, keepdims=True)  # [BS, 1]
-            return jnp.where(cc == o, col, m)
+            yf = y_o * jnp.exp(jnp.where(rr >= o, Gi - g_o, -jnp.inf))
+            return tuple(jnp.where(cc == o, jnp.sum(x * yf, axis=1, keepdims=True), m)
+                         for x, m in zip(xs, ms))
 
-        return lax.fori_loop(0, BS, body, jnp.zeros((BS, BS), F32))
+        ms = lax.fori_loop(0, BS, body, tuple(jnp.zeros((BS, BS), F32) for _ in xs))
+        return [jnp.where(eye, 0.0, m) if st else m for m, st in zip(ms, stricts)]
 
     # -- Y_i = Σ_{j ≤ i} Σ_s P_ij[r, s] y_s ⊙ e^{G_r − G_s}   (P lower block-triangular) -------
     def apply(self, P, i, y, y_ref, prec):

@@ -80,9 +80,11 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #   exact_diag  exact diagonal sub-chunk blocks: "loop" (16 dependent per-column steps) or
 #               "levels" (4 masked matmuls on bit levels, blocks.Gates): bwd_leaf 5.32 -> 3.81
 #               but qk_gram 0.95 -> 1.03 (1.32 with the row grid) and intra 1.50 -> 1.62.
+#   gram_from_qk  vector gates: intra reads its key Gram T from qk_gram, which forms it beside
+#               P with the same decay factors (untimed: off until profiled).
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
-            "rewy_bwd_leaf.exact_diag": "levels"}
+            "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": False}
 # Overrides for tuning runs (profile_kernels.py), read when a kernel is traced:
 #   "<kernel name>.warps" / ".stages"          launch settings, e.g. "rewy_intra.warps": 8
 #   any key of DEFAULTS                         e.g. "rewy_bwd_leaf.rowgrid": False
@@ -211,17 +213,27 @@ def _split(refs, mode, n_in):
     return refs
 
 
-def intra(s: Shape, k, e, z, G, *, interpret):
-    """A [B,H,N,C,C], W [B,Tp,H,K], U [B,Tp,H,V] (fp32)."""
+def intra(s: Shape, k, e, z, G, *, interpret, T=None):
+    """A [B,H,N,C,C], W [B,Tp,H,K], U [B,Tp,H,V] (fp32).
+
+    T: the strictly lower gated key Gram [B,H,N,C,C] when ``qk_gram`` already formed it
+    (vector gates, DEFAULTS "rewy_intra.gram_from_qk"); otherwise built here block by block.
+    """
     n, C, prec, mode = s.n, s.C, s.prec, s.mode
+    given = T is not None
 
     def kernel(*refs):
+        refs = list(refs)
+        T_ref = refs.pop(4 if mode != "none" else 3) if given else None
         k_ref, e_ref, z_ref, G_ref, A_ref, W_ref, U_ref = _split(refs, mode, 4)
         # exact per-pair diagonals even under a declared bound: the centred blocks measured
         # slower here (1.81 -> 2.39 ms, H200), unlike in bwd_leaf (6.0 -> 3.1 ms)
         gt = Gates(mode, G_ref, 0, C, setting("rewy_intra.exact_diag"))
         ks, es, zs = Rows(k_ref), Rows(e_ref), Rows(z_ref)
-        def T(i, j):
+
+        def T_blk(i, j):
+            if given:
+                return T_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)]
             return gt.gram(i, j, es[i], ks[j], k_ref, prec, strict=True)
 
         def on_row(i, A):  # row block i of A is final: emit W_i, U_i and A's row
@@ -232,11 +244,11 @@ def intra(s: Shape, k, e, z, G, *, interpret):
                 A_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
                     A[i, j] if j <= i else jnp.zeros((BS, BS), F32))
 
-        inv_blocks(T, n, prec, on_row)
+        inv_blocks(T_blk, n, prec, on_row)
 
-    ins = [k, e, z] + ([] if mode == "none" else [G])
+    ins = [k, e, z] + ([] if mode == "none" else [G]) + ([T] if given else [])
     in_specs = [s.chunk_tok(s.K), s.chunk_tok(s.K), s.chunk_tok(s.V)] + (
-        [] if mode == "none" else [s.chunk_gate()])
+        [] if mode == "none" else [s.chunk_gate()]) + ([s.chunk_mat(C, C)] if given else [])
     return _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
                  out_specs=[s.chunk_mat(C, C), s.chunk_tok(s.K), s.chunk_tok(s.V)],
                  out_shape=[jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32), s.sds_tok(s.K),
@@ -244,25 +256,44 @@ def intra(s: Shape, k, e, z, G, *, interpret):
                  interpret=interpret, num_warps=WARPS["intra"], name="rewy_intra")(*ins)
 
 
-def qk_gram(s: Shape, q, k, G, *, interpret):
+def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
     """Vector gates only: P = tril(Qγ K̄ᵀ) [B,H,N,C,C] fp32, once per chunk, so that ``output``
     and ``bwd_local`` are plain matmuls instead of rebuilding P's per-pair (or centred) diagonal
     blocks per value tile. A kernel of its own: inside ``intra`` it would add live blocks to the
-    inverse's and spill (measured 1.8 -> 6.6 ms there)."""
+    inverse's and spill (measured 1.8 -> 6.6 ms there).
+
+    With ``e`` it also returns intra's T = strict tril(Ēγ K̄ᵀ) (P, T): the two Grams share every
+    decay factor (the same K̄ frames), so T costs matmuls here instead of exponentials in intra.
+    """
     n, C, prec = s.n, s.C, s.prec
     # Row grid (DEFAULTS): one program per 16-row block of P.
     rowgrid = bool(setting("rewy_qk_gram.rowgrid"))
     diag = setting("rewy_qk_gram.exact_diag")
+    with_T = e is not None
 
-    def kernel(q_ref, k_ref, G_ref, P_ref):
+    def kernel(*refs):
+        if with_T:
+            q_ref, k_ref, e_ref, G_ref, P_ref, T_ref = refs
+        else:
+            (q_ref, k_ref, G_ref, P_ref), e_ref, T_ref = refs, None, None
         gt = Gates("vector", G_ref, 0, C, diag)  # exact: as fast as centred here (0.95 ms)
         qs, ks = Rows(q_ref), Rows(k_ref)
+        es = Rows(e_ref) if with_T else None
 
         def row_block(i):
+            zero = jnp.zeros((BS, BS), F32)
             for j in range(n):
-                P_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
-                    gt.gram(i, j, qs[i], ks[j], k_ref, prec, strict=False) if j <= i
-                    else jnp.zeros((BS, BS), F32))
+                blk = (pl.ds(i * BS, BS), pl.ds(j * BS, BS))
+                if j > i:
+                    P_ref[blk] = zero
+                    if with_T:
+                        T_ref[blk] = zero
+                    continue
+                xs, stricts = ([qs[i], es[i]], [False, True]) if with_T else ([qs[i]], [False])
+                out = gt.grams(i, j, xs, ks[j], k_ref, prec, stricts)
+                P_ref[blk] = out[0]
+                if with_T:
+                    T_ref[blk] = out[1]
 
         for i in range(n):
             if rowgrid:
@@ -274,9 +305,12 @@ def qk_gram(s: Shape, q, k, G, *, interpret):
     H = s.H
     tok = pl.BlockSpec((None, C, None, s.K), lambda m, bh: (bh // H, ch(m), bh % H, 0))
     mat = pl.BlockSpec((None, None, None, C, C), lambda m, bh: (bh // H, bh % H, ch(m), 0, 0))
-    return _call(kernel, grid=(s.N * (n if rowgrid else 1), s.B * H), in_specs=[tok] * 3,
-                 out_specs=mat, out_shape=jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32),
-                 interpret=interpret, num_warps=WARPS["qk_gram"], name="rewy_qk_gram")(q, k, G)
+    sds = jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32)
+    ins = [q, k] + ([e] if with_T else []) + [G]
+    out = _call(kernel, grid=(s.N * (n if rowgrid else 1), s.B * H), in_specs=[tok] * len(ins),
+                out_specs=[mat] * (2 if with_T else 1), out_shape=[sds] * (2 if with_T else 1),
+                interpret=interpret, num_warps=WARPS["qk_gram"], name="rewy_qk_gram")(*ins)
+    return tuple(out) if with_T else out[0]
 
 
 def _chunk_decay(mode, G_ref, base, C):

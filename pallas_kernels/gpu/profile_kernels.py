@@ -37,6 +37,7 @@ VARIANTS = {
     "centred": ({}, 64, None, None),  # vector gates: centred diagonal blocks (g ≥ −5 here)
     "cw4": ({f"rewy_{k}.warps": 4 for k in ("intra", "bwd_leaf", "qk_gram")}, 64, None, None),
     "lw4": ({"rewy_bwd_leaf.warps": 4}, 64, None, None),
+    "gramqk": ({"rewy_intra.gram_from_qk": True}, 64, None, None),  # T formed beside P
     "chunkgrid": ({"rewy_bwd_leaf.rowgrid": False, "rewy_qk_gram.rowgrid": False}, 64, None,
                   None),  # one program per chunk (the row grids off)
     "loopleaf": ({"rewy_bwd_leaf.exact_diag": "loop"}, 64, None, None),
@@ -114,14 +115,18 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     it = interpret
     rows = {}
 
-    f = jax.jit(lambda k, e, z, G: kn.intra(s, k, e, z, G, interpret=it))
-    rows["intra"] = _bench(f, k, e, z, G)
-    A, W, U = f(k, e, z, G)
-    P = None
-    if G is not None and G.ndim == 4:
+    P = Tg = None
+    if G is not None and G.ndim == 4 and kn.setting("rewy_intra.gram_from_qk"):
+        f = jax.jit(lambda q, k, e, G: kn.qk_gram(s, q, k, G, e=e, interpret=it))
+        rows["qk_gram"] = _bench(f, q, k, e, G)  # P and intra's T
+        P, Tg = f(q, k, e, G)
+    elif G is not None and G.ndim == 4:
         f = jax.jit(lambda q, k, G: kn.qk_gram(s, q, k, G, interpret=it))
         rows["qk_gram"] = _bench(f, q, k, G)
         P = f(q, k, G)
+    f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it))
+    rows["intra"] = _bench(f, k, e, z, G, Tg)
+    A, W, U = f(k, e, z, G, Tg)
     f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=it))
     rows["fwd_pass"] = _bench(f, W, U, k, G, h0)
     S0, R, fin = f(W, U, k, G, h0)
