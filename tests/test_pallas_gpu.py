@@ -82,16 +82,22 @@ def test_interpret_leaf_chunk_grid(kw, small_tiles, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,decay,kw,diag", [
-    ("kda", "strong", {}, "loop"), ("kda", "strong", {}, "levels"),
-    ("gdn2", "bounded", {"gate_lower_bound": -5.0, "policy": "save"}, "loop")])
-def test_interpret_key_gram_from_qk_gram(op, decay, kw, diag, small_tiles, monkeypatch):
-    """intra reading its key Gram T from qk_gram (formed beside P with shared decay factors; a
-    tuning option), with either exact diagonal method: every output and gradient."""
+@pytest.mark.parametrize("op,decay,kw,diag,gram_from_qk,shared", [
+    ("kda", "strong", {}, "loop", True, True),
+    ("kda", "strong", {}, "levels", True, True),
+    ("gdn2", "bounded", {"gate_lower_bound": -5.0, "policy": "save"}, "loop", True, False),
+    ("kda", "bounded", {"gate_lower_bound": -5.0, "backward": "wy"}, "levels", False, True)])
+def test_interpret_shared_decay_options(op, decay, kw, diag, gram_from_qk, shared, small_tiles,
+                                        monkeypatch):
+    """The shared-decay-factor tuning options — intra reading its key Gram T from qk_gram, the
+    leaf applying dT and dA_qk through one set of factors — with each diagonal method (exact
+    loop, exact bit levels, centred under a bound) at strong decays: every output and gradient."""
     from pallas_kernels.gpu import kernels
 
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", True)
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", gram_from_qk)
+    monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.shared_decay", shared)
     monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.exact_diag", diag)
+    monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.exact_diag", diag)
     inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay=decay, seed=13)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
                                    chunk_size=64, **kw))
@@ -189,7 +195,7 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("kda", 64, 128, jnp.bfloat16, {"policy": "save"}, False),
     ("kda", 64, 64, jnp.bfloat16, {"gate_lower_bound": -5.0}, True),
     ("gdn2", 64, 64, jnp.float32, {"gate_lower_bound": -5.0, "backward": "wy"}, False),
-    ("gdn2", 128, 128, jnp.bfloat16, {"_exact_diag": "loop", "_gram_from_qk": True}, False),
+    ("gdn2", 128, 128, jnp.bfloat16, {"_exact_diag": "loop", "_shared": True}, False),
     ("gdn", 256, 256, jnp.float16, {}, False),
 ]
 
@@ -208,8 +214,9 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
         diag = kw.pop("_exact_diag")
         for k in ("intra", "qk_gram", "bwd_leaf"):
             monkeypatch.setitem(kernels.TUNE, f"rewy_{k}.exact_diag", diag)
-    if kw.pop("_gram_from_qk", False):  # intra's T formed in qk_gram (a tuning option)
+    if kw.pop("_shared", False):  # the shared-decay-factor tuning options
         monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", True)
+        monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.shared_decay", True)
     if varlen:  # and the one-program-per-chunk tuning variant of the leaf and qk_gram kernels
         monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.rowgrid", False)
         monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", False)

@@ -196,92 +196,123 @@ class Gates:
 
     # -- Y_i = Σ_{j ≤ i} Σ_s P_ij[r, s] y_s ⊙ e^{G_r − G_s}   (P lower block-triangular) -------
     def apply(self, P, i, y, y_ref, prec):
+        return self.applies([P], i, y, y_ref, prec)[0]
+
+    def applies(self, Ps, i, y, y_ref, prec):
+        """``apply`` of several [C, C] matrices to the same rows y: [Y_i for P in Ps], the decay
+        factors (exponentials and frame-scaled operands) formed once for all of them."""
         if self.mode != "vector":
-            acc = None
-            for j in range(i + 1):
-                Pij = P[i, j]
-                if self.mode == "scalar":
-                    Pij = Pij * self._sdecay(i, j, (iota((BS, BS), 1) <= iota((BS, BS), 0))
-                                             if i == j else None)
-                t = dot(Pij, y[j], prec)
-                acc = t if acc is None else acc + t
-            return acc
+            outs = []
+            for P in Ps:
+                acc = None
+                for j in range(i + 1):
+                    Pij = P[i, j]
+                    if self.mode == "scalar":
+                        Pij = Pij * self._sdecay(i, j, (iota((BS, BS), 1) <= iota((BS, BS), 0))
+                                                 if i == j else None)
+                    t = dot(Pij, y[j], prec)
+                    acc = t if acc is None else acc + t
+                outs.append(acc)
+            return outs
         Gi = self.blk(i)
-        out = None
+        outs = [None] * len(Ps)
         if i > 0:
             Gm = self.row(i * BS)
-            off = None
             for j in range(i):
-                t = dot(P[i, j], y[j] * jnp.exp(Gm - self.blk(j)), prec)
-                off = t if off is None else off + t
-            out = jnp.exp(Gi - Gm) * off
-        Pii = P[i, i]
+                y_f = y[j] * jnp.exp(Gm - self.blk(j))
+                for n, P in enumerate(Ps):
+                    t = dot(P[i, j], y_f, prec)
+                    outs[n] = t if outs[n] is None else outs[n] + t
+            f_i = jnp.exp(Gi - Gm)
+            outs = [f_i * o for o in outs]
+        Piis = [P[i, i] for P in Ps]
         if self.centred:  # P is lower-triangular: e^{G_r − G_m} ⊙ P_ii (y ⊙ e^{G_m − G_s})
             Gm = self.row(i * BS + _MID)
-            dia = jnp.exp(Gi - Gm) * dot(Pii, y[i] * jnp.exp(Gm - Gi), prec)
-            return dia if out is None else out + dia
-        if self.diag == "levels":
+            y_f, f_i = y[i] * jnp.exp(Gm - Gi), jnp.exp(Gi - Gm)
+            dias = [f_i * dot(Pii, y_f, prec) for Pii in Piis]
+        elif self.diag == "levels":
             y_i = y[i]
-            dia = self._diag_of(Pii) * y_i
+            dias = [self._diag_of(Pii) * y_i for Pii in Piis]
             for e_up, e_lo, pair in self._levels(i):
-                dia = dia + e_up * dot(jnp.where(pair, Pii, 0.0), y_i * e_lo, prec)
-            return dia if out is None else out + dia
-        rr = iota((BS, 1), 0)
-        cc = iota((1, BS), 1)
-        base = self.base + i * BS
+                y_lo = y_i * e_lo
+                dias = [d + e_up * dot(jnp.where(pair, Pii, 0.0), y_lo, prec)
+                        for d, Pii in zip(dias, Piis)]
+        else:
+            rr = iota((BS, 1), 0)
+            cc = iota((1, BS), 1)
+            base = self.base + i * BS
 
-        def body(o, Y):
-            p_col = jnp.sum(jnp.where(cc == o, Pii, 0.0), axis=1, keepdims=True)  # [BS, 1]
-            y_o = y_ref[pl.ds(base + o, 1), :].astype(F32)
-            g_o = load_rows(self.G_ref, base + o, 1)
-            f = jnp.exp(jnp.where(rr >= o, Gi - g_o, -jnp.inf))
-            return Y + p_col * y_o * f
+            def body(o, Ys):
+                y_o = y_ref[pl.ds(base + o, 1), :].astype(F32)
+                g_o = load_rows(self.G_ref, base + o, 1)
+                yf = y_o * jnp.exp(jnp.where(rr >= o, Gi - g_o, -jnp.inf))  # [BS, K]
+                return tuple(Y + jnp.sum(jnp.where(cc == o, Pii, 0.0), axis=1, keepdims=True) * yf
+                             for Y, Pii in zip(Ys, Piis))
 
-        dia = lax.fori_loop(0, BS, body, jnp.zeros(y[i].shape, F32))
-        return dia if out is None else out + dia
+            dias = lax.fori_loop(0, BS, body, tuple(jnp.zeros(y[i].shape, F32) for _ in Ps))
+        return [d if o is None else o + d for o, d in zip(outs, dias)]
 
     # -- Y_j = Σ_{i ≥ j} Σ_r P_ij[r, s] x_r ⊙ e^{G_r − G_s} ------------------------------------
     def apply_t(self, P, j, x, x_ref, prec, n):
+        return self.apply_t_sum([(P, x, x_ref)], j, prec, n)
+
+    def apply_t_sum(self, terms, j, prec, n):
+        """Σ over terms (P, x, x_ref) of ``apply_t(P, j, x, ...)``: the terms share every decay
+        factor (they differ in P and x only), so the sum is formed inside each factor."""
         if self.mode != "vector":
             acc = None
-            for i in range(j, n):
-                Pij = P[i, j]
-                if self.mode == "scalar":
-                    Pij = Pij * self._sdecay(i, j, (iota((BS, BS), 1) <= iota((BS, BS), 0))
-                                             if i == j else None)
-                t = dot(Pij, x[i], prec, ta=True)
-                acc = t if acc is None else acc + t
+            for P, x, _ in terms:
+                for i in range(j, n):
+                    Pij = P[i, j]
+                    if self.mode == "scalar":
+                        Pij = Pij * self._sdecay(i, j, (iota((BS, BS), 1) <= iota((BS, BS), 0))
+                                                 if i == j else None)
+                    t = dot(Pij, x[i], prec, ta=True)
+                    acc = t if acc is None else acc + t
             return acc
         Gj = self.blk(j)
         out = None
         for i in range(j + 1, n):
             Gm = self.row(i * BS)
-            t = jnp.exp(Gm - Gj) * dot(P[i, j], x[i] * jnp.exp(self.blk(i) - Gm), prec, ta=True)
+            f_x = jnp.exp(self.blk(i) - Gm)
+            t = _sum(dot(P[i, j], x[i] * f_x, prec, ta=True) for P, x, _ in terms)
+            t = jnp.exp(Gm - Gj) * t
             out = t if out is None else out + t
-        Pjj = P[j, j]
+        Pjjs = [P[j, j] for P, _, _ in terms]
+        xjs = [x[j] for _, x, _ in terms]
         if self.centred:  # e^{G_m − G_s} ⊙ P_jjᵀ (x ⊙ e^{G_r − G_m})
             Gm = self.row(j * BS + _MID)
-            dia = jnp.exp(Gm - Gj) * dot(Pjj, x[j] * jnp.exp(Gj - Gm), prec, ta=True)
-            return dia if out is None else out + dia
-        if self.diag == "levels":
-            x_j = x[j]
-            dia = self._diag_of(Pjj) * x_j
+            f_x = jnp.exp(Gj - Gm)
+            dia = jnp.exp(Gm - Gj) * _sum(dot(Pjj, x_j * f_x, prec, ta=True)
+                                          for Pjj, x_j in zip(Pjjs, xjs))
+        elif self.diag == "levels":
+            dia = _sum(self._diag_of(Pjj) * x_j for Pjj, x_j in zip(Pjjs, xjs))
             for e_up, e_lo, pair in self._levels(j):
-                dia = dia + e_lo * dot(jnp.where(pair, Pjj, 0.0), x_j * e_up, prec, ta=True)
-            return dia if out is None else out + dia
-        ss = iota((BS, 1), 0)  # output row s
-        rr = iota((BS, BS), 0)
-        base = self.base + j * BS
+                dia = dia + e_lo * _sum(dot(jnp.where(pair, Pjj, 0.0), x_j * e_up, prec, ta=True)
+                                        for Pjj, x_j in zip(Pjjs, xjs))
+        else:
+            ss = iota((BS, 1), 0)  # output row s
+            rr = iota((BS, BS), 0)
+            base = self.base + j * BS
+            x_refs = [x_ref for _, _, x_ref in terms]
 
-        def body(o, Y):
-            p_row = jnp.sum(jnp.where(rr == o, Pjj, 0.0), axis=0)[:, None]  # P[o, s] as [BS, 1]
-            x_o = x_ref[pl.ds(base + o, 1), :].astype(F32)
-            g_o = load_rows(self.G_ref, base + o, 1)
-            f = jnp.exp(jnp.where(ss <= o, g_o - Gj, -jnp.inf))
-            return Y + p_row * x_o * f
+            def body(o, Y):
+                g_o = load_rows(self.G_ref, base + o, 1)
+                f = jnp.exp(jnp.where(ss <= o, g_o - Gj, -jnp.inf))
+                px = _sum(jnp.sum(jnp.where(rr == o, Pjj, 0.0), axis=0)[:, None]  # P[o, s]
+                          * x_ref[pl.ds(base + o, 1), :].astype(F32)
+                          for Pjj, x_ref in zip(Pjjs, x_refs))
+                return Y + px * f
 
-        dia = lax.fori_loop(0, BS, body, jnp.zeros(x[j].shape, F32))
+            dia = lax.fori_loop(0, BS, body, jnp.zeros(xjs[0].shape, F32))
         return dia if out is None else out + dia
+
+
+def _sum(terms):
+    out = None
+    for t in terms:
+        out = t if out is None else out + t
+    return out
 
 
 class Rows:

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu.blocks import BS, F32, Blocks, Gates, Rows, dot, inv_blocks, iota, load_rows
+from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Gates, Rows, _sum, dot, inv_blocks, iota,
+                                       load_rows)
 
 try:  # the Triton lowering's params; it warns that it is deprecated (design.md): silence here.
     with warnings.catch_warnings():
@@ -82,9 +83,12 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               but qk_gram 0.95 -> 1.03 (1.32 with the row grid) and intra 1.50 -> 1.62.
 #   gram_from_qk  vector gates: intra reads its key Gram T from qk_gram, which forms it beside
 #               P with the same decay factors (untimed: off until profiled).
+#   shared_decay  vector gates: bwd_leaf applies dT and dA_qk through one set of decay factors
+#               (Gates.applies / apply_t_sum) instead of two (untimed: off until profiled).
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
-            "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": False}
+            "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": False,
+            "rewy_bwd_leaf.shared_decay": False}
 # Overrides for tuning runs (profile_kernels.py), read when a kernel is traced:
 #   "<kernel name>.warps" / ".stages"          launch settings, e.g. "rewy_intra.warps": 8
 #   any key of DEFAULTS                         e.g. "rewy_bwd_leaf.rowgrid": False
@@ -194,13 +198,6 @@ class Shape:
 def _col(x):
     """[1] or [1, K] gate row -> something that scales the rows of a [K, V] state."""
     return x if x.ndim == 1 else x.reshape(x.shape[1], 1)
-
-
-def _sum(terms):
-    out = None
-    for t in terms:
-        out = t if out is None else out + t
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -562,6 +559,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     H = s.H
     rowgrid = mode == "vector" and bool(setting("rewy_bwd_leaf.rowgrid"))
     diag = "centred" if s.centred else setting("rewy_bwd_leaf.exact_diag")
+    shared = bool(setting("rewy_bwd_leaf.shared_decay"))
 
     def kernel(*refs):
         refs = list(refs)
@@ -598,12 +596,16 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
                 dEs = _sum(dot(A[j, i], dW(j), prec, ta=True) for j in range(i, n))
             else:
                 dEs = -dot(load_rows(lam_ref, i * BS), S0_ref[...], prec, tb=True)
-            de = gt.head(i, dEs) + gt.apply(dT, i, ks, k_ref, prec)
-            dq = gt.head(i, dot(load_rows(dO_ref, i * BS), S0_ref[...], prec, tb=True)) + \
-                gt.apply(dAqk, i, ks, k_ref, prec)
+            if shared:  # dT and dA_qk meet the same decay factors: form them once
+                de_k, dq_k = gt.applies([dT, dAqk], i, ks, k_ref, prec)
+                dk_x = gt.apply_t_sum([(dT, es, e_ref), (dAqk, qs, q_ref)], i, prec, n)
+            else:
+                de_k, dq_k = (gt.apply(dT, i, ks, k_ref, prec), gt.apply(dAqk, i, ks, k_ref, prec))
+                dk_x = gt.apply_t(dT, i, es, e_ref, prec, n) + gt.apply_t(dAqk, i, qs, q_ref, prec, n)
+            de = gt.head(i, dEs) + de_k
+            dq = gt.head(i, dot(load_rows(dO_ref, i * BS), S0_ref[...], prec, tb=True)) + dq_k
             RdS_i = RdS(i)
-            dk = (gt.apply_t(dT, i, es, e_ref, prec, n) + gt.apply_t(dAqk, i, qs, q_ref, prec, n)
-                  + gt.tail(i, RdS_i))
+            dk = dk_x + gt.tail(i, RdS_i)
             rows = pl.ds(i * BS, BS)
             dq_ref[rows, :] = dq.astype(dq_ref.dtype)
             dk_ref[rows, :] = dk.astype(dk_ref.dtype)

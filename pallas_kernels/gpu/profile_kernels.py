@@ -38,6 +38,11 @@ VARIANTS = {
     "cw4": ({f"rewy_{k}.warps": 4 for k in ("intra", "bwd_leaf", "qk_gram")}, 64, None, None),
     "lw4": ({"rewy_bwd_leaf.warps": 4}, 64, None, None),
     "gramqk": ({"rewy_intra.gram_from_qk": True}, 64, None, None),  # T formed beside P
+    "shared": ({"rewy_bwd_leaf.shared_decay": True}, 64, None, None),
+    "both": ({"rewy_intra.gram_from_qk": True, "rewy_bwd_leaf.shared_decay": True}, 64, None,
+             None),
+    "cboth": ({"rewy_intra.gram_from_qk": True, "rewy_bwd_leaf.shared_decay": True}, 64, None,
+              None),  # centred leaf (g ≥ −5) + both
     "chunkgrid": ({"rewy_bwd_leaf.rowgrid": False, "rewy_qk_gram.rowgrid": False}, 64, None,
                   None),  # one program per chunk (the row grids off)
     "loopleaf": ({"rewy_bwd_leaf.exact_diag": "loop"}, 64, None, None),
@@ -110,7 +115,7 @@ def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, run
 def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     B, T, H, D = shape
     q, k, e, z, G, h0, reset, end, seq, dO = _inputs(mode, B, T, H, D)
-    cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4"))
+    cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4", "cboth"))
     s = api._shape(cfg, q, z, G, h0)
     it = interpret
     rows = {}
