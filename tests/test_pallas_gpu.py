@@ -250,3 +250,33 @@ def test_profile_script_runs_its_variants():
             "bwd_leaf"} <= set(rows)
     assert all(t > 0 for t in rows.values())
     assert (dict(kernels.TUNE), api.DEFAULT_BV) == before
+
+
+@pytest.mark.skipif(_ON_GPU, reason="CPU smoke test of the tracing script")
+def test_trace_script_sums_stream_kernels(tmp_path):
+    """pallas_kernels/gpu/trace_op.py (the device-session tool): on a GPU-like trace it sums
+    the stream threads only (the XLA-op spans repeat the same time); it runs end to end on
+    CPU in interpret mode."""
+    import gzip
+    import json
+
+    from pallas_kernels.gpu import trace_op
+
+    ev = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+          {"ph": "M", "name": "thread_name", "pid": 1, "tid": 10, "args": {"name": "Stream #13"}},
+          {"ph": "M", "name": "thread_name", "pid": 1, "tid": 11, "args": {"name": "XLA Ops"}},
+          {"ph": "X", "pid": 1, "tid": 10, "name": "rewy_intra", "dur": 400.0},
+          {"ph": "X", "pid": 1, "tid": 10, "name": "rewy_intra", "dur": 400.0},
+          {"ph": "X", "pid": 1, "tid": 10, "name": "loop_fusion", "dur": 100.0},
+          {"ph": "X", "pid": 1, "tid": 11, "name": "custom-call.1", "dur": 900.0},
+          {"ph": "X", "pid": 2, "tid": 5, "name": "PjitFunction", "dur": 5000.0}]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as fh:
+        json.dump({"traceEvents": ev}, fh)
+    times, tracks = trace_op.device_times(str(path), iters=2)
+    assert times == {"rewy_intra": 0.4, "loop_fusion": 0.05} and tracks == "Stream #13"
+
+    text, times = trace_op.trace_op("gdn", (1, 64, 1, 16), iters=1, out_dir=str(tmp_path),
+                                    interpret=True)
+    assert (tmp_path / "trace-gdn.txt").read_text().startswith("gdn ") and times
