@@ -7,7 +7,10 @@
   output, backward core and leaf maps).
 * :mod:`pallas_kernels.gpu.api` — ``general_delta`` (the kernels behind ``jax.custom_vjp``) and
   the adapter that ``rewy_jax.backends`` registers as backend ``"pallas_gpu"``.
-* ``bench_kernels.py`` — accuracy and timing script for the lent GPU (imports rewy_jax).
+* Device-session tools (import rewy_jax; never imported by the library): ``bench_kernels.py``
+  (accuracy and timing against the xla backend), ``profile_kernels.py`` (per-kernel times under
+  tuning variants), ``trace_op.py`` (one op's fwd+bwd per kernel and XLA fusion, from a trace),
+  ``resource_report.py`` (ptxas registers/spills without a GPU); findings in ``PERF.md``.
 
 Nothing here is imported by ``import rewy_jax``; the backend imports it on first use.
 """
