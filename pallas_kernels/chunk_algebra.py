@@ -22,10 +22,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 __all__ = [
+    "inclusive_cumsum",
     "Decay",
     "ScalarDecay",
     "VectorDecay",
@@ -62,6 +66,26 @@ def mm_tn(a, b):
     """``aᵀ @ b`` in fp32 with full precision."""
     return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_HIGHEST,
                            preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def inclusive_cumsum(x, axis: int):
+    """``jnp.cumsum(x, axis)`` — how every chunk's G is formed from its log-decays g — whose VJP
+    is a flipped *forward* cumsum. Autodiff of ``jnp.cumsum`` gives a reverse cumsum, which the
+    GPU lowering does not support as a scan: it falls back to a reduce-window summing the whole
+    axis for every element (64 reads per output at chunk 64). Flipping is exact."""
+    return jnp.cumsum(x, axis)
+
+
+def _inclusive_cumsum_fwd(x, axis):
+    return jnp.cumsum(x, axis), None
+
+
+def _inclusive_cumsum_bwd(axis, _, ct):
+    return (jnp.flip(jnp.cumsum(jnp.flip(ct, axis), axis), axis),)
+
+
+inclusive_cumsum.defvjp(_inclusive_cumsum_fwd, _inclusive_cumsum_bwd)
 
 
 def _tril_mask(n: int, strict: bool):

@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import chunk_algebra
 from rewy_jax import layout
 from rewy_jax.reference import reference_general
 from rewy_jax.xla_chunked import chunked_delta
@@ -38,7 +39,7 @@ def _expand(x, ndim):
 
 def _chunk_cumsum(g_chunks):
     """Inclusive cumsum within each chunk. g: [B, H, N, C] or [B, H, N, C, K]."""
-    return jnp.cumsum(g_chunks, axis=3)
+    return chunk_algebra.inclusive_cumsum(g_chunks, 3)
 
 
 def xla_impl(call, *, chunk_size, policy, backward, interpret=False):

@@ -247,3 +247,25 @@ def test_chunk_backward_rewy_wy_and_autodiff(kind, C):
         assert _rel(a, want) < 1e-4, f"rewy {name}: {_rel(a, want):.2e}"
         assert _rel(b, want) < 1e-4, f"wy {name}: {_rel(b, want):.2e}"
         assert _rel(a, b) < 1e-5, f"rewy vs wy {name}"
+
+
+@pytest.mark.parametrize("shape,axis", [((2, 3, 64, 4, 8), 2), ((2, 4, 3, 64), 3)])
+def test_inclusive_cumsum_value_and_vjp(shape, axis):
+    """inclusive_cumsum = jnp.cumsum, and its VJP is the reverse cumsum — formed as a flipped
+    forward cumsum, so that on a GPU it lowers to scans rather than a whole-axis reduce-window
+    per element (checked on the lowered module for CUDA)."""
+    x = jax.random.normal(jax.random.PRNGKey(0), shape, jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(1), shape, jnp.float32)
+    np.testing.assert_allclose(ca.inclusive_cumsum(x, axis), jnp.cumsum(x, axis), rtol=1e-6)
+    ours = jax.grad(lambda x: jnp.sum(ca.inclusive_cumsum(x, axis) * w))(x)
+    ref = jnp.flip(jnp.cumsum(jnp.flip(w, axis), axis), axis)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours, jax.grad(lambda x: jnp.sum(jnp.cumsum(x, axis) * w))(x),
+                               rtol=1e-5, atol=1e-5)
+
+    def lowered(cumsum):
+        f = jax.jit(jax.grad(lambda x: jnp.sum(cumsum(x, axis) * w)))
+        return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert "reduce_window" in lowered(jnp.cumsum)  # the fallback this function avoids
+    assert "reduce_window" not in lowered(ca.inclusive_cumsum)

@@ -11,7 +11,8 @@
 It returns ``o [B, Tp, H, V]`` (z's dtype) and ``final [B, H, n_seq + 1, K, V]`` fp32, and is
 differentiable in q, k, e, z, G and h0. ``delta_rule_call`` adapts a backend call of
 ``rewy_jax`` (leaf maps e = b ⊙ k, z = w ⊙ v and the chunk cumsum of g are plain JAX, so their
-VJPs — dβ, db, dw, dg's reverse cumsum — come from autodiff around the kernels).
+VJPs — dβ, db, dw, dg (a flipped cumsum, `chunk_algebra.inclusive_cumsum`) — come from
+autodiff around the kernels).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.chunk_algebra import inclusive_cumsum
 from pallas_kernels.gpu import kernels as kn
 from pallas_kernels.gpu.blocks import CENTRED_MIN_GATE
 
@@ -194,7 +196,7 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
     if g is not None:
         gc = lay(g)
         gc = gc.reshape((B, N, C) + gc.shape[2:])
-        G = jnp.cumsum(gc, axis=2).reshape((B, Tp) + gc.shape[3:])
+        G = inclusive_cumsum(gc, 2).reshape((B, Tp) + gc.shape[3:])
     centred = (gate_lower_bound is not None and g is not None and g.ndim == 4
                and gate_lower_bound >= CENTRED_MIN_GATE)
     cfg = Config(C, policy, backward, bool(interpret), BV or DEFAULT_BV, centred)
