@@ -182,7 +182,8 @@ def chunk_gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None, output_final
 _BOUND_DOC = """      gate_lower_bound: None, or a static float in [−40, 0) that every g respects (a concrete g
         below it raises; a traced one is clamped to it), as a layer with bounded gates declares.
         At ≥ −5 the Pallas GPU backward evaluates diagonal sub-chunk decays as one centred
-        matmul instead of exact per-pair work (rewy-math §3); other backends are exact regardless.
+        matmul instead of the exact bit-level form (rewy-math §3); other backends are exact
+        regardless.
 """
 
 chunk_delta_rule.__doc__ = "DeltaNet: α = 1, e = βk, z = βv (chunked).\n" + _COMMON_DOC.format(
