@@ -36,6 +36,7 @@ if [ -n "${BENCH_SPLIT:-}" ]; then
   # "kda@2x4096x16x128,8x1024x8x64 deltanet"), each writing $OUT/$BENCH_STEM-pI.*, merged into
   # $OUT/$BENCH_STEM.*. They compile on their own cores and take turns on the GPU through one
   # lock file (benchmarks.run --gpu-lock), so no timing shares the GPU with another process.
+  # $OUT ends with $BENCH_STEM.{json,md,png}, parts.tgz (every part and log), fla-autotune.tgz.
   stem="${BENCH_STEM:?BENCH_SPLIT needs BENCH_STEM}"
   lock="$(mktemp /tmp/rewy-gpu-lock.XXXXXX)"
   pids=() i=0
@@ -52,6 +53,8 @@ if [ -n "${BENCH_SPLIT:-}" ]; then
   python3 -m benchmarks.merge "${parts[@]}" --out-dir "$OUT" --stem "$stem" >/dev/null \
     || { echo "merge failed"; rc=1; }
   grep -h "accuracy\|error\|Error" "$OUT"/bench-p*.log | cut -c1-400
+  # the device tool returns at most 8 files: the parts and their logs travel as one tarball
+  (cd "$OUT" && tar czf parts.tgz bench-p*.log "$stem"-p*.* && rm -f bench-p*.log "$stem"-p*.*)
   [ -f "$OUT/$stem.md" ] && sed -n "/^## Headline/,/^## All rows/p" "$OUT/$stem.md"
 else
   timeout -k 10 "${BENCH_TIMEOUT:-480}" python3 -m benchmarks.run --out-dir "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -8,7 +8,7 @@ as the benchmark calls it), warmed up, then ``--iters`` calls under ``jax.profil
 Perfetto trace is summed per device event name (our kernels are named ``rewy_*``; the rest is
 XLA glue: the e = b⊙k products, gate cumsums, padding, dβ/dg reductions) and printed as ms per
 call, so the gap between ``profile_kernels.py``'s kernels and the benchmark's op time gets names.
-Writes ``<out-dir>/trace-<op>.txt`` (the table) and keeps the raw ``perfetto_trace.json.gz``.
+Writes ``<out-dir>/trace-<op>.txt`` (the table; with ``--keep-traces`` also the raw Perfetto trace).
 Kernel-work tooling, not the peer benchmark (benchmarks/).
 """
 
@@ -58,7 +58,8 @@ def device_times(trace_path: str, iters: int) -> tuple[dict, str]:
     return dict(totals), ", ".join(where)
 
 
-def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=False):
+def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=False,
+             keep_trace=False):
     """Trace ``iters`` fwd+bwd calls of ``op``; returns (table text, {name: ms per call})."""
     B, T, H, D = shape
     inp = testing.make_inputs(op, B, T, H, D, D, dtype=jnp.bfloat16, initial_state=False)
@@ -80,7 +81,8 @@ def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=F
             jax.block_until_ready(f(inp))
     path = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)[0]
     tag = op + ("" if gate_lower_bound is None else f"-g{gate_lower_bound:g}")
-    shutil.copy(path, os.path.join(out_dir, f"trace-{tag}.json.gz"))
+    if keep_trace:  # the device tool returns at most 8 files: raw traces only on request
+        shutil.copy(path, os.path.join(out_dir, f"trace-{tag}.json.gz"))
     times, tracks = device_times(path, iters)
     ours = sum(v for k, v in times.items() if k.startswith("rewy_"))
     glue = {k: v for k, v in times.items() if not k.startswith("rewy_")}
@@ -103,13 +105,14 @@ def main():
                     help="declare g ≥ this for the vector-gate ops (kda, gdn2)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out-dir", default=".")
+    ap.add_argument("--keep-traces", action="store_true")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     a = ap.parse_args()
     shape = tuple(int(x) for x in a.shape.split("x"))
     os.makedirs(a.out_dir, exist_ok=True)
     for op in a.ops.split(","):
         bound = a.gate_lower_bound if op in ("kda", "gdn2") else None
-        text, _ = trace_op(op, shape, bound, a.iters, a.out_dir, a.interpret)
+        text, _ = trace_op(op, shape, bound, a.iters, a.out_dir, a.interpret, a.keep_traces)
         print(text, flush=True)
 
 
