@@ -104,6 +104,21 @@ def test_interpret_shared_decay_options(op, decay, kw, diag, gram_from_qk, share
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {}),
+                                         ("gdn", "strong", {"backward": "wy"}),
+                                         ("kda", "strong", {"policy": "save"})])
+def test_interpret_joint_diagonal_inverse(op, decay, kw, small_tiles, monkeypatch):
+    """intra inverting its diagonal blocks in one interleaved loop (a tuning option): every
+    output and gradient, each gate kind, strong decays."""
+    from pallas_kernels.gpu import kernels
+
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.joint_diag_inverse", True)
+    inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay=decay, seed=14)
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
+                                   chunk_size=64, **kw))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,kw,diag", [("kda", {}, "levels"), ("kda", {}, "loop"),
                                         ("gdn2", {"backward": "wy", "policy": "save"}, "levels")])
 def test_interpret_exact_diagonals_strong_decay(op, kw, diag, small_tiles, monkeypatch):
@@ -196,7 +211,7 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("kda", 64, 64, jnp.bfloat16, {"gate_lower_bound": -5.0}, True),
     ("gdn2", 64, 64, jnp.float32, {"gate_lower_bound": -5.0, "backward": "wy"}, False),
     ("gdn2", 128, 128, jnp.bfloat16, {"_exact_diag": "loop", "_shared": True}, False),
-    ("gdn", 256, 256, jnp.float16, {}, False),
+    ("gdn", 256, 256, jnp.float16, {"_joint_inverse": True}, False),
 ]
 
 
@@ -214,6 +229,8 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
         diag = kw.pop("_exact_diag")
         for k in ("intra", "qk_gram", "bwd_leaf"):
             monkeypatch.setitem(kernels.TUNE, f"rewy_{k}.exact_diag", diag)
+    if kw.pop("_joint_inverse", False):  # intra's interleaved diagonal inverses (tuning option)
+        monkeypatch.setitem(kernels.TUNE, "rewy_intra.joint_diag_inverse", True)
     if kw.pop("_shared", False):  # the shared-decay-factor tuning options
         monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", True)
         monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.shared_decay", True)

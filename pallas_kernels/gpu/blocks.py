@@ -342,28 +342,43 @@ class Blocks:
 
 def inv_diag(T):
     """``(I + T)⁻¹`` of a strictly lower [BS, BS] block by forward substitution (masked rows)."""
+    return inv_diags([T])[0]
+
+
+def inv_diags(Ts):
+    """``inv_diag`` of several blocks in one loop: their BS − 1 dependent substitution steps
+    (each two cross-thread reductions) interleave instead of running one chain after another."""
     r, c = iota((BS, BS), 0), iota((BS, BS), 1)
     A0 = (r == c).astype(F32)
 
-    def body(o, A):
+    def step(o, T, A):
         t = jnp.sum(jnp.where(r == o, T, 0.0), axis=0)  # row o of T, indexed by column j
         upd = jnp.sum(t[:, None] * A, axis=0)  # Σ_j T_oj A_j
         return jnp.where(r == o, A - upd[None, :], A)
 
-    return lax.fori_loop(1, BS, body, A0)
+    def body(o, As):
+        return tuple(step(o, T, A) for T, A in zip(Ts, As))
+
+    return list(lax.fori_loop(1, BS, body, tuple(A0 for _ in Ts)))
 
 
-def inv_blocks(T, n, prec, on_row=None):
+def inv_blocks(T, n, prec, on_row=None, joint_diag=False):
     """Blocked ``(I + T)⁻¹``: T(i, j) -> [BS, BS] for i ≥ j (diagonal blocks strict).
 
     A_ii = inv(L_ii); A_ij = −A_ii Σ_{j ≤ k < i} T_ik A_kj (block forward substitution).
     Row block i of T is built only when row i of A is (``T`` is called, not indexed), and
     ``on_row(i, A)`` may consume row i at once, so only A and one row of T are live.
+    joint_diag: invert the n diagonal blocks first, in one interleaved loop (``inv_diags``),
+    instead of each when its row comes (n chains of BS − 1 dependent steps back to back).
     """
     A = {}
+    if joint_diag:
+        for i, Aii in enumerate(inv_diags([T(i, i) for i in range(n)])):
+            A[i, i] = Aii
     for i in range(n):
-        Ti = {k: T(i, k) for k in range(i + 1)}
-        A[i, i] = inv_diag(Ti[i])
+        Ti = {k: T(i, k) for k in range(i + (0 if joint_diag else 1))}
+        if not joint_diag:
+            A[i, i] = inv_diag(Ti[i])
         for j in range(i - 1, -1, -1):
             acc = None
             for k in range(j, i):

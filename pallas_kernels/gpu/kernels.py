@@ -85,10 +85,13 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               P with the same decay factors (untimed: off until profiled).
 #   shared_decay  vector gates: bwd_leaf applies dT and dA_qk through one set of decay factors
 #               (Gates.applies / apply_t_sum) instead of two (untimed: off until profiled).
+#   joint_diag_inverse  intra inverts its n diagonal 16x16 blocks in one interleaved loop
+#               (blocks.inv_diags) instead of n back-to-back chains of 15 dependent steps
+#               (untimed: off until profiled).
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": False,
-            "rewy_bwd_leaf.shared_decay": False}
+            "rewy_bwd_leaf.shared_decay": False, "rewy_intra.joint_diag_inverse": False}
 # Overrides for tuning runs (profile_kernels.py), read when a kernel is traced:
 #   "<kernel name>.warps" / ".stages"          launch settings, e.g. "rewy_intra.warps": 8
 #   any key of DEFAULTS                         e.g. "rewy_bwd_leaf.rowgrid": False
@@ -241,7 +244,7 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None):
                 A_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
                     A[i, j] if j <= i else jnp.zeros((BS, BS), F32))
 
-        inv_blocks(T_blk, n, prec, on_row)
+        inv_blocks(T_blk, n, prec, on_row, joint_diag=setting("rewy_intra.joint_diag_inverse"))
 
     ins = [k, e, z] + ([] if mode == "none" else [G]) + ([T] if given else [])
     in_specs = [s.chunk_tok(s.K), s.chunk_tok(s.K), s.chunk_tok(s.V)] + (

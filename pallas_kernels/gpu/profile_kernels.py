@@ -39,6 +39,7 @@ VARIANTS = {
     "lw4": ({"rewy_bwd_leaf.warps": 4}, 64, None, None),
     "gramqk": ({"rewy_intra.gram_from_qk": True}, 64, None, None),  # T formed beside P
     "shared": ({"rewy_bwd_leaf.shared_decay": True}, 64, None, None),
+    "jinv": ({"rewy_intra.joint_diag_inverse": True}, 64, None, None),
     "both": ({"rewy_intra.gram_from_qk": True, "rewy_bwd_leaf.shared_decay": True}, 64, None,
              None),
     "cboth": ({"rewy_intra.gram_from_qk": True, "rewy_bwd_leaf.shared_decay": True}, 64, None,
