@@ -40,10 +40,10 @@ VARIANTS = {
     "gramqk": ({"rewy_intra.gram_from_qk": True}, 64, None, None),  # T formed beside P
     "shared": ({"rewy_bwd_leaf.shared_decay": True}, 64, None, None),
     "jinv": ({"rewy_intra.joint_diag_inverse": True}, 64, None, None),
-    "both": ({"rewy_intra.gram_from_qk": True, "rewy_bwd_leaf.shared_decay": True}, 64, None,
-             None),
-    "cboth": ({"rewy_intra.gram_from_qk": True, "rewy_bwd_leaf.shared_decay": True}, 64, None,
-              None),  # centred leaf (g ≥ −5) + both
+    "prepared": ({"rewy_intra.gram_from_qk": True, "rewy_bwd_leaf.shared_decay": True,
+                  "rewy_intra.joint_diag_inverse": True}, 64, None, None),  # all three above
+    "cprepared": ({"rewy_intra.gram_from_qk": True, "rewy_bwd_leaf.shared_decay": True,
+                   "rewy_intra.joint_diag_inverse": True}, 64, None, None),  # + centred leaf
     "chunkgrid": ({"rewy_bwd_leaf.rowgrid": False, "rewy_qk_gram.rowgrid": False}, 64, None,
                   None),  # one program per chunk (the row grids off)
     "loopleaf": ({"rewy_bwd_leaf.exact_diag": "loop"}, 64, None, None),
@@ -116,7 +116,7 @@ def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, run
 def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     B, T, H, D = shape
     q, k, e, z, G, h0, reset, end, seq, dO = _inputs(mode, B, T, H, D)
-    cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4", "cboth"))
+    cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4", "cprepared"))
     s = api._shape(cfg, q, z, G, h0)
     it = interpret
     rows = {}
