@@ -197,3 +197,22 @@ def test_nonfinite_full_shape_is_a_failure():
     bad = dict(ok, impl="fast", ms={"fwdbwd": 1.0}, nonfinite=["fwdbwd"])
     assert "FAIL" in report.acc_cell(bad) and "fwdbwd" in report.acc_cell(bad)
     assert report.best_ours([ok, bad])["impl"] == "slow"
+
+
+def test_gpu_turn_is_exclusive(tmp_path):
+    """benchmarks.run.gpu_turn (side-by-side processes): while one holds the GPU lock another
+    cannot take it; without a lock file it is a no-op."""
+    import fcntl
+
+    from benchmarks.run import gpu_turn
+
+    with gpu_turn(None):
+        pass
+    lock = tmp_path / "gpu.lock"
+    with gpu_turn(str(lock)):
+        with open(lock, "a") as other:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(lock, "a") as other:  # released on exit
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(other, fcntl.LOCK_UN)
