@@ -264,7 +264,7 @@ def test_profile_script_runs_its_variants():
     rows = profile_kernels.profile("vector", "levels", (1, 64, 1, 16), interpret=True,
                                    reps=1, runs=1)
     assert {"intra", "qk_gram", "fwd_pass", "output", "bwd_local", "bwd_pass", "bwd_dlam",
-            "bwd_leaf"} <= set(rows)
+            "bwd_leaf", "OP_FWD+BWD (kda)"} <= set(rows)
     assert all(t > 0 for t in rows.values())
     assert (dict(kernels.TUNE), api.DEFAULT_BV) == before
 

@@ -6,7 +6,8 @@
 Each kernel of the forward and the backward is jitted alone on random bf16 inputs of the anchor
 shape and timed as the mean of 20 back-to-back launches (median of 5 such runs), so launch
 gaps hide behind the previous kernel; the whole forward and forward+backward of
-``api.general_delta`` are timed the same way. Variants set ``kernels.TUNE`` and the tile widths
+``api.general_delta`` are timed the same way, and fwd+bwd through the public op (deltanet, gdn
+or kda for the three gate modes) — the gap to general_delta is the op's XLA glue. Variants set ``kernels.TUNE`` and the tile widths
 of ``api`` before tracing. Kernel-work tooling, not the peer benchmark (benchmarks/).
 """
 
@@ -21,6 +22,7 @@ import numpy as np
 
 from pallas_kernels.gpu import api
 from pallas_kernels.gpu import kernels as kn
+from rewy_jax import testing
 
 F32 = jnp.float32
 
@@ -166,6 +168,18 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     argn = (0, 1, 2, 3, 5) if G is None else (0, 1, 2, 3, 4, 5)
     rows["FWD (general_delta)"] = _bench(jax.jit(fwd), q, k, e, z, G, h0)
     rows["FWD+BWD (general_delta)"] = _bench(jax.jit(jax.grad(loss, argnums=argn)), q, k, e, z, G, h0)
+    # The same through the public op (rewy_jax), as the benchmark calls it: the difference is
+    # the op's XLA glue (e = βk, z = βv, the gate cumsum and its VJP, dβ/dg reductions).
+    op = {"none": "deltanet", "scalar": "gdn", "vector": "kda"}[mode]
+    inp = testing.make_inputs(op, B, T, H, D, D, dtype=jnp.bfloat16, initial_state=False)
+    kw = dict(backend="pallas_gpu", interpret=interpret)
+    if cfg.centred:
+        kw["gate_lower_bound"] = -5.0
+
+    def op_loss(x):
+        return jnp.sum(testing.run_op(op, x, **kw)[0].astype(F32) * dO.astype(F32))
+
+    rows[f"OP_FWD+BWD ({op})"] = _bench(jax.jit(jax.grad(op_loss)), inp)
     return rows
 
 
