@@ -86,11 +86,13 @@ def test_interpret_leaf_chunk_grid(kw, small_tiles, monkeypatch):
     ("kda", "strong", {}, "loop", True, True),
     ("kda", "strong", {}, "levels", True, True),
     ("gdn2", "bounded", {"gate_lower_bound": -5.0, "policy": "save"}, "loop", True, False),
-    ("kda", "bounded", {"gate_lower_bound": -5.0, "backward": "wy"}, "levels", False, True)])
+    ("kda", "bounded", {"gate_lower_bound": -5.0, "backward": "wy"}, "levels", False, True),
+    ("kda", "strong", {}, "loop", False, False)])
 def test_interpret_shared_decay_options(op, decay, kw, diag, gram_from_qk, shared, small_tiles,
                                         monkeypatch):
-    """The shared-decay-factor tuning options — intra reading its key Gram T from qk_gram, the
-    leaf applying dT and dA_qk through one set of factors — with each diagonal method (exact
+    """The shared-decay-factor options (default on) and their alternatives — intra reading its
+    key Gram T from qk_gram or building it, the leaf applying dT and dA_qk through one set of
+    factors or two — with each diagonal method (exact
     loop, exact bit levels, centred under a bound) at strong decays: every output and gradient."""
     from pallas_kernels.gpu import kernels
 
@@ -107,12 +109,12 @@ def test_interpret_shared_decay_options(op, decay, kw, diag, gram_from_qk, share
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {}),
                                          ("gdn", "strong", {"backward": "wy"}),
                                          ("kda", "strong", {"policy": "save"})])
-def test_interpret_joint_diagonal_inverse(op, decay, kw, small_tiles, monkeypatch):
-    """intra inverting its diagonal blocks in one interleaved loop (a tuning option): every
-    output and gradient, each gate kind, strong decays."""
+def test_interpret_chained_diagonal_inverse(op, decay, kw, small_tiles, monkeypatch):
+    """intra inverting its diagonal blocks one after another (the tuning alternative to the
+    default interleaved loop): every output and gradient, each gate kind, strong decays."""
     from pallas_kernels.gpu import kernels
 
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.joint_diag_inverse", True)
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.joint_diag_inverse", False)
     inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay=decay, seed=14)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
                                    chunk_size=64, **kw))
@@ -210,8 +212,8 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("kda", 64, 128, jnp.bfloat16, {"policy": "save"}, False),
     ("kda", 64, 64, jnp.bfloat16, {"gate_lower_bound": -5.0}, True),
     ("gdn2", 64, 64, jnp.float32, {"gate_lower_bound": -5.0, "backward": "wy"}, False),
-    ("gdn2", 128, 128, jnp.bfloat16, {"_exact_diag": "loop", "_shared": True}, False),
-    ("gdn", 256, 256, jnp.float16, {"_joint_inverse": True}, False),
+    ("gdn2", 128, 128, jnp.bfloat16, {"_exact_diag": "loop", "_unshared": True}, False),
+    ("gdn", 256, 256, jnp.float16, {"_chained_inverse": True}, False),
 ]
 
 
@@ -229,11 +231,11 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
         diag = kw.pop("_exact_diag")
         for k in ("intra", "qk_gram", "bwd_leaf"):
             monkeypatch.setitem(kernels.TUNE, f"rewy_{k}.exact_diag", diag)
-    if kw.pop("_joint_inverse", False):  # intra's interleaved diagonal inverses (tuning option)
-        monkeypatch.setitem(kernels.TUNE, "rewy_intra.joint_diag_inverse", True)
-    if kw.pop("_shared", False):  # the shared-decay-factor tuning options
-        monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", True)
-        monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.shared_decay", True)
+    if kw.pop("_chained_inverse", False):  # intra's diagonal inverses one after another
+        monkeypatch.setitem(kernels.TUNE, "rewy_intra.joint_diag_inverse", False)
+    if kw.pop("_unshared", False):  # the shared-decay-factor options off (tuning alternative)
+        monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", False)
+        monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.shared_decay", False)
     if varlen:  # and the one-program-per-chunk tuning variant of the leaf and qk_gram kernels
         monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.rowgrid", False)
         monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", False)

@@ -82,16 +82,20 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               "levels" (4 masked matmuls on bit levels, blocks.Gates): bwd_leaf 5.32 -> 3.81
 #               but qk_gram 0.95 -> 1.03 (1.32 with the row grid) and intra 1.50 -> 1.62.
 #   gram_from_qk  vector gates: intra reads its key Gram T from qk_gram, which forms it beside
-#               P with the same decay factors (untimed: off until profiled).
+#               P with the same decay factors (profile-5, commit 81dfbbe: intra 1.38 -> 0.35,
+#               qk_gram 0.91 -> 1.80; KDA fwd+bwd 5.80 -> 5.56 with the two below).
 #   shared_decay  vector gates: bwd_leaf applies dT and dA_qk through one set of decay factors
-#               (Gates.applies / apply_t_sum) instead of two (untimed: off until profiled).
+#               (Gates.applies / apply_t_sum) instead of two: bwd_leaf 2.49 -> 2.39 (exact),
+#               2.18 centred.
 #   joint_diag_inverse  intra inverts its n diagonal 16x16 blocks in one interleaved loop
-#               (blocks.inv_diags) instead of n back-to-back chains of 15 dependent steps
-#               (untimed: off until profiled).
+#               (blocks.inv_diags) instead of n back-to-back chains of 15 dependent steps:
+#               intra 0.43 -> 0.28 (DeltaNet), 0.61 -> 0.30 (GDN), 1.46 -> 1.38 (KDA).
+# (profile-5: benchmarks/results/profile-5/; the three together take KDA's fwd+bwd through the
+# op 6.20 -> 5.86 ms, DeltaNet 2.01 -> 1.88, GDN 2.43 -> 2.16 at the anchor shape.)
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
-            "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": False,
-            "rewy_bwd_leaf.shared_decay": False, "rewy_intra.joint_diag_inverse": False}
+            "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
+            "rewy_bwd_leaf.shared_decay": True, "rewy_intra.joint_diag_inverse": True}
 # Overrides for tuning runs (profile_kernels.py), read when a kernel is traced:
 #   "<kernel name>.warps" / ".stages"          launch settings, e.g. "rewy_intra.warps": 8
 #   any key of DEFAULTS                         e.g. "rewy_bwd_leaf.rowgrid": False

@@ -39,13 +39,12 @@ VARIANTS = {
     "centred": ({}, 64, None, None),  # vector gates: centred diagonal blocks (g ≥ −5 here)
     "cw4": ({f"rewy_{k}.warps": 4 for k in ("intra", "bwd_leaf", "qk_gram")}, 64, None, None),
     "lw4": ({"rewy_bwd_leaf.warps": 4}, 64, None, None),
-    "gramqk": ({"rewy_intra.gram_from_qk": True}, 64, None, None),  # T formed beside P
-    "shared": ({"rewy_bwd_leaf.shared_decay": True}, 64, None, None),
-    "jinv": ({"rewy_intra.joint_diag_inverse": True}, 64, None, None),
-    "prepared": ({"rewy_intra.gram_from_qk": True, "rewy_bwd_leaf.shared_decay": True,
-                  "rewy_intra.joint_diag_inverse": True}, 64, None, None),  # all three above
-    "cprepared": ({"rewy_intra.gram_from_qk": True, "rewy_bwd_leaf.shared_decay": True,
-                   "rewy_intra.joint_diag_inverse": True}, 64, None, None),  # + centred leaf
+    # the three shared-factor options, default since profile-5, switched off (one, or all):
+    "nogramqk": ({"rewy_intra.gram_from_qk": False}, 64, None, None),  # intra builds its T
+    "noshared": ({"rewy_bwd_leaf.shared_decay": False}, 64, None, None),
+    "nojinv": ({"rewy_intra.joint_diag_inverse": False}, 64, None, None),
+    "unprepared": ({"rewy_intra.gram_from_qk": False, "rewy_bwd_leaf.shared_decay": False,
+                    "rewy_intra.joint_diag_inverse": False}, 64, None, None),
     "chunkgrid": ({"rewy_bwd_leaf.rowgrid": False, "rewy_qk_gram.rowgrid": False}, 64, None,
                   None),  # one program per chunk (the row grids off)
     "loopleaf": ({"rewy_bwd_leaf.exact_diag": "loop"}, 64, None, None),
@@ -118,7 +117,7 @@ def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, run
 def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     B, T, H, D = shape
     q, k, e, z, G, h0, reset, end, seq, dO = _inputs(mode, B, T, H, D)
-    cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4", "cprepared"))
+    cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4"))
     s = api._shape(cfg, q, z, G, h0)
     it = interpret
     rows = {}
