@@ -133,7 +133,20 @@ def stamp_lines(meta: dict, runs: dict | None = None) -> list[str]:
     return lines
 
 
+NOISY_IQR = 1.25  # upper ÷ lower quartile of a row's fwd+bwd samples above which it is marked
+
+
+def noisy(r) -> bool:
+    """Whether the fwd+bwd samples of row ``r`` spread wider than NOISY_IQR (the GPU was shared or
+    its clock moved during the timing rounds): its median is suspect."""
+    q = (r.get("spread_ms") or {}).get("fwdbwd")
+    return bool(q) and _num(q[0]) and q[0] > 0 and q[1] / q[0] > NOISY_IQR
+
+
 NOTES = [
+    f"≈ after a time: its fwd+bwd samples' upper quartile is more than {NOISY_IQR}× the lower one "
+    "(the GPU was busy with something else during its timing rounds, e.g. another process's "
+    "set-up in run h200-4): the median, and ratios built on it, are suspect.",
     "Times: medians over interleaved rounds, ms. bwd = (fwd+bwd) − fwd. Inputs bf16 q/k/v (q, k "
     "L2-normalised), fp32 gates, no initial state, chunk 64.",
     "× FLA-graph / × jla: time ÷ the same run's FLA-under-CUDA-graph / jla Mosaic GPU time at the "
@@ -174,7 +187,8 @@ def markdown(result: dict) -> str:
             t = r["ms"]
             mem = r.get("mem_bytes", {}).get("fwdbwd")
             refused = r.get("refused", {})
-            fb = _f(t.get("fwdbwd")) if "fwdbwd" not in refused else f"refused ({refused['fwdbwd'][:90]})"
+            fb = (_f(t.get("fwdbwd")) + (" ≈" if noisy(r) else "") if "fwdbwd" not in refused
+                  else f"refused ({refused['fwdbwd'][:90]})")
             pf = r.get("pct_of_floor", {}).get("fwdbwd")
             out.append(
                 f"| {r['impl']} | {_f(t.get('fwd'))} | {_f(t.get('bwd'))} | {fb} | "
@@ -211,7 +225,7 @@ def headline(rows) -> list[str]:
         ok_fb = "fwdbwd" not in r.get("refused", {})
         fb = _f(t.get("fwdbwd")) if ok_fb else "bwd refused"
         flag = " ✗" if ((r.get("accuracy") or {}).get("status") == "FAIL" or r.get("nonfinite")) else ""
-        return f"{fb} ({_f(t.get('fwd'))}){flag}"
+        return f"{fb}{' ≈' if noisy(r) else ''} ({_f(t.get('fwd'))}){flag}"
 
     for (shape, op), grp in sorted(groups.items(), key=lambda kv: _group_order(kv[0])):
         by = {r["impl"]: r for r in grp}

@@ -86,19 +86,25 @@ def environment() -> dict:
 
 
 @contextmanager
-def gpu_turn(path):
-    """Exclusive use of the GPU among the benchmark processes sharing the lock file ``path``
-    (none: no-op). Compiles stay outside it, so processes overlap their CPU work only and no
-    timing ever shares the GPU."""
+def gpu_turn(path, shared=False):
+    """The GPU among benchmark processes sharing the lock file ``path`` (none: no-op), as a
+    readers-writer lock: timing rounds hold it exclusively (``shared=False``); every other phase
+    that runs GPU work — set-up and warm-ups (FLA's autotune), accuracy calls — holds it shared,
+    so such phases overlap each other but never a timing round. (Run h200-4 had only the timing
+    rounds locked: other processes' set-ups ran beside them and doubled some medians.) Compiles
+    stay outside it. A writer waits on ``path + '.turn'`` first, which stops new readers from
+    entering meanwhile (flock has no writer preference: without it timing could starve)."""
     if not path:
         yield
         return
     import fcntl
 
-    with open(path, "a") as fh:
+    with open(path + ".turn", "a") as turn, open(path, "a") as fh:
         t0 = time.time()
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        if time.time() - t0 > 1:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        fcntl.flock(fh, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        fcntl.flock(turn, fcntl.LOCK_UN)
+        if not shared and time.time() - t0 > 1:
             log(f"  (waited {time.time() - t0:.0f}s for the GPU)")
         try:
             yield
@@ -343,7 +349,8 @@ def _setup_and_sample(a, runners, rounds, elapsed):
             continue
         t0 = time.time()
         try:
-            runner.setup(phases=runner.phases)
+            with gpu_turn(a.gpu_lock, shared=True):
+                runner.setup(phases=runner.phases)
         except Exception as e:  # noqa: BLE001
             row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
             log(f"  {runner.impl.name}: setup error {row['reason']}")
@@ -363,9 +370,7 @@ def _setup_and_sample(a, runners, rounds, elapsed):
     runners = ready
     for r in runners:
         r.samples = {ph: [] for ph in r.fns}
-    # Only the timing rounds hold the GPU lock (side-by-side processes): set-up (FLA's autotune,
-    # mostly Triton compiles; warm-ups) may overlap another process's work — it only picks
-    # configs and repetition counts, which a shared GPU perturbs a little, never the times.
+    # The timing rounds hold the GPU alone (side-by-side processes); set-ups above held it shared.
     with gpu_turn(a.gpu_lock):
         for k in range(rounds):
             order = runners[k % max(1, len(runners)):] + runners[:k % max(1, len(runners))]
@@ -376,6 +381,24 @@ def _setup_and_sample(a, runners, rounds, elapsed):
                     except Exception as e:  # noqa: BLE001
                         r.refused[ph] = f"sampling: {type(e).__name__}: {str(e)[:200]}"
     return runners
+
+
+def _run_accuracy(todo, compiled, op, inputs, cts, ref, out):
+    """Run each implementation of ``todo`` (with its prepared ``compiled`` call or the exception
+    that preparing it raised) on the accuracy inputs; ``out[name]`` = its comparison with the
+    float64 reference ``ref``, or the error."""
+    from benchmarks import accuracy
+
+    for impl, c in zip(todo, compiled):
+        try:
+            if isinstance(c, Exception):
+                raise c
+            o, s, grads = accuracy.run_impl(impl, op, inputs, cts, compiled=c)
+            out[impl.name] = accuracy.compare(o, s, grads, ref)
+        except Exception as e:  # noqa: BLE001
+            msg = str(e).strip().splitlines()
+            out[impl.name] = {"status": "error",
+                              "reason": f"{type(e).__name__}: {msg[0][:200] if msg else ''}"}
 
 
 def check_accuracy(op, acc_shape, impl_list, unavailable, rows, refs, cache, elapsed, a):
@@ -403,18 +426,10 @@ def check_accuracy(op, acc_shape, impl_list, unavailable, rows, refs, cache, ela
 
             compiled = parallel_compile(todo, prep, a.serial_compile,
                                         is_kernel=lambda i: getattr(i, "kernels", False))
-            # not under gpu_turn: small, untimed calls (medians shrug them off), and jla
-            # compiles inside its first call — holding the GPU for that stalled the others
-            for impl, c in zip(todo, compiled):
-                try:
-                    if isinstance(c, Exception):
-                        raise c
-                    o, s, grads = accuracy.run_impl(impl, op, inputs, cts, compiled=c)
-                    cache[key][impl.name] = accuracy.compare(o, s, grads, ref)
-                except Exception as e:  # noqa: BLE001
-                    msg = str(e).strip().splitlines()
-                    cache[key][impl.name] = {"status": "error",
-                                             "reason": f"{type(e).__name__}: {msg[0][:200] if msg else ''}"}
+            # shared: overlaps other processes' set-ups, never their timing rounds (jla compiles
+            # inside its first call, so this can hold the shared lock for a while)
+            with gpu_turn(a.gpu_lock, shared=True):
+                _run_accuracy(todo, compiled, op, inputs, cts, ref, cache[key])
         log(f"  accuracy {op} {acc_shape.label()} in {time.time() - t0:.1f}s: "
             + "; ".join(f"{n}: {cache[key][n]['status']}" for n in [i.name for i in todo]))
     for row in rows:

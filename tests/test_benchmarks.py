@@ -199,20 +199,47 @@ def test_nonfinite_full_shape_is_a_failure():
     assert report.best_ours([ok, bad])["impl"] == "slow"
 
 
-def test_gpu_turn_is_exclusive(tmp_path):
-    """benchmarks.run.gpu_turn (side-by-side processes): while one holds the GPU lock another
-    cannot take it; without a lock file it is a no-op."""
+def test_noisy_rows_are_marked():
+    """A row whose fwd+bwd quartiles differ by more than report.NOISY_IQR gets '≈' beside its
+    time in both tables; a tight one does not."""
+    from benchmarks import report
+
+    base = {"family": "ours", "status": "ok", "op": "kda", "shape": "1x128x2x32",
+            "impl": "ours a", "ms": {"fwd": 1.0, "fwdbwd": 2.0}, "spread_ms": {"fwdbwd": [1.9, 2.1]}}
+    wide = dict(base, impl="ours b", spread_ms={"fwdbwd": [2.0, 4.0]})
+    assert not report.noisy(base) and report.noisy(wide) and not report.noisy({"ms": {}})
+    md = report.markdown({"meta": {}, "rows": [base, wide]})
+    assert "| ours b | 1.000 | 1.000 | 2.000 ≈ |" in md and "| ours a | 1.000 | 1.000 | 2.000 |" in md
+
+
+def test_gpu_turn_is_a_readers_writer_lock(tmp_path):
+    """benchmarks.run.gpu_turn (side-by-side processes): a timing turn (exclusive) excludes
+    everyone; set-up turns (shared) overlap each other but exclude a timing turn; a waiting
+    timing turn (holding the turnstile) keeps new set-ups out; without a lock file a no-op."""
     import fcntl
 
     from benchmarks.run import gpu_turn
 
+    def can(path, mode):
+        with open(path, "a") as other:
+            try:
+                fcntl.flock(other, mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(other, fcntl.LOCK_UN)
+            return True
+
     with gpu_turn(None):
         pass
-    lock = tmp_path / "gpu.lock"
-    with gpu_turn(str(lock)):
-        with open(lock, "a") as other:
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    with open(lock, "a") as other:  # released on exit
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(other, fcntl.LOCK_UN)
+    lock = str(tmp_path / "gpu.lock")
+    with gpu_turn(lock):
+        assert not can(lock, fcntl.LOCK_EX) and not can(lock, fcntl.LOCK_SH)
+        assert can(lock + ".turn", fcntl.LOCK_EX)  # the turnstile is only held while waiting
+    with gpu_turn(lock, shared=True):
+        assert can(lock, fcntl.LOCK_SH) and not can(lock, fcntl.LOCK_EX)
+        with gpu_turn(lock, shared=True):  # another set-up overlaps
+            pass
+    assert can(lock, fcntl.LOCK_EX)  # released on exit
+    with open(lock + ".turn", "a") as waiting_writer:  # a timing turn waiting at the turnstile
+        fcntl.flock(waiting_writer, fcntl.LOCK_EX)
+        assert not can(lock + ".turn", fcntl.LOCK_EX)  # so a new set-up turn would wait
