@@ -147,7 +147,8 @@ NOTES = [
     f"≈ after a time: its fwd+bwd samples' upper quartile is more than {NOISY_IQR}× the lower one "
     "(the GPU was busy with something else during its timing rounds, e.g. another process's "
     "set-up in run h200-4): the median, and ratios built on it, are suspect.",
-    "Times: medians over interleaved rounds, ms. bwd = (fwd+bwd) − fwd. Inputs bf16 q/k/v (q, k "
+    "Times: medians over interleaved rounds, ms (a JAX sample: the mean of back-to-back calls "
+    "filling ~20 ms — 3 ms up to run h200-4; torch: do_bench). bwd = (fwd+bwd) − fwd. Inputs bf16 q/k/v (q, k "
     "L2-normalised), fp32 gates, no initial state, chunk 64.",
     "× FLA-graph / × jla: time ÷ the same run's FLA-under-CUDA-graph / jla Mosaic GPU time at the "
     "same shape (>1 = slower).",

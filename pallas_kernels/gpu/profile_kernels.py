@@ -166,7 +166,7 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
 
     argn = (0, 1, 2, 3, 5) if G is None else (0, 1, 2, 3, 4, 5)
     rows["FWD (general_delta)"] = _bench(jax.jit(fwd), q, k, e, z, G, h0)
-    rows["FWD+BWD (general_delta)"] = _bench(jax.jit(jax.grad(loss, argnums=argn)), q, k, e, z, G, h0)
+    rows["FWD+BWD (general_delta)"] = _bench(jax.jit(jax.value_and_grad(loss, argnums=argn)), q, k, e, z, G, h0)
     # The same through the public op (rewy_jax), as the benchmark calls it: the difference is
     # the op's XLA glue (e = βk, z = βv, the gate cumsum and its VJP, dβ/dg reductions).
     op = {"none": "deltanet", "scalar": "gdn", "vector": "kda"}[mode]
@@ -178,7 +178,7 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     def op_loss(x):
         return jnp.sum(testing.run_op(op, x, **kw)[0].astype(F32) * dO.astype(F32))
 
-    rows[f"OP_FWD+BWD ({op})"] = _bench(jax.jit(jax.grad(op_loss)), inp)
+    rows[f"OP_FWD+BWD ({op})"] = _bench(jax.jit(jax.value_and_grad(op_loss)), inp)
     return rows
 
 

@@ -72,7 +72,7 @@ def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=F
         o, _ = testing.run_op(op, diff, **kw)
         return jnp.sum(o.astype(F32) * dO.astype(F32))
 
-    f = jax.jit(jax.grad(loss))
+    f = jax.jit(jax.value_and_grad(loss))  # grad alone would drop the output kernel as dead code
     jax.block_until_ready(f(inp))
     jax.block_until_ready(f(inp))
     tmp = tempfile.mkdtemp(prefix="rewy-trace-")
