@@ -106,6 +106,22 @@ def test_interpret_shared_decay_options(op, decay, kw, diag, gram_from_qk, share
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,gram_from_qk,kw", [("kda", True, {}),
+                                                ("gdn2", False, {"gate_lower_bound": -5.0})])
+def test_interpret_qk_gram_pair_grid(op, gram_from_qk, kw, small_tiles, monkeypatch):
+    """qk_gram with one program per (row block, column block) (a tuning option), forming P alone
+    or P and intra's T: every output and gradient at strong decays, T not a multiple of 64."""
+    from pallas_kernels.gpu import kernels
+
+    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.pairgrid", True)
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", gram_from_qk)
+    inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay="strong" if not kw else "bounded",
+                              seed=15)
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
+                                   chunk_size=64, **kw))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {}),
                                          ("gdn", "strong", {"backward": "wy"}),
                                          ("kda", "strong", {"policy": "save"})])
@@ -213,6 +229,7 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("kda", 64, 64, jnp.bfloat16, {"gate_lower_bound": -5.0}, True),
     ("gdn2", 64, 64, jnp.float32, {"gate_lower_bound": -5.0, "backward": "wy"}, False),
     ("gdn2", 128, 128, jnp.bfloat16, {"_exact_diag": "loop", "_unshared": True}, False),
+    ("kda", 128, 64, jnp.bfloat16, {"_pairgrid": True}, False),
     ("gdn", 256, 256, jnp.float16, {"_chained_inverse": True}, False),
 ]
 
@@ -231,6 +248,8 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
         diag = kw.pop("_exact_diag")
         for k in ("intra", "qk_gram", "bwd_leaf"):
             monkeypatch.setitem(kernels.TUNE, f"rewy_{k}.exact_diag", diag)
+    if kw.pop("_pairgrid", False):  # qk_gram's (row, column) block grid (tuning option)
+        monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.pairgrid", True)
     if kw.pop("_chained_inverse", False):  # intra's diagonal inverses one after another
         monkeypatch.setitem(kernels.TUNE, "rewy_intra.joint_diag_inverse", False)
     if kw.pop("_unshared", False):  # the shared-decay-factor options off (tuning alternative)

@@ -90,12 +90,15 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #   joint_diag_inverse  intra inverts its n diagonal 16x16 blocks in one interleaved loop
 #               (blocks.inv_diags) instead of n back-to-back chains of 15 dependent steps:
 #               intra 0.43 -> 0.28 (DeltaNet), 0.61 -> 0.30 (GDN), 1.46 -> 1.38 (KDA).
+#   pairgrid    qk_gram: one program per (row block, column block) of a chunk instead of per
+#               row block (untimed: off until profiled; ptxas below in PERF.md).
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's fwd+bwd through the
 # op 6.20 -> 5.86 ms, DeltaNet 2.01 -> 1.88, GDN 2.43 -> 2.16 at the anchor shape.)
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
-            "rewy_bwd_leaf.shared_decay": True, "rewy_intra.joint_diag_inverse": True}
+            "rewy_bwd_leaf.shared_decay": True, "rewy_intra.joint_diag_inverse": True,
+            "rewy_qk_gram.pairgrid": False}
 # Overrides for tuning runs (profile_kernels.py), read when a kernel is traced:
 #   "<kernel name>.warps" / ".stages"          launch settings, e.g. "rewy_intra.warps": 8
 #   any key of DEFAULTS                         e.g. "rewy_bwd_leaf.rowgrid": False
@@ -270,8 +273,12 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
     decay factor (the same K̄ frames), so T costs matmuls here instead of exponentials in intra.
     """
     n, C, prec = s.n, s.C, s.prec
-    # Row grid (DEFAULTS): one program per 16-row block of P.
-    rowgrid = bool(setting("rewy_qk_gram.rowgrid"))
+    # Row grid (DEFAULTS): one program per 16-row block of P. Pair grid (DEFAULTS, untimed):
+    # one program per (row block, column block) — balanced programs (a row grid's last row does
+    # n blocks, its first one) with a quarter of the live tiles: ptxas showed the row-grid
+    # program spilling once it formed T beside P.
+    pairgrid = bool(setting("rewy_qk_gram.pairgrid"))
+    rowgrid = bool(setting("rewy_qk_gram.rowgrid")) and not pairgrid
     diag = setting("rewy_qk_gram.exact_diag")
     with_T = e is not None
 
@@ -284,34 +291,41 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
         qs, ks = Rows(q_ref), Rows(k_ref)
         es = Rows(e_ref) if with_T else None
 
-        def row_block(i):
-            zero = jnp.zeros((BS, BS), F32)
-            for j in range(n):
-                blk = (pl.ds(i * BS, BS), pl.ds(j * BS, BS))
-                if j > i:
-                    P_ref[blk] = zero
-                    if with_T:
-                        T_ref[blk] = zero
-                    continue
-                xs, stricts = ([qs[i], es[i]], [False, True]) if with_T else ([qs[i]], [False])
-                out = gt.grams(i, j, xs, ks[j], k_ref, prec, stricts)
-                P_ref[blk] = out[0]
+        def block(i, j):
+            blk = (pl.ds(i * BS, BS), pl.ds(j * BS, BS))
+            if j > i:
+                zero = jnp.zeros((BS, BS), F32)
+                P_ref[blk] = zero
                 if with_T:
-                    T_ref[blk] = out[1]
+                    T_ref[blk] = zero
+                return
+            xs, stricts = ([qs[i], es[i]], [False, True]) if with_T else ([qs[i]], [False])
+            out = gt.grams(i, j, xs, ks[j], k_ref, prec, stricts)
+            P_ref[blk] = out[0]
+            if with_T:
+                T_ref[blk] = out[1]
+
+        def row_block(i):
+            for j in range(n):
+                block(i, j)
 
         for i in range(n):
-            if rowgrid:
+            if pairgrid:
+                for j in range(n):
+                    pl.when(pl.program_id(0) % (n * n) == i * n + j)(lambda i=i, j=j: block(i, j))
+            elif rowgrid:
                 pl.when(pl.program_id(0) % n == i)(lambda i=i: row_block(i))
             else:
                 row_block(i)
 
-    ch = (lambda m: m // n) if rowgrid else (lambda m: m)
+    per_chunk = n * n if pairgrid else (n if rowgrid else 1)  # programs per chunk
+    ch = lambda m: m // per_chunk  # noqa: E731
     H = s.H
     tok = pl.BlockSpec((None, C, None, s.K), lambda m, bh: (bh // H, ch(m), bh % H, 0))
     mat = pl.BlockSpec((None, None, None, C, C), lambda m, bh: (bh // H, bh % H, ch(m), 0, 0))
     sds = jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32)
     ins = [q, k] + ([e] if with_T else []) + [G]
-    out = _call(kernel, grid=(s.N * (n if rowgrid else 1), s.B * H), in_specs=[tok] * len(ins),
+    out = _call(kernel, grid=(s.N * per_chunk, s.B * H), in_specs=[tok] * len(ins),
                 out_specs=[mat] * (2 if with_T else 1), out_shape=[sds] * (2 if with_T else 1),
                 interpret=interpret, num_warps=WARPS["qk_gram"], name="rewy_qk_gram")(*ins)
     return tuple(out) if with_T else out[0]
