@@ -47,6 +47,7 @@ VARIANTS = {
                     "rewy_intra.joint_diag_inverse": False}, 64, None, None),
     "pairgrid": ({"rewy_qk_gram.pairgrid": True}, 64, None, None),  # qk_gram per block pair
     "qw8": ({"rewy_qk_gram.warps": 8}, 64, None, None),
+    "pw8": ({"rewy_qk_gram.pairgrid": True, "rewy_qk_gram.warps": 8}, 64, None, None),
     "chunkgrid": ({"rewy_bwd_leaf.rowgrid": False, "rewy_qk_gram.rowgrid": False}, 64, None,
                   None),  # one program per chunk (the row grids off)
     "loopleaf": ({"rewy_bwd_leaf.exact_diag": "loop"}, 64, None, None),
