@@ -79,8 +79,8 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     rc = run.main(["--cpu-smoke", "--shapes", TINY, "--ops", "gdn", "--rounds", "2", "--sets", "2",
                    "--impls", "xla rewy/recompute,jla mosaic,FLA", "--out-dir", str(out),
-                   "--stem", "smoke"])
-    assert rc == 0
+                   "--stem", "smoke", "--gpu-lock", str(out / "gpu.lock")])  # the lock's
+    assert rc == 0  # shared (set-up, accuracy) and exclusive (timing) turns, never nested
     return out, json.loads((out / "smoke.json").read_text())
 
 
