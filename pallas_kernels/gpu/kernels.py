@@ -92,8 +92,8 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               intra 0.43 -> 0.28 (DeltaNet), 0.61 -> 0.30 (GDN), 1.46 -> 1.38 (KDA).
 #   pairgrid    qk_gram: one program per (row block, column block) of a chunk instead of per
 #               row block (untimed: off until profiled; ptxas below in PERF.md).
-# (profile-5: benchmarks/results/profile-5/; the three together take KDA's fwd+bwd through the
-# op 6.20 -> 5.86 ms, DeltaNet 2.01 -> 1.88, GDN 2.43 -> 2.16 at the anchor shape.)
+# (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
+# op 6.20 -> 5.86 ms, DeltaNet 2.01 -> 1.88, GDN 2.43 -> 2.16 at the anchor shape, jax.grad.)
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
@@ -275,8 +275,8 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
     n, C, prec = s.n, s.C, s.prec
     # Row grid (DEFAULTS): one program per 16-row block of P. Pair grid (DEFAULTS, untimed):
     # one program per (row block, column block) — balanced programs (a row grid's last row does
-    # n blocks, its first one) with a quarter of the live tiles: ptxas showed the row-grid
-    # program spilling once it formed T beside P.
+    # n blocks, its first one) with one block's live tiles: ptxas showed the row-grid program
+    # spilling once it formed T beside P.
     pairgrid = bool(setting("rewy_qk_gram.pairgrid"))
     rowgrid = bool(setting("rewy_qk_gram.rowgrid")) and not pairgrid
     diag = setting("rewy_qk_gram.exact_diag")
