@@ -153,6 +153,51 @@ def test_interpret_exact_diagonals_strong_decay(op, kw, diag, small_tiles, monke
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("gdn2", "strong", {}),
+                                         ("deltanet", "none", {"backward": "wy"})])
+def test_interpret_full_recompute(op, decay, kw, small_tiles, monkeypatch):
+    """Policy "recompute" re-forming A (and P) in the backward instead of keeping them (the
+    tuning alternative to the default): every output and gradient."""
+    from pallas_kernels.gpu import kernels
+
+    monkeypatch.setitem(kernels.TUNE, "recompute.keep_chunk_matrices", False)
+    inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay=decay, seed=16)
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
+                                   chunk_size=64, **kw))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("mode", ["none", "scalar", "vector"])
+def test_recompute_keeps_chunk_matrices_not_states(mode):
+    """Policy "recompute" keeps A (and P for vector gates) for the backward and no chunk state;
+    intra given that A re-forms the forward's W and U exactly (same fp32 products)."""
+    from pallas_kernels.gpu import api, kernels as kn
+
+    B, T, H, K, V, C = 1, 128, 2, 16, 32, 64
+    rng = np.random.default_rng(17)
+    x = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    q, k, e, z = x(B, T, H, K), x(B, T, H, K) / 4, x(B, T, H, K) / 4, x(B, T, H, V)
+    G = None if mode == "none" else -jnp.abs(x(*((B, T, H) if mode == "scalar" else
+                                                 (B, T, H, K)))).cumsum(1) / 8
+    N = T // C
+    h0 = jnp.zeros((B, H, 2, K, V), jnp.float32)
+    meta = ((jnp.arange(N) == 0).astype(jnp.int32), (jnp.arange(N) == N - 1).astype(jnp.int32),
+            jnp.zeros((N,), jnp.int32))
+    cfg = api.Config(C, "recompute", "rewy", True, 16)
+    _, res = api._fwd(cfg, q, k, e, z, G, h0, *meta)
+    kept = res[-1]
+    assert len(kept) == 2 and kept[0].shape == (B, H, N, C, C)
+    assert (kept[1] is None) == (mode != "vector")
+    assert all(a.shape[-2:] != (K, V) for a in jax.tree_util.tree_leaves(res)
+               if a is not h0 and hasattr(a, "shape"))
+    s = api._shape(cfg, q, z, G, h0)
+    A, W, U, _ = api._intra(s, q, k, e, z, G, True)
+    W2, U2 = kn.intra(s, k, e, z, G, A=A, interpret=True)
+    np.testing.assert_array_equal(np.asarray(W2), np.asarray(W))
+    np.testing.assert_array_equal(np.asarray(U2), np.asarray(U))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op", ["kda", "deltanet"])
 def test_interpret_varlen(op, small_tiles):
     inp = testing.make_inputs(op, 1, 45, 2, 16, 32, n_seqs=3, seed=5)
@@ -271,6 +316,8 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
         text = jax.jit(jax.value_and_grad(loss)).trace(diff).lower(lowering_platforms=("cuda",)).as_text()
     kernels = {"rewy_intra", "rewy_fwd_pass", "rewy_output", "rewy_bwd_local", "rewy_bwd_pass",
                "rewy_bwd_dlam", "rewy_bwd_leaf"} | ({"rewy_qk_gram"} if op in ("kda", "gdn2") else set())
+    if kw.get("policy", "recompute") == "recompute":  # the backward's W, U from the kept A
+        kernels.add("rewy_wu")
     missing = {k for k in kernels if k not in text}
     assert not missing, f"kernels absent from the lowered module: {missing}"
 
@@ -282,12 +329,17 @@ def test_profile_script_runs_its_variants():
     from pallas_kernels.gpu import api, kernels, profile_kernels
 
     before = dict(kernels.TUNE), api.DEFAULT_BV
-    rows = profile_kernels.profile("vector", "levels", (1, 64, 1, 16), interpret=True,
-                                   reps=1, runs=1)
-    assert {"intra", "qk_gram", "fwd_pass", "output", "bwd_local", "bwd_pass", "bwd_dlam",
+    rows, grads = profile_kernels.profile("vector", "levels", (1, 64, 1, 16), interpret=True,
+                                          reps=1, runs=1)
+    assert {"intra", "wu", "qk_gram", "fwd_pass", "output", "bwd_local", "bwd_pass", "bwd_dlam",
             "bwd_leaf", "OP_FWD+BWD (kda)"} <= set(rows)
     assert all(t > 0 for t in rows.values())
     assert (dict(kernels.TUNE), api.DEFAULT_BV) == before
+    # a variant that only reorganises work agrees with the base one; a changed input does not
+    _, grads2 = profile_kernels.profile("vector", "fullre", (1, 64, 1, 16), interpret=True,
+                                        reps=1, runs=1)
+    assert profile_kernels.grad_gap(grads2, grads) < 1e-5
+    assert profile_kernels.grad_gap(jax.tree_util.tree_map(lambda g: 2 * g, grads), grads) > 0.9
 
 
 @pytest.mark.skipif(_ON_GPU, reason="CPU smoke test of the tracing script")

@@ -94,8 +94,14 @@ def general_delta(cfg: Config, q, k, e, z, G, h0, reset, end, seq):
 
 def _fwd(cfg, q, k, e, z, G, h0, reset, end, seq):
     o, final, saved = _forward(cfg, q, k, e, z, G, h0, reset, end, seq)
-    res = (q, k, e, z, G, h0, reset, end, seq, saved if cfg.policy == "save" else None)
-    return (o, final), res
+    if cfg.policy == "recompute":
+        # Keep the [C, C] chunk matrices (A, and P for vector gates: C/K of a key tensor each)
+        # unless told not to: the backward then re-forms W, U with two matmuls per row block
+        # instead of the Gram, the block substitution and (vector gates) qk_gram's decay factors.
+        # The states S0 and R ([K, V] per chunk) are what recompute saves memory on.
+        A, _, _, _, P = saved
+        saved = (A, P) if kn.setting("recompute.keep_chunk_matrices") else None
+    return (o, final), (q, k, e, z, G, h0, reset, end, seq, saved)
 
 
 def _bwd(cfg, res, cts):
@@ -103,8 +109,12 @@ def _bwd(cfg, res, cts):
     dO, dfin = cts
     s = _shape(cfg, q, z, G, h0)
     it = cfg.interpret
-    if saved is None:  # "recompute": one more chunk-local pass and forward state pass
-        A, W, U, P = _intra(s, q, k, e, z, G, it)
+    if cfg.policy == "recompute":  # W, U (and A, P unless kept) and one forward state pass
+        if saved is None:
+            A, W, U, P = _intra(s, q, k, e, z, G, it)
+        else:
+            A, P = saved
+            W, U = kn.intra(s, k, e, z, G, A=A, interpret=it)
         S0, R, _ = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=it)
     else:
         A, W, S0, R, P = saved

@@ -92,13 +92,17 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               intra 0.43 -> 0.28 (DeltaNet), 0.61 -> 0.30 (GDN), 1.46 -> 1.38 (KDA).
 #   pairgrid    qk_gram: one program per (row block, column block) of a chunk instead of per
 #               row block (untimed: off until profiled; ptxas below in PERF.md).
+#   recompute.keep_chunk_matrices  policy "recompute": the forward keeps A (and P) for the
+#               backward, which re-forms only W, U from A ("rewy_wu", intra given A) before its
+#               state pass, instead of intra and qk_gram again (untimed: profile variant
+#               "fullre" is the old full recomputation).
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
 # op 6.20 -> 5.86 ms, DeltaNet 2.01 -> 1.88, GDN 2.43 -> 2.16 at the anchor shape, jax.grad.)
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
             "rewy_bwd_leaf.shared_decay": True, "rewy_intra.joint_diag_inverse": True,
-            "rewy_qk_gram.pairgrid": False}
+            "rewy_qk_gram.pairgrid": False, "recompute.keep_chunk_matrices": True}
 # Overrides for tuning runs (profile_kernels.py), read when a kernel is traced:
 #   "<kernel name>.warps" / ".stages"          launch settings, e.g. "rewy_intra.warps": 8
 #   any key of DEFAULTS                         e.g. "rewy_bwd_leaf.rowgrid": False
@@ -220,47 +224,66 @@ def _split(refs, mode, n_in):
     return refs
 
 
-def intra(s: Shape, k, e, z, G, *, interpret, T=None):
+def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None):
     """A [B,H,N,C,C], W [B,Tp,H,K], U [B,Tp,H,V] (fp32).
 
     T: the strictly lower gated key Gram [B,H,N,C,C] when ``qk_gram`` already formed it
     (vector gates, DEFAULTS "rewy_intra.gram_from_qk"); otherwise built here block by block.
+    A: the inverse itself, saved by the forward (the ``recompute`` policy keeps the chunk
+    matrices): then only (W, U) = (A·Ēγ, A·Z) are formed and returned — the backward's
+    recomputation without the Gram and the block substitution.
     """
     n, C, prec, mode = s.n, s.C, s.prec, s.mode
-    given = T is not None
+    given_T, given_A = T is not None, A is not None
+    assert not (given_T and given_A), "intra takes T (to invert) or A (inverted), not both"
 
     def kernel(*refs):
         refs = list(refs)
-        T_ref = refs.pop(4 if mode != "none" else 3) if given else None
-        k_ref, e_ref, z_ref, G_ref, A_ref, W_ref, U_ref = _split(refs, mode, 4)
+        M_ref = refs.pop(4 if mode != "none" else 3) if (given_T or given_A) else None
+        if given_A:
+            k_ref, e_ref, z_ref, G_ref, W_ref, U_ref = _split(refs, mode, 4)
+            A_ref = None
+        else:
+            k_ref, e_ref, z_ref, G_ref, A_ref, W_ref, U_ref = _split(refs, mode, 4)
         # exact per-pair diagonals even under a declared bound: the centred blocks measured
         # slower here (1.81 -> 2.39 ms, H200), unlike in bwd_leaf (6.0 -> 3.1 ms)
         gt = Gates(mode, G_ref, 0, C, setting("rewy_intra.exact_diag"))
         ks, es, zs = Rows(k_ref), Rows(e_ref), Rows(z_ref)
 
         def T_blk(i, j):
-            if given:
-                return T_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)]
+            if given_T:
+                return M_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)]
             return gt.gram(i, j, es[i], ks[j], k_ref, prec, strict=True)
 
-        def on_row(i, A):  # row block i of A is final: emit W_i, U_i and A's row
+        def on_row(i, A):  # row block i of A is final: emit W_i, U_i (and A's row)
             W_ref[pl.ds(i * BS, BS), :] = _sum(
                 dot(A[i, j], gt.head(j, es[j]), prec) for j in range(i + 1))
             U_ref[pl.ds(i * BS, BS), :] = _sum(dot(A[i, j], zs[j], prec) for j in range(i + 1))
+            if A_ref is None:
+                return
             for j in range(n):
                 A_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
                     A[i, j] if j <= i else jnp.zeros((BS, BS), F32))
 
-        inv_blocks(T_blk, n, prec, on_row, joint_diag=setting("rewy_intra.joint_diag_inverse"))
+        if given_A:
+            for i in range(n):
+                on_row(i, Blocks(M_ref))
+        else:
+            inv_blocks(T_blk, n, prec, on_row,
+                       joint_diag=setting("rewy_intra.joint_diag_inverse"))
 
-    ins = [k, e, z] + ([] if mode == "none" else [G]) + ([T] if given else [])
+    ins = [k, e, z] + ([] if mode == "none" else [G]) + (
+        [T] if given_T else [A] if given_A else [])
     in_specs = [s.chunk_tok(s.K), s.chunk_tok(s.K), s.chunk_tok(s.V)] + (
-        [] if mode == "none" else [s.chunk_gate()]) + ([s.chunk_mat(C, C)] if given else [])
-    return _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
-                 out_specs=[s.chunk_mat(C, C), s.chunk_tok(s.K), s.chunk_tok(s.V)],
-                 out_shape=[jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32), s.sds_tok(s.K),
-                            s.sds_tok(s.V)],
-                 interpret=interpret, num_warps=WARPS["intra"], name="rewy_intra")(*ins)
+        [] if mode == "none" else [s.chunk_gate()]) + (
+        [s.chunk_mat(C, C)] if (given_T or given_A) else [])
+    mats = [] if given_A else [s.chunk_mat(C, C)]
+    sds = [] if given_A else [jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32)]
+    out = _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
+                out_specs=mats + [s.chunk_tok(s.K), s.chunk_tok(s.V)],
+                out_shape=sds + [s.sds_tok(s.K), s.sds_tok(s.V)], interpret=interpret,
+                num_warps=WARPS["intra"], name="rewy_wu" if given_A else "rewy_intra")(*ins)
+    return tuple(out)
 
 
 def qk_gram(s: Shape, q, k, G, *, interpret, e=None):

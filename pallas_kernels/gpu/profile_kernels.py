@@ -48,6 +48,8 @@ VARIANTS = {
     "pairgrid": ({"rewy_qk_gram.pairgrid": True}, 64, None, None),  # qk_gram per block pair
     "qw8": ({"rewy_qk_gram.warps": 8}, 64, None, None),
     "pw8": ({"rewy_qk_gram.pairgrid": True, "rewy_qk_gram.warps": 8}, 64, None, None),
+    # policy "recompute" re-forming A (and P) in the backward instead of keeping them
+    "fullre": ({"recompute.keep_chunk_matrices": False}, 64, None, None),
     "chunkgrid": ({"rewy_bwd_leaf.rowgrid": False, "rewy_qk_gram.rowgrid": False}, 64, None,
                   None),  # one program per chunk (the row grids off)
     "loopleaf": ({"rewy_bwd_leaf.exact_diag": "loop"}, 64, None, None),
@@ -102,7 +104,8 @@ def _inputs(mode, B, T, H, D, C=64, seed=0):
 
 
 def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, runs=5):
-    """{kernel or whole pass: ms} for one gate mode ("none", "scalar", "vector") and variant."""
+    """({kernel or whole pass: ms}, general_delta's gradients) for one gate mode ("none",
+    "scalar", "vector") and variant."""
     saved = dict(kn.TUNE), (api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK)
     tune, BV, BVs, BK = VARIANTS[variant]
     kn.TUNE.clear()
@@ -110,7 +113,7 @@ def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, run
     api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = BV, BVs, BK
     try:
         return _profile(mode, variant, shape, backward, interpret, BV,
-                        lambda f, *a: _bench(f, *a, reps=reps, runs=runs))
+                        lambda f, *a: _bench(f, *a, reps=reps, runs=runs))  # (rows, grads)
     finally:  # leave the module settings as they were
         kn.TUNE.clear()
         kn.TUNE.update(saved[0])
@@ -137,6 +140,8 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it))
     rows["intra"] = _bench(f, k, e, z, G, Tg)
     A, W, U = f(k, e, z, G, Tg)
+    f = jax.jit(lambda k, e, z, G, A: kn.intra(s, k, e, z, G, A=A, interpret=it))
+    rows["wu"] = _bench(f, k, e, z, G, A)  # the backward's W, U from the kept A
     f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=it))
     rows["fwd_pass"] = _bench(f, W, U, k, G, h0)
     S0, R, fin = f(W, U, k, G, h0)
@@ -169,7 +174,10 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
 
     argn = (0, 1, 2, 3, 5) if G is None else (0, 1, 2, 3, 4, 5)
     rows["FWD (general_delta)"] = _bench(jax.jit(fwd), q, k, e, z, G, h0)
-    rows["FWD+BWD (general_delta)"] = _bench(jax.jit(jax.value_and_grad(loss, argnums=argn)), q, k, e, z, G, h0)
+    vg = jax.jit(jax.value_and_grad(loss, argnums=argn))
+    rows["FWD+BWD (general_delta)"] = _bench(vg, q, k, e, z, G, h0)
+    grads = vg(q, k, e, z, G, h0)[1]
+    grads = (*grads[:-1], grads[-1][:, :, :1])  # dh0 without the padding slot (never written)
     # The same through the public op (rewy_jax), as the benchmark calls it: the difference is
     # the op's XLA glue (e = βk, z = βv, the gate cumsum and its VJP, dβ/dg reductions).
     op = {"none": "deltanet", "scalar": "gdn", "vector": "kda"}[mode]
@@ -182,7 +190,19 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
         return jnp.sum(testing.run_op(op, x, **kw)[0].astype(F32) * dO.astype(F32))
 
     rows[f"OP_FWD+BWD ({op})"] = _bench(jax.jit(jax.value_and_grad(op_loss)), inp)
-    return rows
+    return rows, grads
+
+
+def grad_gap(grads, ref):
+    """Worst ‖x − y‖ / ‖y‖ over the gradients of two variants (same inputs): a variant that
+    only reorganises work should agree with the base one to rounding."""
+    gap = 0.0
+    for x, y in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        if not np.all(np.isfinite(x)):
+            return float("inf")
+        gap = max(gap, float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)))
+    return gap
 
 
 def main():
@@ -198,18 +218,23 @@ def main():
     print(jax.devices(), jax.__version__, flush=True)
     table = {}
     for mode in a.modes.split(","):
+        first = None  # the mode's first variant's gradients: the others are compared to them
         for var in a.variants.split(","):
             t0 = time.perf_counter()
             try:
-                table[mode, var] = profile(mode, var, shape, a.backward, a.interpret)
+                table[mode, var], grads = profile(mode, var, shape, a.backward, a.interpret)
             except Exception as ex:  # noqa: BLE001 — one failing variant must not hide the rest
                 print(f"{mode} {var} ERROR {type(ex).__name__}: {str(ex)[:400]}", flush=True)
                 continue
+            if first is None:
+                first = grads
+            else:
+                table[mode, var]["grad_gap"] = grad_gap(grads, first)
             print(f"{mode} {var} ({time.perf_counter() - t0:.0f}s incl. compile): " +
-                  ", ".join(f"{k} {v:.3f}" for k, v in table[mode, var].items()), flush=True)
+                  ", ".join(f"{k} {v:.3g}" for k, v in table[mode, var].items()), flush=True)
     lines = [f"per-kernel ms, shape {a.shape} bf16, backward={a.backward}, jax {jax.__version__}"]
     for (mode, var), rows in table.items():
-        lines.append(f"{mode:6s} {var:6s} " + " ".join(f"{k.split(' ')[0]}={v:.3f}"
+        lines.append(f"{mode:6s} {var:6s} " + " ".join(f"{k.split(' ')[0]}={v:.3g}"
                                                        for k, v in rows.items()))
     print("\n".join(lines))
     if a.out:
