@@ -91,11 +91,13 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               (blocks.inv_diags) instead of n back-to-back chains of 15 dependent steps:
 #               intra 0.43 -> 0.28 (DeltaNet), 0.61 -> 0.30 (GDN), 1.46 -> 1.38 (KDA).
 #   pairgrid    qk_gram: one program per (row block, column block) of a chunk instead of per
-#               row block (untimed: off until profiled; ptxas below in PERF.md).
+#               row block: ptxas spills 220/348 B -> 24/24, but no faster (profile-6: qk_gram
+#               1.80 -> 1.79 ms, KDA fwd+bwd 6.33 -> 6.30); off.
 #   recompute.keep_chunk_matrices  policy "recompute": the forward keeps A (and P) for the
 #               backward, which re-forms only W, U from A ("rewy_wu", intra given A) before its
-#               state pass, instead of intra and qk_gram again (untimed: profile variant
-#               "fullre" is the old full recomputation).
+#               state pass, instead of intra and qk_gram again (profile-6,
+#               benchmarks/results/profile-6/: KDA fwd+bwd 8.26 -> 6.33 ms, DeltaNet
+#               2.48 -> 2.32; bit-identical gradients; peak memory unchanged, 833 / 705 MiB).
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
 # op 6.20 -> 5.86 ms, DeltaNet 2.01 -> 1.88, GDN 2.43 -> 2.16 at the anchor shape, jax.grad.)
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
