@@ -182,7 +182,7 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     # the op's XLA glue (e = βk, z = βv, the gate cumsum and its VJP, dβ/dg reductions).
     op = {"none": "deltanet", "scalar": "gdn", "vector": "kda"}[mode]
     inp = testing.make_inputs(op, B, T, H, D, D, dtype=jnp.bfloat16, initial_state=False)
-    kw = dict(backend="pallas_gpu", interpret=interpret)
+    kw = dict(backend="pallas_gpu", interpret=interpret, backward=backward)
     if cfg.centred:
         kw["gate_lower_bound"] = -5.0
 
