@@ -5,7 +5,8 @@ kernels take ``[C, D]`` blocks through BlockSpecs, state passes take one (batch,
 ``[Tp, D]`` and slice chunk n with ``pl.ds(n·C, C)``. Gates: ``G`` is the chunk-local inclusive
 cumsum, ``[B, Tp, H]`` (scalar), ``[B, Tp, H, K]`` (vector) or None.
 
-    intra      grid (N, B·H)      T (decay-gram), A = (I+T)⁻¹, W = AĒ, U = AZ
+    intra      grid (N, B·H)      T (decay-gram), A = (I+T)⁻¹, W = AĒ, U = AZ; given a kept A
+                                  (policy "recompute", in the backward): W, U only ("rewy_wu")
     qk_gram    grid (N, B·H)      vector gates only: P = tril(Qγ K̄ᵀ) (output, bwd_local read it)
     fwd_pass   grid (B·H, V/BV)   loop over chunks: S0, R = U − W S0, S ← γ_C S0 + K_tailᵀ R
     output     grid (N, B·H)      O = Qγ S0 + P R
