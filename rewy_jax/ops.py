@@ -121,8 +121,8 @@ _COMMON_DOC = """
       use_qk_l2norm: L2-normalise q and k over the feature axis first (VJP included).
       chunk_size: rows per chunk, a power of two ≥ 16 (default 64).
       policy: "recompute" (least memory; backward recomputes the chunk states; the Pallas GPU
-        kernels keep the [C, C] chunk matrices, live at the backward's peak anyway) or
-        "save" (forward keeps chunk states and residuals; faster backward).
+        kernels keep the [C, C] chunk matrices, see the README's API table) or "save"
+        (forward keeps chunk states and residuals; faster backward).
       backward: "rewy" (the reduced backward, three local WY products) or "wy" (the standard
         seven-product backward, for ablations). Both give the same gradients.
       backend: None (fastest that supports the call on this device), "pallas" (this device's
