@@ -153,6 +153,24 @@ def test_interpret_exact_diagonals_strong_decay(op, kw, diag, small_tiles, monke
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("kda", "strong", {}),
+                                         ("deltanet", "none", {"policy": "save"}),
+                                         ("gdn", "strong", {"backward": "wy"})])
+def test_interpret_unrolled_loops(op, decay, kw, small_tiles, monkeypatch):
+    """intra's and qk_gram's 16-step loops unrolled at trace time (a tuning option): the
+    diagonal inverse substitution and the exact per-column diagonal blocks, every output and
+    gradient at strong decays."""
+    from pallas_kernels.gpu import kernels
+
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.unroll", True)
+    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.unroll", True)
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", False)  # intra's own Gram too
+    inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay=decay, seed=18)
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
+                                   chunk_size=64, **kw))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,kw", [("gdn2", "strong", {}),
                                          ("deltanet", "none", {"backward": "wy"})])
 def test_interpret_full_recompute(op, decay, kw, small_tiles, monkeypatch):
@@ -276,6 +294,7 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("gdn2", 128, 128, jnp.bfloat16, {"_exact_diag": "loop", "_unshared": True}, False),
     ("kda", 128, 64, jnp.bfloat16, {"_pairgrid": True}, False),
     ("gdn", 256, 256, jnp.float16, {"_chained_inverse": True}, False),
+    ("kda", 128, 128, jnp.bfloat16, {"_unroll": True}, False),
 ]
 
 
@@ -295,6 +314,9 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
             monkeypatch.setitem(kernels.TUNE, f"rewy_{k}.exact_diag", diag)
     if kw.pop("_pairgrid", False):  # qk_gram's (row, column) block grid (tuning option)
         monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.pairgrid", True)
+    if kw.pop("_unroll", False):  # intra's and qk_gram's loops unrolled (tuning option)
+        monkeypatch.setitem(kernels.TUNE, "rewy_intra.unroll", True)
+        monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.unroll", True)
     if kw.pop("_chained_inverse", False):  # intra's diagonal inverses one after another
         monkeypatch.setitem(kernels.TUNE, "rewy_intra.joint_diag_inverse", False)
     if kw.pop("_unshared", False):  # the shared-decay-factor options off (tuning alternative)

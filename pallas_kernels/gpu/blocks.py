@@ -39,6 +39,19 @@ def iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
+def loop(lo, hi, body, init, unroll=False):
+    """``lax.fori_loop(lo, hi, body, init)``, or its steps unrolled at trace time (static
+    indices). The Triton lowering rejects ``fori_loop(unroll=...)``; unrolled, the compiler may
+    interleave the steps' independent work — the per-column reductions of a diagonal block,
+    the T-row extractions of a substitution — instead of running them one after another."""
+    if not unroll:
+        return lax.fori_loop(lo, hi, body, init)
+    carry = init
+    for o in range(lo, hi):
+        carry = body(o, carry)
+    return carry
+
+
 def load_rows(ref, start, rows=BS):
     """Rows ``start .. start+rows`` of a [R, D] or [R] ref, as fp32."""
     if len(ref.shape) == 1:
@@ -72,13 +85,14 @@ class Gates:
 
     mode: "none" (DeltaNet), "scalar" (G_ref [R]) or "vector" (G_ref [R, K]).
     diag: how vector-gate diagonal blocks are evaluated (DIAG_METHODS); "centred" only for
-    gates known to satisfy g ≥ CENTRED_MIN_GATE.
+    gates known to satisfy g ≥ CENTRED_MIN_GATE. unroll: see ``loop``.
     """
 
-    def __init__(self, mode, G_ref, base, C, diag="loop"):
+    def __init__(self, mode, G_ref, base, C, diag="loop", unroll=False):
         if diag not in DIAG_METHODS:
             raise ValueError(f"diag must be one of {DIAG_METHODS}; got {diag!r}")
         self.mode, self.G_ref, self.base, self.C = mode, G_ref, base, C
+        self.unroll = unroll  # the "loop" diagonals' 16 steps unrolled (``loop``)
         self.diag = diag if mode == "vector" else "loop"
         self.centred = self.diag == "centred"
 
@@ -191,7 +205,7 @@ class Gates:
             return tuple(jnp.where(cc == o, jnp.sum(x * yf, axis=1, keepdims=True), m)
                          for x, m in zip(xs, ms))
 
-        ms = lax.fori_loop(0, BS, body, tuple(jnp.zeros((BS, BS), F32) for _ in xs))
+        ms = loop(0, BS, body, tuple(jnp.zeros((BS, BS), F32) for _ in xs), self.unroll)
         return [jnp.where(eye, 0.0, m) if st else m for m, st in zip(ms, stricts)]
 
     # -- Y_i = Σ_{j ≤ i} Σ_s P_ij[r, s] y_s ⊙ e^{G_r − G_s}   (P lower block-triangular) -------
@@ -249,7 +263,8 @@ class Gates:
                 return tuple(Y + jnp.sum(jnp.where(cc == o, Pii, 0.0), axis=1, keepdims=True) * yf
                              for Y, Pii in zip(Ys, Piis))
 
-            dias = lax.fori_loop(0, BS, body, tuple(jnp.zeros(y[i].shape, F32) for _ in Ps))
+            dias = loop(0, BS, body, tuple(jnp.zeros(y[i].shape, F32) for _ in Ps),
+                        self.unroll)
         return [d if o is None else o + d for o, d in zip(outs, dias)]
 
     # -- Y_j = Σ_{i ≥ j} Σ_r P_ij[r, s] x_r ⊙ e^{G_r − G_s} ------------------------------------
@@ -304,7 +319,7 @@ class Gates:
                           for Pjj, x_ref in zip(Pjjs, x_refs))
                 return Y + px * f
 
-            dia = lax.fori_loop(0, BS, body, jnp.zeros(xjs[0].shape, F32))
+            dia = loop(0, BS, body, jnp.zeros(xjs[0].shape, F32), self.unroll)
         return dia if out is None else out + dia
 
 
@@ -340,12 +355,12 @@ class Blocks:
         return self.ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)].astype(F32)
 
 
-def inv_diag(T):
+def inv_diag(T, unroll=False):
     """``(I + T)⁻¹`` of a strictly lower [BS, BS] block by forward substitution (masked rows)."""
-    return inv_diags([T])[0]
+    return inv_diags([T], unroll)[0]
 
 
-def inv_diags(Ts):
+def inv_diags(Ts, unroll=False):
     """``inv_diag`` of several blocks in one loop: their BS − 1 dependent substitution steps
     (each two cross-thread reductions) interleave instead of running one chain after another."""
     r, c = iota((BS, BS), 0), iota((BS, BS), 1)
@@ -359,10 +374,10 @@ def inv_diags(Ts):
     def body(o, As):
         return tuple(step(o, T, A) for T, A in zip(Ts, As))
 
-    return list(lax.fori_loop(1, BS, body, tuple(A0 for _ in Ts)))
+    return list(loop(1, BS, body, tuple(A0 for _ in Ts), unroll))
 
 
-def inv_blocks(T, n, prec, on_row=None, joint_diag=False):
+def inv_blocks(T, n, prec, on_row=None, joint_diag=False, unroll=False):
     """Blocked ``(I + T)⁻¹``: T(i, j) -> [BS, BS] for i ≥ j (diagonal blocks strict).
 
     A_ii = inv(L_ii); A_ij = −A_ii Σ_{j ≤ k < i} T_ik A_kj (block forward substitution).
@@ -370,15 +385,16 @@ def inv_blocks(T, n, prec, on_row=None, joint_diag=False):
     ``on_row(i, A)`` may consume row i at once, so only A and one row of T are live.
     joint_diag: invert the n diagonal blocks first, in one interleaved loop (``inv_diags``),
     instead of each when its row comes (n chains of BS − 1 dependent steps back to back).
+    unroll: the substitution steps unrolled (``loop``).
     """
     A = {}
     if joint_diag:
-        for i, Aii in enumerate(inv_diags([T(i, i) for i in range(n)])):
+        for i, Aii in enumerate(inv_diags([T(i, i) for i in range(n)], unroll)):
             A[i, i] = Aii
     for i in range(n):
         Ti = {k: T(i, k) for k in range(i + (0 if joint_diag else 1))}
         if not joint_diag:
-            A[i, i] = inv_diag(Ti[i])
+            A[i, i] = inv_diag(Ti[i], unroll)
         for j in range(i - 1, -1, -1):
             acc = None
             for k in range(j, i):

@@ -99,13 +99,17 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               state pass, instead of intra and qk_gram again (profile-6,
 #               benchmarks/results/profile-6/: KDA fwd+bwd 8.26 -> 6.33 ms, DeltaNet
 #               2.48 -> 2.32; bit-identical gradients; peak memory unchanged, 833 / 705 MiB).
+#   unroll      intra / qk_gram: their 16-step loops (diagonal inverse substitution, exact
+#               "loop" diagonal blocks) unrolled at trace time (blocks.loop), so the compiler
+#               can interleave the steps' independent reductions (untimed; off until profiled).
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
 # op 6.20 -> 5.86 ms, DeltaNet 2.01 -> 1.88, GDN 2.43 -> 2.16 at the anchor shape, jax.grad.)
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
             "rewy_bwd_leaf.shared_decay": True, "rewy_intra.joint_diag_inverse": True,
-            "rewy_qk_gram.pairgrid": False, "recompute.keep_chunk_matrices": True}
+            "rewy_qk_gram.pairgrid": False, "recompute.keep_chunk_matrices": True,
+            "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False}
 # Overrides for tuning runs (profile_kernels.py), read when a kernel is traced:
 #   "<kernel name>.warps" / ".stages"          launch settings, e.g. "rewy_intra.warps": 8
 #   any key of DEFAULTS                         e.g. "rewy_bwd_leaf.rowgrid": False
@@ -250,7 +254,8 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None):
             k_ref, e_ref, z_ref, G_ref, A_ref, W_ref, U_ref = _split(refs, mode, 4)
         # exact per-pair diagonals even under a declared bound: the centred blocks measured
         # slower here (1.81 -> 2.39 ms, H200), unlike in bwd_leaf (6.0 -> 3.1 ms)
-        gt = Gates(mode, G_ref, 0, C, setting("rewy_intra.exact_diag"))
+        unroll = bool(setting("rewy_intra.unroll"))
+        gt = Gates(mode, G_ref, 0, C, setting("rewy_intra.exact_diag"), unroll)
         ks, es, zs = Rows(k_ref), Rows(e_ref), Rows(z_ref)
 
         def T_blk(i, j):
@@ -273,7 +278,7 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None):
                 on_row(i, Blocks(M_ref))
         else:
             inv_blocks(T_blk, n, prec, on_row,
-                       joint_diag=setting("rewy_intra.joint_diag_inverse"))
+                       joint_diag=setting("rewy_intra.joint_diag_inverse"), unroll=unroll)
 
     ins = [k, e, z] + ([] if mode == "none" else [G]) + (
         [T] if given_T else [A] if given_A else [])
@@ -313,7 +318,8 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
             q_ref, k_ref, e_ref, G_ref, P_ref, T_ref = refs
         else:
             (q_ref, k_ref, G_ref, P_ref), e_ref, T_ref = refs, None, None
-        gt = Gates("vector", G_ref, 0, C, diag)  # exact: as fast as centred here (0.95 ms)
+        # exact: as fast as centred here (0.95 ms, when qk_gram formed P alone)
+        gt = Gates("vector", G_ref, 0, C, diag, bool(setting("rewy_qk_gram.unroll")))
         qs, ks = Rows(q_ref), Rows(k_ref)
         es = Rows(e_ref) if with_T else None
 

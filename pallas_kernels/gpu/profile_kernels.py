@@ -50,6 +50,10 @@ VARIANTS = {
     "pw8": ({"rewy_qk_gram.pairgrid": True, "rewy_qk_gram.warps": 8}, 64, None, None),
     # policy "recompute" re-forming A (and P) in the backward instead of keeping them
     "fullre": ({"recompute.keep_chunk_matrices": False}, 64, None, None),
+    # the 16-step loops of intra and qk_gram unrolled at trace time (both, or one)
+    "unroll": ({"rewy_intra.unroll": True, "rewy_qk_gram.unroll": True}, 64, None, None),
+    "iunroll": ({"rewy_intra.unroll": True}, 64, None, None),
+    "qunroll": ({"rewy_qk_gram.unroll": True}, 64, None, None),
     "chunkgrid": ({"rewy_bwd_leaf.rowgrid": False, "rewy_qk_gram.rowgrid": False}, 64, None,
                   None),  # one program per chunk (the row grids off)
     "loopleaf": ({"rewy_bwd_leaf.exact_diag": "loop"}, 64, None, None),
