@@ -215,6 +215,39 @@ def test_recompute_keeps_chunk_matrices_not_states(mode):
     np.testing.assert_array_equal(np.asarray(U2), np.asarray(U))
 
 
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,policy", [("kda", "recompute"), ("gdn", "save")])
+def test_interpret_under_vmap_checkpoint_jit(op, policy, small_tiles):
+    """The kernels inside an LM's usual transforms: jax.vmap of the gradient equals a loop over
+    the batch, jax.grad(jax.checkpoint(f)) (rematerialised layers) and its jit equal jax.grad(f)
+    — the custom VJP's kept residuals (chunk matrices / states) survive the rewrites."""
+    ds = [testing.make_inputs(op, 1, 40, 2, 16, 32, seed=19 + i) for i in range(2)]
+    names = [n for n in ds[0] if n != "cu_seqlens"]
+    kw = dict(backend="pallas_gpu", interpret=True, chunk_size=16, policy=policy,
+              use_qk_l2norm=True)
+
+    def loss(x):
+        o, st = testing.run_op(op, x, **kw)
+        return jnp.sum(o * o) + jnp.sum(jnp.sin(st))
+
+    grad = jax.grad(loss)
+    g_vmap = jax.vmap(grad)({n: jnp.stack([d[n] for d in ds]) for n in names})
+    for i, d in enumerate(ds):
+        g = grad({n: d[n] for n in names})
+        for n in names:
+            assert _rel(g_vmap[n][i], g[n]) < 1e-5, (i, n)
+    x = {n: ds[0][n] for n in names}
+    g = grad(x)
+    for g2 in (jax.grad(jax.checkpoint(loss))(x), jax.jit(jax.grad(jax.checkpoint(loss)))(x)):
+        for n in names:
+            assert np.all(np.isfinite(np.asarray(g2[n]))) and _rel(g2[n], g[n]) < 1e-5, n
+
+
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op", ["kda", "deltanet"])
 def test_interpret_varlen(op, small_tiles):
@@ -295,6 +328,7 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("kda", 128, 64, jnp.bfloat16, {"_pairgrid": True}, False),
     ("gdn", 256, 256, jnp.float16, {"_chained_inverse": True}, False),
     ("kda", 128, 128, jnp.bfloat16, {"_unroll": True}, False),
+    ("gdn2", 64, 64, jnp.bfloat16, {"_vmap": True}, False),
 ]
 
 
@@ -325,12 +359,19 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
     if varlen:  # and the one-program-per-chunk tuning variant of the leaf and qk_gram kernels
         monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.rowgrid", False)
         monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", False)
+    vmapped = kw.pop("_vmap", False)  # the gradient under jax.vmap: one more grid axis
     inp = testing.make_inputs(op, 1, 100, 2, K, V, dtype=dtype, n_seqs=3 if varlen else None)
     diff = {n: x for n, x in inp.items() if n != "cu_seqlens"}
 
-    def loss(diff):
+    def one(diff):
         o, s = testing.run_op(op, dict(inp, **diff), backend="pallas_gpu", **kw)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    def loss(diff):
+        return jnp.sum(jax.vmap(one)(diff)) if vmapped else one(diff)
+
+    if vmapped:
+        diff = {n: jnp.stack([x, x]) for n, x in diff.items()}
 
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
         device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
