@@ -215,6 +215,32 @@ def test_recompute_keeps_chunk_matrices_not_states(mode):
     np.testing.assert_array_equal(np.asarray(U2), np.asarray(U))
 
 
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {}), ("kda", "strong", {}),
+                                         ("gdn", "normal", {"backward": "wy", "policy": "save"})])
+def test_interpret_low_precision_backward(op, decay, kw, monkeypatch):
+    """backward.low_precision: the backward's stored S0, R, dS, dR, dRl, Λ in bf16 (16-bit
+    inputs). The forward is untouched bit for bit; every gradient stays within the bf16
+    thresholds against the float64 recurrence; the stored tensors really are bf16."""
+    from pallas_kernels.gpu import api, kernels
+
+    inp = testing.make_inputs(op, 1, 100, 2, 32, 32, dtype=jnp.bfloat16, decay=decay, seed=23)
+    kw = dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32)
+    ref = testing.accuracy_report(op, inp, **kw)
+    o_ref = testing.run_op(op, inp, **kw)[0]
+    monkeypatch.setitem(kernels.TUNE, "backward.low_precision", kernels.LOW_PRECISION_NAMES)
+    rep = testing.accuracy_report(op, inp, **kw)
+    _check(rep)
+    np.testing.assert_array_equal(np.asarray(testing.run_op(op, inp, **kw)[0]), np.asarray(o_ref))
+    assert any(rep[n][0] != ref[n][0] for n in rep if n.startswith("d"))  # it did take effect
+    sd = api._stored_dtypes(jnp.bfloat16)
+    assert set(sd.values()) == {jnp.bfloat16} and set(api._stored_dtypes(jnp.float32).values()) == {
+        jnp.float32}
+    monkeypatch.setitem(kernels.TUNE, "backward.low_precision", ("S0", "dW"))
+    with pytest.raises(ValueError, match="unknown names.*dW"):
+        api._stored_dtypes(jnp.bfloat16)
+
+
 def _rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -329,6 +355,8 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("gdn", 256, 256, jnp.float16, {"_chained_inverse": True}, False),
     ("kda", 128, 128, jnp.bfloat16, {"_unroll": True}, False),
     ("gdn2", 64, 64, jnp.bfloat16, {"_vmap": True}, False),
+    ("deltanet", 128, 128, jnp.bfloat16, {"_lowprec": True, "backward": "wy"}, False),
+    ("kda", 64, 128, jnp.bfloat16, {"_lowprec": True}, False),
 ]
 
 
@@ -359,6 +387,8 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
     if varlen:  # and the one-program-per-chunk tuning variant of the leaf and qk_gram kernels
         monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.rowgrid", False)
         monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", False)
+    if kw.pop("_lowprec", False):  # the backward's stored tensors in bf16 (tuning option)
+        monkeypatch.setitem(kernels.TUNE, "backward.low_precision", kernels.LOW_PRECISION_NAMES)
     vmapped = kw.pop("_vmap", False)  # the gradient under jax.vmap: one more grid axis
     inp = testing.make_inputs(op, 1, 100, 2, K, V, dtype=dtype, n_seqs=3 if varlen else None)
     diff = {n: x for n, x in inp.items() if n != "cu_seqlens"}

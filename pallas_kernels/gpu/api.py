@@ -104,26 +104,42 @@ def _fwd(cfg, q, k, e, z, G, h0, reset, end, seq):
     return (o, final), (q, k, e, z, G, h0, reset, end, seq, saved)
 
 
+def _stored_dtypes(dtype):
+    """name -> dtype in which the backward stores that tensor between kernels
+    (kernels.DEFAULTS "backward.low_precision"): bf16 for the named ones when the inputs are
+    16-bit (bf16 also for fp16 inputs: its range holds any state), fp32 otherwise."""
+    names = kn.setting("backward.low_precision")
+    unknown = set(names) - set(kn.LOW_PRECISION_NAMES)
+    if unknown:
+        raise ValueError(f"backward.low_precision: unknown names {sorted(unknown)}; "
+                         f"expected some of {kn.LOW_PRECISION_NAMES}")
+    low = jnp.dtype(dtype).itemsize < 4
+    return {n: jnp.bfloat16 if (low and n in names) else F32 for n in kn.LOW_PRECISION_NAMES}
+
+
 def _bwd(cfg, res, cts):
     q, k, e, z, G, h0, reset, end, seq, saved = res
     dO, dfin = cts
     s = _shape(cfg, q, z, G, h0)
     it = cfg.interpret
+    sd = _stored_dtypes(q.dtype)
     if cfg.policy == "recompute":  # W, U (and A, P unless kept) and one forward state pass
         if saved is None:
             A, W, U, P = _intra(s, q, k, e, z, G, it)
         else:
             A, P = saved
-            W, U = kn.intra(s, k, e, z, G, A=A, interpret=it)
-        S0, R, _ = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=it)
+            W, U = kn.intra(s, k, e, z, G, A=A, interpret=it, dtypes=(sd["W"], sd["U"]))
+        S0, R, _ = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=it,
+                               dtypes=(sd["S0"], sd["R"]))
     else:
         A, W, S0, R, P = saved
-    dRl = kn.bwd_local(s, q, k, G, P, dO, interpret=it)
+    dRl = kn.bwd_local(s, q, k, G, P, dO, interpret=it, dtype=sd["dRl"])
     dSe, dR, dh0 = kn.bwd_pass(s, q, k, G, W, dO, dRl, dfin.astype(F32), reset, end, seq,
-                               interpret=it)
+                               interpret=it, dtypes=(sd["dS"], sd["dR"]))
     dq, dk, de, dz, dG = kn.bwd_chunk(s, q, k, e, z, G, A, S0, dSe, R, dO, dR,
                                       backward=cfg.backward,
-                                      dtypes=(q.dtype, k.dtype, e.dtype, z.dtype), interpret=it)
+                                      dtypes=(q.dtype, k.dtype, e.dtype, z.dtype), interpret=it,
+                                      lam_dtype=sd["lam"])
     return dq, dk, de, dz, dG, dh0, None, None, None
 
 

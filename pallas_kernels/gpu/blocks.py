@@ -35,6 +35,16 @@ def dot(a, b, prec, ta=False, tb=False):
     return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=F32)
 
 
+def dot_stored(a, b, prec, ta=False, tb=False):
+    """``dot`` of operands as they were stored: two 16-bit operands of one dtype multiply
+    natively — their products are exact in the fp32 accumulator, so this is the TF32/fp32 dot
+    of the upcast values at twice the tensor-core rate and with half the operand registers —
+    anything else in fp32."""
+    if a.dtype == b.dtype and a.dtype != F32:
+        return dot(a, b, prec, ta, tb)
+    return dot(a.astype(F32), b.astype(F32), prec, ta, tb)
+
+
 def iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
@@ -52,11 +62,10 @@ def loop(lo, hi, body, init, unroll=False):
     return carry
 
 
-def load_rows(ref, start, rows=BS):
-    """Rows ``start .. start+rows`` of a [R, D] or [R] ref, as fp32."""
-    if len(ref.shape) == 1:
-        return ref[pl.ds(start, rows)].astype(F32)
-    return ref[pl.ds(start, rows), :].astype(F32)
+def load_rows(ref, start, rows=BS, dtype=F32):
+    """Rows ``start .. start+rows`` of a [R, D] or [R] ref, as fp32 (or as stored: dtype=None)."""
+    x = ref[pl.ds(start, rows)] if len(ref.shape) == 1 else ref[pl.ds(start, rows), :]
+    return x if dtype is None else x.astype(dtype)
 
 
 # The centred contraction of a diagonal sub-chunk block (rewy-math §3) takes the reference frame

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Gates, Rows, _sum, dot, inv_blocks, iota,
-                                       load_rows)
+from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Gates, Rows, _sum, dot, dot_stored,
+                                       inv_blocks, iota, load_rows)
 
 try:  # the Triton lowering's params; it warns that it is deprecated (design.md): silence here.
     with warnings.catch_warnings():
@@ -102,6 +102,12 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #   unroll      intra / qk_gram: their 16-step loops (diagonal inverse substitution, exact
 #               "loop" diagonal blocks) unrolled at trace time (blocks.loop), so the compiler
 #               can interleave the steps' independent reductions (untimed; off until profiled).
+#   backward.low_precision  16-bit inputs: which of the backward's own [C, ·] and state
+#               tensors are stored in bf16 between its kernels (LOW_PRECISION_NAMES; S0 and R
+#               only where the backward recomputes them — the forward's stay fp32, they make
+#               o; W and U only where "wu" re-forms them from the kept A). Every kernel still computes and carries its state in fp32; products of two
+#               stored 16-bit operands run natively (blocks.dot_stored), exact in fp32.
+#               They feed only gradients (tolerance 1e-2, rewy-math §8). Untimed until profiled.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
 # op 6.20 -> 5.86 ms, DeltaNet 2.01 -> 1.88, GDN 2.43 -> 2.16 at the anchor shape, jax.grad.)
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
@@ -109,7 +115,13 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
             "rewy_bwd_leaf.shared_decay": True, "rewy_intra.joint_diag_inverse": True,
             "rewy_qk_gram.pairgrid": False, "recompute.keep_chunk_matrices": True,
-            "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False}
+            "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False,
+            "backward.low_precision": ()}
+# The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
+# start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
+# state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], and W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
+# from the kept A (they set the backward's recomputed states, so they reach every gradient).
+LOW_PRECISION_NAMES = ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U")
 # Overrides for tuning runs (profile_kernels.py), read when a kernel is traced:
 #   "<kernel name>.warps" / ".stages"          launch settings, e.g. "rewy_intra.warps": 8
 #   any key of DEFAULTS                         e.g. "rewy_bwd_leaf.rowgrid": False
@@ -195,13 +207,15 @@ class Shape:
         H = self.H
         return pl.BlockSpec((None, None, lead, self.K, self.BVs), lambda bh, v: (bh // H, bh % H, 0, 0, v))
 
-    def pass_outputs(self):
-        """out_specs/out_shape of both state passes: per-chunk states [B,H,N,K,V], a token
-        tensor [B,Tp,H,V] and the per-sequence end states [B,H,n_seq1,K,V] (all fp32)."""
+    def pass_outputs(self, dtypes=(F32, F32)):
+        """out_specs/out_shape of both state passes: per-chunk states [B,H,N,K,V] and a token
+        tensor [B,Tp,H,V] (in ``dtypes``), and the per-sequence end states [B,H,n_seq1,K,V]
+        (fp32)."""
         K, V = self.K, self.V
         return dict(
             out_specs=[self.col_states(self.N), self.col_tok(V, True), self.col_states(self.n_seq1)],
-            out_shape=[jax.ShapeDtypeStruct((self.B, self.H, self.N, K, V), F32), self.sds_tok(V),
+            out_shape=[jax.ShapeDtypeStruct((self.B, self.H, self.N, K, V), dtypes[0]),
+                       self.sds_tok(V, dtypes[1]),
                        jax.ShapeDtypeStruct((self.B, self.H, self.n_seq1, K, V), F32)])
 
     def col_meta(self):
@@ -231,8 +245,8 @@ def _split(refs, mode, n_in):
     return refs
 
 
-def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None):
-    """A [B,H,N,C,C], W [B,Tp,H,K], U [B,Tp,H,V] (fp32).
+def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32)):
+    """A [B,H,N,C,C] (fp32), W [B,Tp,H,K], U [B,Tp,H,V] (stored in ``dtypes``).
 
     T: the strictly lower gated key Gram [B,H,N,C,C] when ``qk_gram`` already formed it
     (vector gates, DEFAULTS "rewy_intra.gram_from_qk"); otherwise built here block by block.
@@ -265,8 +279,9 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None):
 
         def on_row(i, A):  # row block i of A is final: emit W_i, U_i (and A's row)
             W_ref[pl.ds(i * BS, BS), :] = _sum(
-                dot(A[i, j], gt.head(j, es[j]), prec) for j in range(i + 1))
-            U_ref[pl.ds(i * BS, BS), :] = _sum(dot(A[i, j], zs[j], prec) for j in range(i + 1))
+                dot(A[i, j], gt.head(j, es[j]), prec) for j in range(i + 1)).astype(W_ref.dtype)
+            U_ref[pl.ds(i * BS, BS), :] = _sum(
+                dot(A[i, j], zs[j], prec) for j in range(i + 1)).astype(U_ref.dtype)
             if A_ref is None:
                 return
             for j in range(n):
@@ -289,7 +304,8 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None):
     sds = [] if given_A else [jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32)]
     out = _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
                 out_specs=mats + [s.chunk_tok(s.K), s.chunk_tok(s.V)],
-                out_shape=sds + [s.sds_tok(s.K), s.sds_tok(s.V)], interpret=interpret,
+                out_shape=sds + [s.sds_tok(s.K, dtypes[0]), s.sds_tok(s.V, dtypes[1])],
+                interpret=interpret,
                 num_warps=WARPS["intra"], name="rewy_wu" if given_A else "rewy_intra")(*ins)
     return tuple(out)
 
@@ -384,8 +400,9 @@ def _qg(mode, Gc, qc):
     return (d[:, None] if mode == "scalar" else d) * qc
 
 
-def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret):
-    """S0 [B,H,N,K,V], R [B,Tp,H,V], final [B,H,n_seq1,K,V] (fp32)."""
+def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F32, F32)):
+    """S0 [B,H,N,K,V], R [B,Tp,H,V] (stored in ``dtypes``; the pass itself carries S in fp32),
+    final [B,H,n_seq1,K,V] (fp32)."""
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
 
     def kernel(*refs):
@@ -395,10 +412,10 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret):
         def body(c, S):
             sq = seq_ref[c]
             S = jnp.where(reset_ref[c] != 0, h0_ref[sq], S)
-            S0_ref[c] = S
+            S0_ref[c] = S.astype(S0_ref.dtype)
             base = c * C
             R = load_rows(U_ref, base, C) - dot(load_rows(W_ref, base, C), S, prec)
-            R_ref[pl.ds(base, C), :] = R
+            R_ref[pl.ds(base, C), :] = R.astype(R_ref.dtype)
             Gc, gl = _chunk_decay(mode, G_ref, base, C)
             Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
             S_new = dot(Kt, R, prec, ta=True)
@@ -415,7 +432,7 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret):
     ins = [W, U, k] + ([] if mode == "none" else [G]) + [h0, reset, end, seq]
     in_specs = [s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(K, False)] + (
         [] if mode == "none" else [s.col_gate()]) + [s.col_states(s.n_seq1)] + [s.col_meta()] * 3
-    return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs, **s.pass_outputs(),
+    return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs, **s.pass_outputs(dtypes),
                  interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
                  num_stages=_pass_stages(K))(*ins)
 
@@ -424,7 +441,7 @@ def _qk_full(mode, q_ref, k_ref, G_ref, C, prec):
     """No or scalar gates: (G rows or None, P = tril(Qγ K̄ᵀ) = (Q Kᵀ) ⊙ e^{G_r − G_s}) on the
     whole chunk (the decay is masked before exp, so no factor exceeds 1)."""
     r, c = iota((C, C), 0), iota((C, C), 1)
-    P = dot(load_rows(q_ref, 0, C), load_rows(k_ref, 0, C), prec, tb=True)
+    P = dot_stored(load_rows(q_ref, 0, C, None), load_rows(k_ref, 0, C, None), prec, tb=True)
     if mode == "none":
         return None, jnp.where(c <= r, P, 0.0)
     Gc = load_rows(G_ref, 0, C)
@@ -453,8 +470,8 @@ def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
             Gc, P = load_rows(G_ref, 0, C), P_ref[...]
         else:  # one [C, C] decay matrix: whole-chunk matmuls
             Gc, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)
-        o = dot(_qg(mode, Gc, load_rows(q_ref, 0, C)), S0_ref[...], prec)
-        o_ref[...] = (o + dot(P, R_ref[...], prec)).astype(o_ref.dtype)
+        o = dot(_qg(mode, Gc, load_rows(q_ref, 0, C)), S0_ref[...].astype(F32), prec)
+        o_ref[...] = (o + dot(P, R_ref[...].astype(F32), prec)).astype(o_ref.dtype)
 
     if vec:
         ins = [q, G, S0, R, P]
@@ -472,8 +489,8 @@ def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
 # ----------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------
-def bwd_local(s: Shape, q, k, G, P, dO, *, interpret):
-    """Pᵀ dO per chunk, [B,Tp,H,V] fp32. Grid (N, B·H, V/BV); P as in ``output``."""
+def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32):
+    """Pᵀ dO per chunk, [B,Tp,H,V] in ``dtype``. Grid (N, B·H, V/BV); P as in ``output``."""
     C, prec, mode, BV = s.C, s.prec, s.mode, s.BV
     vec = mode == "vector"
 
@@ -484,7 +501,7 @@ def bwd_local(s: Shape, q, k, G, P, dO, *, interpret):
         else:
             q_ref, k_ref, G_ref, dO_ref, out_ref = _split(refs, mode, 3)
             _, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)
-        out_ref[...] = dot(P, dO_ref[...].astype(F32), prec, ta=True)
+        out_ref[...] = dot(P, dO_ref[...].astype(F32), prec, ta=True).astype(out_ref.dtype)
 
     if vec:
         ins, in_specs = [P, dO], [s.chunk_mat3(C, C), s.chunk_tok_v(BV)]
@@ -493,12 +510,14 @@ def bwd_local(s: Shape, q, k, G, P, dO, *, interpret):
         in_specs = [s.chunk_tok3(s.K)] * 2 + ([] if mode == "none" else [s.chunk_gate3()]) + [
             s.chunk_tok_v(BV)]
     return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
-                 out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V), interpret=interpret,
+                 out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V, dtype), interpret=interpret,
                  num_warps=WARPS["bwd_local"], name="rewy_bwd_local")(*ins)
 
 
-def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret):
-    """dS_end [B,H,N,K,V], dR [B,Tp,H,V], dh0 [B,H,n_seq1,K,V] (fp32)."""
+def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
+             dtypes=(F32, F32)):
+    """dS_end [B,H,N,K,V], dR [B,Tp,H,V] (stored in ``dtypes``; the pass carries dS in fp32),
+    dh0 [B,H,n_seq1,K,V] (fp32)."""
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
 
     def kernel(*refs):
@@ -509,15 +528,18 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret)
             c = N - 1 - m
             sq = seq_ref[c]
             dS = carry + jnp.where(end_ref[c] != 0, dfin_ref[sq], 0.0)
-            dSe_ref[c] = dS
+            dSe_ref[c] = dS.astype(dSe_ref.dtype)
             base = c * C
             Gc, gl = _chunk_decay(mode, G_ref, base, C)
             Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
             dR = load_rows(dRl_ref, base, C) + dot(Kt, dS, prec)
-            dR_ref[pl.ds(base, C), :] = dR
-            dOc = load_rows(dO_ref, base, C)
-            Qg = _qg(mode, Gc, load_rows(q_ref, base, C))
-            dS0 = dot(Qg, dOc, prec, ta=True) - dot(load_rows(W_ref, base, C), dR, prec, ta=True)
+            dR_ref[pl.ds(base, C), :] = dR.astype(dR_ref.dtype)
+            # no gates: Qᵀ dO of the inputs as stored (exact products, native rate)
+            raw = None if mode == "none" else F32
+            dOc = load_rows(dO_ref, base, C, raw)
+            Qg = _qg(mode, Gc, load_rows(q_ref, base, C, raw))
+            dS0 = (dot_stored(Qg, dOc, prec, ta=True)
+                   - dot(load_rows(W_ref, base, C), dR, prec, ta=True))
             dS0 = dS0 + (dS if mode == "none" else _col(jnp.exp(gl)) * dS)
             is_reset = reset_ref[c] != 0
 
@@ -533,12 +555,12 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret)
     in_specs = [s.col_tok(K, False)] * 2 + ([] if mode == "none" else [s.col_gate()]) + [
         s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(s.V, True),
         s.col_states(s.n_seq1)] + [s.col_meta()] * 3
-    return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs, **s.pass_outputs(),
+    return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs, **s.pass_outputs(dtypes),
                  interpret=interpret, num_warps=WARPS["bwd_pass"], name="rewy_bwd_pass",
                  num_stages=_pass_stages(K))(*ins)
 
 
-def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret):
+def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dtype=F32):
     """The state-free core of the chunk backward, grid (N, B·H), a loop over value tiles.
 
     ReWY (rewy-math §4):  Λ = Aᵀ dR (product 1),  dT = −tril(Λ Rᵀ, −1) (product 2).
@@ -547,7 +569,7 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret):
     Both: dA_qk = tril(dO Rᵀ).
     No gate enters these products (only WY's Ē), so they run on whole-chunk [C, ·] tiles
     (one matmul each) rather than 16-row sub-chunk blocks: far fewer live accumulators.
-    Returns Λ [B,Tp,H,V] fp32 (= dz), dT and dA_qk [B,H,N,C,C] fp32 (masked).
+    Returns Λ [B,Tp,H,V] in ``lam_dtype`` (= dz), dT and dA_qk [B,H,N,C,C] fp32 (masked).
     """
     C, prec, mode, V, BV = s.C, s.prec, s.mode, s.V, s.BV
     wy = backward == "wy"
@@ -567,13 +589,14 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret):
         dT = dAqk = None
         for t in range(V // BV):
             vs = pl.ds(t * BV, BV)
-            R_t, dR_t = R_ref[:, vs].astype(F32), dR_ref[:, vs].astype(F32)
+            R_s = R_ref[:, vs]  # as stored: bf16 under backward.low_precision "R"
+            R_t, dR_t = R_s.astype(F32), dR_ref[:, vs].astype(F32)
             lam = dot(A, dR_t, prec, ta=True)
-            lam_ref[:, vs] = lam
-            x = dot(dO_ref[:, vs].astype(F32), R_t, prec, tb=True)
+            lam_ref[:, vs] = lam.astype(lam_ref.dtype)
+            x = dot_stored(dO_ref[:, vs], R_s, prec, tb=True)
             dAqk = x if dAqk is None else dAqk + x
             if wy:
-                ZmES = z_ref[:, vs].astype(F32) - dot(Eg, S0_ref[:, vs], prec)
+                ZmES = z_ref[:, vs].astype(F32) - dot(Eg, S0_ref[:, vs].astype(F32), prec)
                 x = dot(dR_t, ZmES, prec, tb=True)  # dA
             else:
                 x = -dot(lam, R_t, prec, tb=True)
@@ -590,7 +613,7 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret):
         [s.chunk_mat(s.K, V)] if wy else [])
     return _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
                  out_specs=[full_v, s.chunk_mat(C, C), s.chunk_mat(C, C)],
-                 out_shape=[s.sds_tok(V), jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32),
+                 out_shape=[s.sds_tok(V, lam_dtype), jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32),
                             jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32)],
                  interpret=interpret, num_warps=WARPS["bwd_dlam"], name="rewy_bwd_dlam")(*ins)
 
@@ -633,11 +656,12 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
 
         def dW(j):  # WY's dW_j = −dR_j S0ᵀ, formed once per program at first use
             if j not in dW_memo:
-                dW_memo[j] = -dot(load_rows(dR_ref, j * BS), S0_ref[...], prec, tb=True)
+                dW_memo[j] = -dot_stored(load_rows(dR_ref, j * BS, BS, None), S0_ref[...], prec,
+                                         tb=True)
             return dW_memo[j]
 
         def RdS(i):  # R_i dS_endᵀ [BS, BK]
-            return dot(load_rows(R_ref, i * BS), dSe_ref[...], prec, tb=True)
+            return dot_stored(load_rows(R_ref, i * BS, BS, None), dSe_ref[...], prec, tb=True)
 
         def tail_sum(i, RdS_i):  # Σ_s (R dSᵀ)_s ⊙ K_tail,s over row block i, [1, BK]
             return jnp.sum(RdS_i * gt.tail(i, ks[i]), axis=0, keepdims=True)
@@ -648,7 +672,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             if wy:  # dĒ_state = Aᵀ dW, dW_j = −dR_j S0ᵀ
                 dEs = _sum(dot(A[j, i], dW(j), prec, ta=True) for j in range(i, n))
             else:
-                dEs = -dot(load_rows(lam_ref, i * BS), S0_ref[...], prec, tb=True)
+                dEs = -dot_stored(load_rows(lam_ref, i * BS, BS, None), S0_ref[...], prec, tb=True)
             if shared:  # dT and dA_qk meet the same decay factors: form them once
                 de_k, dq_k = gt.applies([dT, dAqk], i, ks, k_ref, prec)
                 dk_x = gt.apply_t_sum([(dT, es, e_ref), (dAqk, qs, q_ref)], i, prec, n)
@@ -656,7 +680,8 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
                 de_k, dq_k = (gt.apply(dT, i, ks, k_ref, prec), gt.apply(dAqk, i, ks, k_ref, prec))
                 dk_x = gt.apply_t(dT, i, es, e_ref, prec, n) + gt.apply_t(dAqk, i, qs, q_ref, prec, n)
             de = gt.head(i, dEs) + de_k
-            dq = gt.head(i, dot(load_rows(dO_ref, i * BS), S0_ref[...], prec, tb=True)) + dq_k
+            dq = gt.head(i, dot_stored(load_rows(dO_ref, i * BS, BS, None), S0_ref[...], prec,
+                                       tb=True)) + dq_k
             RdS_i = RdS(i)
             dk = dk_x + gt.tail(i, RdS_i)
             rows = pl.ds(i * BS, BS)
@@ -667,7 +692,8 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             tail_k = tk if tail_k is None else tail_k + tk
             dG = de * es[i] - dk * ks[i] + dq * qs[i]
             if i == n - 1:  # γ_C enters Diag(γ_C) S0 and K_tail: its terms sit on the last row
-                sd = jnp.sum(dSe_ref[...] * S0_ref[...], axis=1)[None, :]  # [1, BK]
+                sd = jnp.sum(dSe_ref[...].astype(F32) * S0_ref[...].astype(F32),
+                             axis=1)[None, :]  # [1, BK]
                 last = jnp.exp(gt.glast()) * sd + tail_k
                 dG = dG + jnp.where(iota((BS, 1), 0) == BS - 1, last, 0.0)
             dG_ref[rows, :] = dG
@@ -693,7 +719,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
          dT_ref, dAqk_ref, dq_ref, dk_ref, de_ref) = refs
         r, c = iota((C, C), 0), iota((C, C), 1)
         qc, kc, ec = load_rows(q_ref, 0, C), load_rows(k_ref, 0, C), load_rows(e_ref, 0, C)
-        S0, dSe = S0_ref[...], dSe_ref[...]
+        S0, dSe = S0_ref[...], dSe_ref[...]  # as stored (backward.low_precision)
         if mode == "none":
             D, gam, tail, gl = None, None, None, None
         else:
@@ -705,12 +731,12 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         if D is not None:
             dT, dAqk = dT * D, dAqk * D
         if wy:
-            dW = -dot(dR_ref[...].astype(F32), S0, prec, tb=True)
+            dW = -dot_stored(dR_ref[...], S0, prec, tb=True)
             dEs = dot(A_ref[...], dW, prec, ta=True)
         else:
-            dEs = -dot(lam_ref[...], S0, prec, tb=True)
-        dOS = dot(dO_ref[...].astype(F32), S0, prec, tb=True)
-        RdS = dot(R_ref[...], dSe, prec, tb=True)
+            dEs = -dot_stored(lam_ref[...], S0, prec, tb=True)
+        dOS = dot_stored(dO_ref[...], S0, prec, tb=True)
+        RdS = dot_stored(R_ref[...], dSe, prec, tb=True)
         if gam is not None:
             dEs, dOS, RdS_t = gam * dEs, gam * dOS, tail * RdS
         else:
@@ -724,7 +750,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         if mode != "none":
             dG = de * ec - dk * kc + dq * qc
             tail_k = jnp.sum(RdS_t * kc, axis=0, keepdims=True)  # Σ_s (R dSᵀ)_s ⊙ K_tail,s
-            sd = jnp.sum(dSe * S0, axis=1)[None, :]
+            sd = jnp.sum(dSe.astype(F32) * S0.astype(F32), axis=1)[None, :]
             last = jnp.exp(gl) * sd + tail_k
             dG_ref[...] = dG + jnp.where(iota((C, 1), 0) == C - 1, last, 0.0)
 
@@ -752,13 +778,16 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     return list(outs) + ([None] if mode == "none" else [])
 
 
-def bwd_chunk(s: Shape, q, k, e, z, G, A, S0, dSe, R, dO, dR, *, backward, dtypes, interpret):
+def bwd_chunk(s: Shape, q, k, e, z, G, A, S0, dSe, R, dO, dR, *, backward, dtypes, interpret,
+              lam_dtype=F32):
     """Per-chunk cotangents (raw frame): dq, dk, de [B,Tp,H,K], dz [B,Tp,H,V], dG (or None).
+    lam_dtype: how Λ is stored between the two kernels.
 
     Two kernels, so that neither holds a chunk's worth of [C, K] and [C, V] blocks at once:
     bwd_dlam (the C×C core: Λ, dT, dA_qk) then bwd_leaf (key-tiled leaf maps and dG).
     """
-    lam, dT, dAqk = bwd_dlam(s, A, R, dO, dR, e, z, G, S0, backward=backward, interpret=interpret)
+    lam, dT, dAqk = bwd_dlam(s, A, R, dO, dR, e, z, G, S0, backward=backward, interpret=interpret,
+                             lam_dtype=lam_dtype)
     dq, dk, de, dG = bwd_leaf(s, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk,
                               backward=backward, dtypes=dtypes[:3], interpret=interpret)
     if dG is not None and s.mode == "scalar":

@@ -59,6 +59,10 @@ VARIANTS = {
     "loopleaf": ({"rewy_bwd_leaf.exact_diag": "loop"}, 64, None, None),
     "levels": ({f"rewy_{k}.exact_diag": "levels" for k in ("intra", "qk_gram", "bwd_leaf")},
                64, None, None),  # exact bit-level diagonals everywhere
+    # the backward's stored tensors in bf16: the two state tensors, all but W and U, or all
+    "lps": ({"backward.low_precision": ("S0", "dS")}, 64, None, None),
+    "lp6": ({"backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam")}, 64, None, None),
+    "lpall": ({"backward.low_precision": kn.LOW_PRECISION_NAMES}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
@@ -144,24 +148,36 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it))
     rows["intra"] = _bench(f, k, e, z, G, Tg)
     A, W, U = f(k, e, z, G, Tg)
-    f = jax.jit(lambda k, e, z, G, A: kn.intra(s, k, e, z, G, A=A, interpret=it))
+    sd = api._stored_dtypes(q.dtype)  # the backward's stored dtypes (backward.low_precision)
+    f = jax.jit(lambda k, e, z, G, A: kn.intra(s, k, e, z, G, A=A, interpret=it,
+                                               dtypes=(sd["W"], sd["U"])))
     rows["wu"] = _bench(f, k, e, z, G, A)  # the backward's W, U from the kept A
+    Wb, Ub = f(k, e, z, G, A)
     f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=it))
     rows["fwd_pass"] = _bench(f, W, U, k, G, h0)
     S0, R, fin = f(W, U, k, G, h0)
     f = jax.jit(lambda q, k, G, S0, R, P: kn.output(s, q, k, G, S0, R, P, jnp.bfloat16,
                                                     interpret=it))
     rows["output"] = _bench(f, q, k, G, S0, R, P)
-    f = jax.jit(lambda q, k, G, P, dO: kn.bwd_local(s, q, k, G, P, dO, interpret=it))
+    if set(sd.values()) != {F32}:  # the backward's own state pass reads and stores those
+        f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq,
+                                                       interpret=it, dtypes=(sd["S0"], sd["R"])))
+        rows["fwd_pass_bwd"] = _bench(f, Wb, Ub, k, G, h0)
+        S0, R, _ = f(Wb, Ub, k, G, h0)
+        W = Wb
+    f = jax.jit(lambda q, k, G, P, dO: kn.bwd_local(s, q, k, G, P, dO, interpret=it,
+                                                     dtype=sd["dRl"]))
     rows["bwd_local"] = _bench(f, q, k, G, P, dO)
     dRl = f(q, k, G, P, dO)
     dfin = jnp.zeros_like(fin)
     f = jax.jit(lambda q, k, G, W, dO, dRl, dfin: kn.bwd_pass(s, q, k, G, W, dO, dRl, dfin, reset,
-                                                              end, seq, interpret=it))
+                                                              end, seq, interpret=it,
+                                                              dtypes=(sd["dS"], sd["dR"])))
     rows["bwd_pass"] = _bench(f, q, k, G, W, dO, dRl, dfin)
     dSe, dR, dh0 = f(q, k, G, W, dO, dRl, dfin)
     f = jax.jit(lambda A, R, dO, dR, e, z, G, S0: kn.bwd_dlam(s, A, R, dO, dR, e, z, G, S0,
-                                                             backward=backward, interpret=it))
+                                                             backward=backward, interpret=it,
+                                                             lam_dtype=sd["lam"]))
     rows["bwd_dlam"] = _bench(f, A, R, dO, dR, e, z, G, S0)
     lam, dT, dAqk = f(A, R, dO, dR, e, z, G, S0)
     bf = jnp.bfloat16

@@ -6,6 +6,7 @@ Two steps, because the lowering needs jax and the compile needs the Triton of th
     # 1. lower the kernels of one op (fwd + bwd, bf16, B=2 T=4096 H=16) to Triton IR files
     JAX_PLATFORMS=cpu PYTHONPATH=$PWD python pallas_kernels/gpu/resource_report.py dump kda /tmp/ttir [K=128] [backward=wy]
         [gate_lower_bound=-5] [tune.rewy_bwd_leaf.exact_diag=loop] [tune.rewy_bwd_leaf.rowgrid=false]
+        [tune.backward.low_precision=S0,R,dS,dR,dRl,lam]
     # 2. compile them for sm_90 and print ptxas's report (in a venv with `pip install triton==3.6.0`)
     python pallas_kernels/gpu/resource_report.py ptxas /tmp/ttir/*.ttir [--warps 8] [--stages 3]
 
@@ -55,7 +56,8 @@ def dump(op, outdir, *opts):
     from pallas_kernels.gpu import kernels
     for key in [k for k in kw if k.startswith("tune.")]:  # tune.rewy_bwd_leaf.rowgrid=false, ...
         v = kw.pop(key)
-        kernels.TUNE[key[5:]] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
+        kernels.TUNE[key[5:]] = (tuple(v.split(",")) if "," in v else  # a list of names
+                                 {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v))
     if "gate_lower_bound" in kw:
         kw["gate_lower_bound"] = float(kw["gate_lower_bound"])
     os.makedirs(outdir, exist_ok=True)
