@@ -226,6 +226,7 @@ def test_interpret_low_precision_backward(op, decay, kw, monkeypatch):
 
     inp = testing.make_inputs(op, 1, 100, 2, 32, 32, dtype=jnp.bfloat16, decay=decay, seed=23)
     kw = dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32)
+    monkeypatch.setitem(kernels.TUNE, "backward.low_precision", ())  # all fp32
     ref = testing.accuracy_report(op, inp, **kw)
     o_ref = testing.run_op(op, inp, **kw)[0]
     monkeypatch.setitem(kernels.TUNE, "backward.low_precision", kernels.LOW_PRECISION_NAMES)
@@ -355,8 +356,8 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("gdn", 256, 256, jnp.float16, {"_chained_inverse": True}, False),
     ("kda", 128, 128, jnp.bfloat16, {"_unroll": True}, False),
     ("gdn2", 64, 64, jnp.bfloat16, {"_vmap": True}, False),
-    ("deltanet", 128, 128, jnp.bfloat16, {"_lowprec": True, "backward": "wy"}, False),
-    ("kda", 64, 128, jnp.bfloat16, {"_lowprec": True}, False),
+    ("deltanet", 128, 128, jnp.bfloat16, {"_fp32_backward": True, "backward": "wy"}, False),
+    ("kda", 64, 128, jnp.bfloat16, {"_fp32_backward": True}, False),
 ]
 
 
@@ -387,8 +388,8 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
     if varlen:  # and the one-program-per-chunk tuning variant of the leaf and qk_gram kernels
         monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.rowgrid", False)
         monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", False)
-    if kw.pop("_lowprec", False):  # the backward's stored tensors in bf16 (tuning option)
-        monkeypatch.setitem(kernels.TUNE, "backward.low_precision", kernels.LOW_PRECISION_NAMES)
+    if kw.pop("_fp32_backward", False):  # the backward's stored tensors in fp32 (tuning option)
+        monkeypatch.setitem(kernels.TUNE, "backward.low_precision", ())
     vmapped = kw.pop("_vmap", False)  # the gradient under jax.vmap: one more grid axis
     inp = testing.make_inputs(op, 1, 100, 2, K, V, dtype=dtype, n_seqs=3 if varlen else None)
     diff = {n: x for n, x in inp.items() if n != "cu_seqlens"}

@@ -68,12 +68,13 @@ def _shape(cfg, q, v, G, h0):
                     DEFAULT_BV_STATE, cfg.centred)
 
 
-def _intra(s, q, k, e, z, G, interpret):
-    """(A, W, U, P): P (vector gates only, else None) is the gated query-key matrix."""
+def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32)):
+    """(A, W, U, P): P (vector gates only, else None) is the gated query-key matrix; W, U
+    stored in ``dtypes``."""
     if s.mode == "vector" and kn.setting("rewy_intra.gram_from_qk"):
         P, T = kn.qk_gram(s, q, k, G, e=e, interpret=interpret)
-        return (*kn.intra(s, k, e, z, G, T=T, interpret=interpret), P)
-    A, W, U = kn.intra(s, k, e, z, G, interpret=interpret)
+        return (*kn.intra(s, k, e, z, G, T=T, interpret=interpret, dtypes=dtypes), P)
+    A, W, U = kn.intra(s, k, e, z, G, interpret=interpret, dtypes=dtypes)
     P = kn.qk_gram(s, q, k, G, interpret=interpret) if s.mode == "vector" else None
     return A, W, U, P
 
@@ -125,7 +126,7 @@ def _bwd(cfg, res, cts):
     sd = _stored_dtypes(q.dtype)
     if cfg.policy == "recompute":  # W, U (and A, P unless kept) and one forward state pass
         if saved is None:
-            A, W, U, P = _intra(s, q, k, e, z, G, it)
+            A, W, U, P = _intra(s, q, k, e, z, G, it, dtypes=(sd["W"], sd["U"]))
         else:
             A, P = saved
             W, U = kn.intra(s, k, e, z, G, A=A, interpret=it, dtypes=(sd["W"], sd["U"]))

@@ -105,9 +105,14 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #   backward.low_precision  16-bit inputs: which of the backward's own [C, ·] and state
 #               tensors are stored in bf16 between its kernels (LOW_PRECISION_NAMES; S0 and R
 #               only where the backward recomputes them — the forward's stay fp32, they make
-#               o; W and U only where "wu" re-forms them from the kept A). Every kernel still computes and carries its state in fp32; products of two
-#               stored 16-bit operands run natively (blocks.dot_stored), exact in fp32.
-#               They feed only gradients (tolerance 1e-2, rewy-math §8). Untimed until profiled.
+#               o; W and U only as the backward re-forms them). Every kernel still computes
+#               and carries its state in fp32; products of two stored 16-bit operands run
+#               natively (blocks.dot_stored), exact in fp32.
+#               They feed only gradients (tolerance 1e-2, rewy-math §8). Profile-8 (H200,
+#               benchmarks/results/profile-8/): DeltaNet fwd+bwd 2.23 -> 1.80 ms (bwd_leaf
+#               0.64 -> 0.37), KDA 6.26 -> 5.76 (bwd_leaf 2.38 -> 2.00); gradients move by
+#               4.7e-3 / 3.9e-3 relative. CPU, float64 reference, β in [0, 2], D = 128: DeltaNet
+#               dk 6.2e-3 -> 7.6e-3 (of 1e-2), GDN2 db 4.4e-3 -> 8.8e-3 (of 2e-2). Default: all.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
 # op 6.20 -> 5.86 ms, DeltaNet 2.01 -> 1.88, GDN 2.43 -> 2.16 at the anchor shape, jax.grad.)
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
@@ -116,11 +121,11 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_bwd_leaf.shared_decay": True, "rewy_intra.joint_diag_inverse": True,
             "rewy_qk_gram.pairgrid": False, "recompute.keep_chunk_matrices": True,
             "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False,
-            "backward.low_precision": ()}
+            "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U")}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], and W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
-# from the kept A (they set the backward's recomputed states, so they reach every gradient).
+# in the backward (they set the backward's recomputed states, so they reach every gradient).
 LOW_PRECISION_NAMES = ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U")
 # Overrides for tuning runs (profile_kernels.py), read when a kernel is traced:
 #   "<kernel name>.warps" / ".stages"          launch settings, e.g. "rewy_intra.warps": 8

@@ -59,7 +59,9 @@ VARIANTS = {
     "loopleaf": ({"rewy_bwd_leaf.exact_diag": "loop"}, 64, None, None),
     "levels": ({f"rewy_{k}.exact_diag": "levels" for k in ("intra", "qk_gram", "bwd_leaf")},
                64, None, None),  # exact bit-level diagonals everywhere
-    # the backward's stored tensors in bf16: the two state tensors, all but W and U, or all
+    # the backward's stored tensors in bf16 (default: all): none, the two state tensors, all
+    # but W and U, or all
+    "fp32bwd": ({"backward.low_precision": ()}, 64, None, None),
     "lps": ({"backward.low_precision": ("S0", "dS")}, 64, None, None),
     "lp6": ({"backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam")}, 64, None, None),
     "lpall": ({"backward.low_precision": kn.LOW_PRECISION_NAMES}, 64, None, None),
