@@ -101,7 +101,8 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               2.48 -> 2.32; bit-identical gradients; peak memory unchanged, 833 / 705 MiB).
 #   unroll      intra / qk_gram: their 16-step loops (diagonal inverse substitution, exact
 #               "loop" diagonal blocks) unrolled at trace time (blocks.loop), so the compiler
-#               can interleave the steps' independent reductions (untimed; off until profiled).
+#               can interleave the steps' independent reductions. Profile-8: intra unrolled
+#               is slower (DeltaNet 0.284 -> 0.342 ms); qk_gram's not yet timed. Off.
 #   backward.low_precision  16-bit inputs: which of the backward's own [C, ·] and state
 #               tensors are stored in bf16 between its kernels (LOW_PRECISION_NAMES; S0 and R
 #               only where the backward recomputes them — the forward's stay fp32, they make
