@@ -242,6 +242,18 @@ def test_interpret_low_precision_backward(op, decay, kw, monkeypatch):
         api._stored_dtypes(jnp.bfloat16)
 
 
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay", [("kda", "strong"), ("gdn", "strong")])
+def test_interpret_exp2(op, decay, small_tiles, monkeypatch):
+    """kernels.DEFAULTS "exp2": every e^x of the kernels as exp2(x·log2 e) — the fp32 bound
+    (1e-4) at strong decays (g down to −50 and −inf: masked −inf exponents still give 0)."""
+    from pallas_kernels.gpu import kernels
+
+    monkeypatch.setitem(kernels.TUNE, "exp2", True)
+    inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay=decay, seed=29)
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True, chunk_size=64))
+
+
 def _rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -358,6 +370,7 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("gdn2", 64, 64, jnp.bfloat16, {"_vmap": True}, False),
     ("deltanet", 128, 128, jnp.bfloat16, {"_fp32_backward": True, "backward": "wy"}, False),
     ("kda", 64, 128, jnp.bfloat16, {"_fp32_backward": True}, False),
+    ("gdn2", 128, 64, jnp.bfloat16, {"_exp2": True}, False),
 ]
 
 
@@ -390,6 +403,8 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
         monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", False)
     if kw.pop("_fp32_backward", False):  # the backward's stored tensors in fp32 (tuning option)
         monkeypatch.setitem(kernels.TUNE, "backward.low_precision", ())
+    if kw.pop("_exp2", False):  # e^x as exp2(x·log2 e) (tuning option)
+        monkeypatch.setitem(kernels.TUNE, "exp2", True)
     vmapped = kw.pop("_vmap", False)  # the gradient under jax.vmap: one more grid axis
     inp = testing.make_inputs(op, 1, 100, 2, K, V, dtype=dtype, n_seqs=3 if varlen else None)
     diff = {n: x for n, x in inp.items() if n != "cu_seqlens"}

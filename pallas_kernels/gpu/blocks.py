@@ -29,6 +29,25 @@ BS = 16  # rows per sub-chunk (chunk_algebra.SUBCHUNK); the smallest tile tl.dot
 F32 = jnp.float32
 
 
+LOG2E = 1.4426950408889634
+
+
+def exp(x):
+    """e^x in the kernels: ``jnp.exp``, or 2^(x·log2 e) under kernels.DEFAULTS "exp2".
+
+    The Triton lowering takes ``jnp.exp`` to libdevice's accurate expf — about 14 instructions
+    per element in the sm_90 PTX — and ``jnp.exp2`` to one ex2.approx, so the second form is 2
+    (the product and ex2). Error: ex2.approx's 2 ulp plus the product's rounding,
+    |x|·log2(e)·2⁻²⁴ — at most ~5e-6 relative for the exponents x ≤ 0 used here where e^x is a
+    normal fp32 (x ≥ −87); −inf still gives 0.
+    """
+    from pallas_kernels.gpu import kernels  # the settings live there (it imports this module)
+
+    if not kernels.setting("exp2"):
+        return jnp.exp(x)
+    return jnp.exp2(x * LOG2E)
+
+
 def dot(a, b, prec, ta=False, tb=False):
     """``a @ b`` (``aᵀ`` / ``bᵀ`` when ta / tb) with fp32 accumulation."""
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
@@ -120,8 +139,8 @@ class Gates:
             G_up = self.G_ref[start + (r[:, 0] // b) * b, :].astype(F32)  # frame of an up row
             G_lo = self.G_ref[start + jnp.where(lo[:, 0], (r[:, 0] // b + 1) * b, r[:, 0]),
                               :].astype(F32)  # frame of a lo row (its own row otherwise)
-            e_up = jnp.exp(jnp.where(up, Gi - G_up, -jnp.inf))
-            e_lo = jnp.exp(jnp.where(lo, G_lo - Gi, -jnp.inf))
+            e_up = exp(jnp.where(up, Gi - G_up, -jnp.inf))
+            e_lo = exp(jnp.where(lo, G_lo - Gi, -jnp.inf))
             pair = (((rr // b) % 2 == 1) & ((ss // b) % 2 == 0)
                     & (rr // (2 * b) == ss // (2 * b)))
             yield e_up, e_lo, pair
@@ -147,22 +166,22 @@ class Gates:
         if self.mode == "none":
             return x
         G = self.blk(i)
-        return jnp.exp(G)[:, None] * x if self.mode == "scalar" else jnp.exp(G) * x
+        return exp(G)[:, None] * x if self.mode == "scalar" else exp(G) * x
 
     def tail(self, i, x):  # e^{G_C − G_r} ⊙ x_r
         if self.mode == "none":
             return x
         d = self.glast() - self.blk(i)
-        return jnp.exp(d)[:, None] * x if self.mode == "scalar" else jnp.exp(d) * x
+        return exp(d)[:, None] * x if self.mode == "scalar" else exp(d) * x
 
     def last(self):  # γ_C: [1] or [1, K] (1.0 without gates)
-        return None if self.mode == "none" else jnp.exp(self.glast())
+        return None if self.mode == "none" else exp(self.glast())
 
     def _sdecay(self, i, j, mask):  # scalar gates: [BS, BS] e^{G_r − G_s}
         d = self.blk(i)[:, None] - self.blk(j)[None, :]
         if mask is not None:
             d = jnp.where(mask, d, -jnp.inf)  # mask *before* exp (upper part is positive)
-        return jnp.exp(d)
+        return exp(d)
 
     # -- gram block M_ij[r, s] = Σ_c x_rc y_sc e^{G_rc − G_sc}, s ≤ r (s < r if strict) -------
     def gram(self, i, j, x_i, y_j, y_ref, prec, strict):
@@ -184,8 +203,8 @@ class Gates:
         if i > j or self.centred:  # one frame row: the block's first (i > j) or middle row
             # (centred diagonal blocks: factors up to e^40, masked after the matmul)
             Gm = self.row(i * BS + (0 if i > j else _MID))
-            f_x = jnp.exp(Gi - Gm)
-            y_f = y_j * jnp.exp(Gm - (self.blk(j) if i > j else Gi))
+            f_x = exp(Gi - Gm)
+            y_f = y_j * exp(Gm - (self.blk(j) if i > j else Gi))
             return [dot(x * f_x, y_f, prec, tb=True) if m is None else
                     jnp.where(m, dot(x * f_x, y_f, prec, tb=True), 0.0)
                     for x, m in zip(xs, masks)]
@@ -210,7 +229,7 @@ class Gates:
         def body(o, ms):
             y_o = y_ref[pl.ds(base + o, 1), :].astype(F32)  # [1, K]
             g_o = load_rows(self.G_ref, base + o, 1)  # [1, K]
-            yf = y_o * jnp.exp(jnp.where(rr >= o, Gi - g_o, -jnp.inf))
+            yf = y_o * exp(jnp.where(rr >= o, Gi - g_o, -jnp.inf))
             return tuple(jnp.where(cc == o, jnp.sum(x * yf, axis=1, keepdims=True), m)
                          for x, m in zip(xs, ms))
 
@@ -242,16 +261,16 @@ class Gates:
         if i > 0:
             Gm = self.row(i * BS)
             for j in range(i):
-                y_f = y[j] * jnp.exp(Gm - self.blk(j))
+                y_f = y[j] * exp(Gm - self.blk(j))
                 for n, P in enumerate(Ps):
                     t = dot(P[i, j], y_f, prec)
                     outs[n] = t if outs[n] is None else outs[n] + t
-            f_i = jnp.exp(Gi - Gm)
+            f_i = exp(Gi - Gm)
             outs = [f_i * o for o in outs]
         Piis = [P[i, i] for P in Ps]
         if self.centred:  # P is lower-triangular: e^{G_r − G_m} ⊙ P_ii (y ⊙ e^{G_m − G_s})
             Gm = self.row(i * BS + _MID)
-            y_f, f_i = y[i] * jnp.exp(Gm - Gi), jnp.exp(Gi - Gm)
+            y_f, f_i = y[i] * exp(Gm - Gi), exp(Gi - Gm)
             dias = [f_i * dot(Pii, y_f, prec) for Pii in Piis]
         elif self.diag == "levels":
             y_i = y[i]
@@ -268,7 +287,7 @@ class Gates:
             def body(o, Ys):
                 y_o = y_ref[pl.ds(base + o, 1), :].astype(F32)
                 g_o = load_rows(self.G_ref, base + o, 1)
-                yf = y_o * jnp.exp(jnp.where(rr >= o, Gi - g_o, -jnp.inf))  # [BS, K]
+                yf = y_o * exp(jnp.where(rr >= o, Gi - g_o, -jnp.inf))  # [BS, K]
                 return tuple(Y + jnp.sum(jnp.where(cc == o, Pii, 0.0), axis=1, keepdims=True) * yf
                              for Y, Pii in zip(Ys, Piis))
 
@@ -298,16 +317,16 @@ class Gates:
         out = None
         for i in range(j + 1, n):
             Gm = self.row(i * BS)
-            f_x = jnp.exp(self.blk(i) - Gm)
+            f_x = exp(self.blk(i) - Gm)
             t = _sum(dot(P[i, j], x[i] * f_x, prec, ta=True) for P, x, _ in terms)
-            t = jnp.exp(Gm - Gj) * t
+            t = exp(Gm - Gj) * t
             out = t if out is None else out + t
         Pjjs = [P[j, j] for P, _, _ in terms]
         xjs = [x[j] for _, x, _ in terms]
         if self.centred:  # e^{G_m − G_s} ⊙ P_jjᵀ (x ⊙ e^{G_r − G_m})
             Gm = self.row(j * BS + _MID)
-            f_x = jnp.exp(Gj - Gm)
-            dia = jnp.exp(Gm - Gj) * _sum(dot(Pjj, x_j * f_x, prec, ta=True)
+            f_x = exp(Gj - Gm)
+            dia = exp(Gm - Gj) * _sum(dot(Pjj, x_j * f_x, prec, ta=True)
                                           for Pjj, x_j in zip(Pjjs, xjs))
         elif self.diag == "levels":
             dia = _sum(self._diag_of(Pjj) * x_j for Pjj, x_j in zip(Pjjs, xjs))
@@ -322,7 +341,7 @@ class Gates:
 
             def body(o, Y):
                 g_o = load_rows(self.G_ref, base + o, 1)
-                f = jnp.exp(jnp.where(ss <= o, g_o - Gj, -jnp.inf))
+                f = exp(jnp.where(ss <= o, g_o - Gj, -jnp.inf))
                 px = _sum(jnp.sum(jnp.where(rr == o, Pjj, 0.0), axis=0)[:, None]  # P[o, s]
                           * x_ref[pl.ds(base + o, 1), :].astype(F32)
                           for Pjj, x_ref in zip(Pjjs, x_refs))

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Gates, Rows, _sum, dot, dot_stored,
+from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Gates, Rows, _sum, dot, dot_stored, exp,
                                        inv_blocks, iota, load_rows)
 
 try:  # the Triton lowering's params; it warns that it is deprecated (design.md): silence here.
@@ -115,6 +115,12 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               4.7e-3 / 3.9e-3 relative. CPU, float64 reference, β in [0, 2]: DeltaNet
 #               (D = 128) dk 6.2e-3 -> 7.6e-3 (of 1e-2), GDN2 (D = 64) db 4.4e-3 -> 8.8e-3 (of
 #               2e-2). Run h200-6 passed every accuracy check with it. Default: all.
+#   exp2        every e^x of the kernels as exp2(x·log2 e) (blocks.exp): one ex2.approx and a
+#               product instead of libdevice's ~14-instruction expf. Static counts (ptxas,
+#               sm_90, KDA at K = 128; no device time yet): SASS instructions qk_gram
+#               16928 -> 11576, bwd_leaf 8488 -> 6608, intra 4800 -> 3648; qk_gram's diagonal
+#               loop 721 -> 607 per step (its 164 shuffles per step stay), but qk_gram's spill
+#               stores outside the loops 42 -> 139. Untimed: off until profiled.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
 # op 6.20 -> 5.86 ms, DeltaNet 2.01 -> 1.88, GDN 2.43 -> 2.16 at the anchor shape, jax.grad.)
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
@@ -123,7 +129,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_bwd_leaf.shared_decay": True, "rewy_intra.joint_diag_inverse": True,
             "rewy_qk_gram.pairgrid": False, "recompute.keep_chunk_matrices": True,
             "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False,
-            "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U")}
+            "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U"),
+            "exp2": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], and W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -396,14 +403,14 @@ def _chunk_decay(mode, G_ref, base, C):
 def _kt(mode, Gc, gl, kc):
     if mode == "none":
         return kc
-    d = jnp.exp(gl - Gc)
+    d = exp(gl - Gc)
     return (d[:, None] if mode == "scalar" else d) * kc
 
 
 def _qg(mode, Gc, qc):
     if mode == "none":
         return qc
-    d = jnp.exp(Gc)
+    d = exp(Gc)
     return (d[:, None] if mode == "scalar" else d) * qc
 
 
@@ -426,7 +433,7 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
             Gc, gl = _chunk_decay(mode, G_ref, base, C)
             Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
             S_new = dot(Kt, R, prec, ta=True)
-            S_new = S_new + (S if mode == "none" else _col(jnp.exp(gl)) * S)
+            S_new = S_new + (S if mode == "none" else _col(exp(gl)) * S)
 
             @pl.when(end_ref[c] != 0)
             def _():
@@ -452,7 +459,7 @@ def _qk_full(mode, q_ref, k_ref, G_ref, C, prec):
     if mode == "none":
         return None, jnp.where(c <= r, P, 0.0)
     Gc = load_rows(G_ref, 0, C)
-    return Gc, P * jnp.exp(jnp.where(c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
+    return Gc, P * exp(jnp.where(c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
 
 
 def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
@@ -547,7 +554,7 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
             Qg = _qg(mode, Gc, load_rows(q_ref, base, C, raw))
             dS0 = (dot_stored(Qg, dOc, prec, ta=True)
                    - dot(load_rows(W_ref, base, C), dR, prec, ta=True))
-            dS0 = dS0 + (dS if mode == "none" else _col(jnp.exp(gl)) * dS)
+            dS0 = dS0 + (dS if mode == "none" else _col(exp(gl)) * dS)
             is_reset = reset_ref[c] != 0
 
             @pl.when(is_reset)
@@ -701,7 +708,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             if i == n - 1:  # γ_C enters Diag(γ_C) S0 and K_tail: its terms sit on the last row
                 sd = jnp.sum(dSe_ref[...].astype(F32) * S0_ref[...].astype(F32),
                              axis=1)[None, :]  # [1, BK]
-                last = jnp.exp(gt.glast()) * sd + tail_k
+                last = exp(gt.glast()) * sd + tail_k
                 dG = dG + jnp.where(iota((BS, 1), 0) == BS - 1, last, 0.0)
             dG_ref[rows, :] = dG
             return tail_k
@@ -732,8 +739,8 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         else:
             Gc = load_rows(G_ref, 0, C)  # [C]
             gl = load_rows(G_ref, C - 1, 1)  # [1]
-            D = jnp.exp(jnp.where(c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
-            gam, tail = jnp.exp(Gc)[:, None], jnp.exp(gl - Gc)[:, None]
+            D = exp(jnp.where(c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
+            gam, tail = exp(Gc)[:, None], exp(gl - Gc)[:, None]
         dT, dAqk = dT_ref[...], dAqk_ref[...]
         if D is not None:
             dT, dAqk = dT * D, dAqk * D
@@ -758,7 +765,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             dG = de * ec - dk * kc + dq * qc
             tail_k = jnp.sum(RdS_t * kc, axis=0, keepdims=True)  # Σ_s (R dSᵀ)_s ⊙ K_tail,s
             sd = jnp.sum(dSe.astype(F32) * S0.astype(F32), axis=1)[None, :]
-            last = jnp.exp(gl) * sd + tail_k
+            last = exp(gl) * sd + tail_k
             dG_ref[...] = dG + jnp.where(iota((C, 1), 0) == C - 1, last, 0.0)
 
     # Row grid (vector gates, DEFAULTS): n programs per chunk, one

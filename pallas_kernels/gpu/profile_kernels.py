@@ -65,6 +65,7 @@ VARIANTS = {
     "lps": ({"backward.low_precision": ("S0", "dS")}, 64, None, None),
     "lp6": ({"backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam")}, 64, None, None),
     "lpall": ({"backward.low_precision": kn.LOW_PRECISION_NAMES}, 64, None, None),
+    "exp2": ({"exp2": True}, 64, None, None),  # e^x as one ex2.approx (blocks.exp)
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
