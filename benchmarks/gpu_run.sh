@@ -38,6 +38,11 @@ if [ -n "${BENCH_SPLIT:-}" ]; then
   # lock file (benchmarks.run --gpu-lock), so no timing shares the GPU with another process.
   # $OUT ends with $BENCH_STEM.{json,md,png}, parts.tgz (every part and log), fla-autotune.tgz.
   stem="${BENCH_STEM:?BENCH_SPLIT needs BENCH_STEM}"
+  n_items=$(wc -w <<< "$BENCH_SPLIT")
+  if (( n_items > 8 )); then  # run h200-6: eleven processes ran FLA's set-ups out of GPU memory
+    echo "warning: BENCH_SPLIT has $n_items items; more than 8 processes have run out of GPU" \
+      "memory (each keeps what its allocator grew to): rows may be refused for that reason"
+  fi
   lock="$(mktemp /tmp/rewy-gpu-lock.XXXXXX)"
   pids=() i=0
   for item in $BENCH_SPLIT; do
