@@ -66,6 +66,8 @@ VARIANTS = {
     "lp6": ({"backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam")}, 64, None, None),
     "lpall": ({"backward.low_precision": kn.LOW_PRECISION_NAMES}, 64, None, None),
     "exp2": ({"exp2": True}, 64, None, None),  # e^x as one ex2.approx (blocks.exp)
+    # and qk_gram's diagonal blocks by bit levels (4 masked matmuls, no 16-step loop)
+    "qlevels2": ({"exp2": True, "rewy_qk_gram.exact_diag": "levels"}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
