@@ -243,3 +243,19 @@ def test_gpu_turn_is_a_readers_writer_lock(tmp_path):
     with open(lock + ".turn", "a") as waiting_writer:  # a timing turn waiting at the turnstile
         fcntl.flock(waiting_writer, fcntl.LOCK_EX)
         assert not can(lock + ".turn", fcntl.LOCK_EX)  # so a new set-up turn would wait
+
+
+def test_interpret_accuracy_tool_reports_both_storages():
+    """benchmarks/interpret_accuracy.py: the benchmark's accuracy check of our kernels on CPU —
+    both backward storages pass at a small shape, the bf16 one moves the gradients (not o),
+    and the kernel settings are left as found."""
+    from benchmarks import interpret_accuracy
+    from pallas_kernels.gpu import kernels
+
+    before = dict(kernels.TUNE)
+    reps = interpret_accuracy.check("gdn", 2, 32, T=96)
+    assert set(reps) == {"bf16-backward", "fp32-backward"}
+    assert all(r["status"] == "pass" for r in reps.values())
+    lo, hi = (reps[n]["ratios"] for n in ("bf16-backward", "fp32-backward"))
+    assert lo["o"] == hi["o"] and lo["dk"] != hi["dk"]
+    assert dict(kernels.TUNE) == before

@@ -1,0 +1,83 @@
+"""The benchmark's accuracy check for our Pallas GPU kernels without a GPU (interpret mode, CPU).
+
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python -m benchmarks.interpret_accuracy gdn2 16 128 [--T 512]
+
+Same inputs, float64 reference process and thresholds as ``benchmarks/accuracy.py`` uses at an
+accuracy shape (1, T, H, D); ours (ReWY, policy recompute) run through the Pallas interpreter,
+once with the backward's stored tensors in bf16 (the default, ``kernels.DEFAULTS
+["backward.low_precision"]``) and once all in fp32, so that the cost of that storage is read
+off one table. The interpreter evaluates the same kernel code with exact fp32 dots where the GPU
+uses TF32, so this checks the algorithm and the storage precision, not the TF32 rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import accuracy, inputs
+from benchmarks.impls import Ours
+
+
+class OursInterpret(Ours):
+    def kwargs(self, op):
+        return dict(super().kwargs(op), interpret=True)
+
+
+def reference(op: str, inp: dict, cts: dict) -> dict:
+    """The float64 recurrence's outputs and gradients, from benchmarks.reference_job's process."""
+    with tempfile.TemporaryDirectory() as d:
+        job = Path(d) / "job_000_x.npz"
+        np.savez(job, op=np.array(op), **{"in_" + n: v for n, v in inp.items()},
+                 **{"ct_" + n: v for n, v in cts.items()})
+        subprocess.run([sys.executable, "-m", "benchmarks.reference_job", d], check=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True)
+        with np.load(Path(d) / "ref_000_x.npz") as f:
+            return {n: f[n] for n in f.files}
+
+
+def check(op: str, H: int, D: int, T: int = 512) -> dict:
+    """{"bf16-backward" | "fp32-backward": accuracy.compare's report} at (1, T, H, D)."""
+    from pallas_kernels.gpu import kernels
+
+    inp = inputs.accuracy_inputs(op, 1, T, H, D, seed=0)
+    cts = inputs.accuracy_cotangents(inp, seed=1)
+    ref = reference(op, inp, cts)
+    impl = OursInterpret("pallas_gpu", "rewy", "recompute")
+    out = {}
+    saved = dict(kernels.TUNE)
+    try:
+        for name, names in (("bf16-backward", kernels.DEFAULTS["backward.low_precision"]),
+                            ("fp32-backward", ())):
+            kernels.TUNE["backward.low_precision"] = names
+            out[name] = accuracy.compare(*accuracy.run_impl(impl, op, inp, cts), ref)
+    finally:
+        kernels.TUNE.clear()
+        kernels.TUNE.update(saved)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("op")
+    ap.add_argument("H", type=int)
+    ap.add_argument("D", type=int)
+    ap.add_argument("--T", type=int, default=512)
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    for name, rep in check(a.op, a.H, a.D, a.T).items():
+        print(f"{a.op} (1, {a.T}, {a.H}, {a.D}) {name}: {rep['status']} " + " ".join(
+            f"{n}={r:.2e}/{t:.0e}" for n, (r, t) in rep["ratios"].items()), flush=True)
+    print(f"({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
