@@ -13,17 +13,13 @@ uses TF32, so this checks the algorithm and the storage precision, not the TF32 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-from benchmarks import accuracy, inputs
+from benchmarks import accuracy
 from benchmarks.impls import Ours
+from benchmarks.shapes import Shape
 
 
 class OursInterpret(Ours):
@@ -31,25 +27,22 @@ class OursInterpret(Ours):
         return dict(super().kwargs(op), interpret=True)
 
 
-def reference(op: str, inp: dict, cts: dict) -> dict:
-    """The float64 recurrence's outputs and gradients, from benchmarks.reference_job's process."""
-    with tempfile.TemporaryDirectory() as d:
-        job = Path(d) / "job_000_x.npz"
-        np.savez(job, op=np.array(op), **{"in_" + n: v for n, v in inp.items()},
-                 **{"ct_" + n: v for n, v in cts.items()})
-        subprocess.run([sys.executable, "-m", "benchmarks.reference_job", d], check=True,
-                       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True)
-        with np.load(Path(d) / "ref_000_x.npz") as f:
-            return {n: f[n] for n in f.files}
-
-
 def check(op: str, H: int, D: int, T: int = 512) -> dict:
     """{"bf16-backward" | "fp32-backward": accuracy.compare's report} at (1, T, H, D)."""
     from pallas_kernels.gpu import kernels
 
-    inp = inputs.accuracy_inputs(op, 1, T, H, D, seed=0)
-    cts = inputs.accuracy_cotangents(inp, seed=1)
-    ref = reference(op, inp, cts)
+    shape = Shape(1, T, H, D)
+    with tempfile.TemporaryDirectory() as d:
+        refs = accuracy.ReferenceJobs(Path(d))  # the benchmark's inputs and reference process
+        refs.add(0, op, shape)
+        refs.start()
+        try:
+            ref = refs.result(op, shape, timeout_s=3600)
+        finally:
+            refs.stop()
+        if ref is None:
+            raise RuntimeError("the float64 reference failed:\n" + refs.log.read_text()[-2000:])
+    inp, cts = refs.jobs[refs.key(op, shape)]
     impl = OursInterpret("pallas_gpu", "rewy", "recompute")
     out = {}
     saved = dict(kernels.TUNE)
