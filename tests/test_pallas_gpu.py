@@ -219,8 +219,8 @@ def test_recompute_keeps_chunk_matrices_not_states(mode):
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {}), ("kda", "strong", {}),
                                          ("gdn", "normal", {"backward": "wy", "policy": "save"})])
 def test_interpret_low_precision_backward(op, decay, kw, monkeypatch):
-    """backward.low_precision: the backward's stored S0, R, dS, dR, dRl, Λ in bf16 (16-bit
-    inputs). The forward is untouched bit for bit; every gradient stays within the bf16
+    """backward.low_precision: the backward's stored S0, R, dS, dR, dRl, Λ, W, U and the
+    forward's kept A in bf16 (16-bit inputs). The forward is untouched bit for bit; every gradient stays within the bf16
     thresholds against the float64 recurrence; the stored tensors really are bf16."""
     from pallas_kernels.gpu import api, kernels
 

@@ -70,11 +70,13 @@ def _shape(cfg, q, v, G, h0):
 
 def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32)):
     """(A, W, U, P): P (vector gates only, else None) is the gated query-key matrix; W, U
-    stored in ``dtypes``."""
+    stored in ``dtypes``; A (kept only for the backward) as ``_stored_dtypes`` says."""
+    a_dtype = _stored_dtypes(q.dtype)["A"]
     if s.mode == "vector" and kn.setting("rewy_intra.gram_from_qk"):
         P, T = kn.qk_gram(s, q, k, G, e=e, interpret=interpret)
-        return (*kn.intra(s, k, e, z, G, T=T, interpret=interpret, dtypes=dtypes), P)
-    A, W, U = kn.intra(s, k, e, z, G, interpret=interpret, dtypes=dtypes)
+        return (*kn.intra(s, k, e, z, G, T=T, interpret=interpret, dtypes=dtypes,
+                          a_dtype=a_dtype), P)
+    A, W, U = kn.intra(s, k, e, z, G, interpret=interpret, dtypes=dtypes, a_dtype=a_dtype)
     P = kn.qk_gram(s, q, k, G, interpret=interpret) if s.mode == "vector" else None
     return A, W, U, P
 

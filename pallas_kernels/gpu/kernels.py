@@ -129,13 +129,14 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_bwd_leaf.shared_decay": True, "rewy_intra.joint_diag_inverse": True,
             "rewy_qk_gram.pairgrid": False, "recompute.keep_chunk_matrices": True,
             "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False,
-            "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U"),
+            "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A"),
             "exp2": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
-# state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], and W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
-# in the backward (they set the backward's recomputed states, so they reach every gradient).
-LOW_PRECISION_NAMES = ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U")
+# state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
+# in the backward (they set the backward's recomputed states, so they reach every gradient), and
+# the inverse A [B,H,N,C,C] that the forward keeps for the backward (its own W, U use it in fp32).
+LOW_PRECISION_NAMES = ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A")
 # Overrides for tuning runs (profile_kernels.py), read when a kernel is traced:
 #   "<kernel name>.warps" / ".stages"          launch settings, e.g. "rewy_intra.warps": 8
 #   any key of DEFAULTS                         e.g. "rewy_bwd_leaf.rowgrid": False
@@ -259,8 +260,11 @@ def _split(refs, mode, n_in):
     return refs
 
 
-def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32)):
-    """A [B,H,N,C,C] (fp32), W [B,Tp,H,K], U [B,Tp,H,V] (stored in ``dtypes``).
+def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32), a_dtype=F32):
+    """A [B,H,N,C,C] (stored in ``a_dtype``), W [B,Tp,H,K], U [B,Tp,H,V] (in ``dtypes``).
+
+    The inverse is formed and applied in fp32 either way: ``a_dtype`` is only the dtype of the
+    copy kept for the backward (``backward.low_precision`` "A").
 
     T: the strictly lower gated key Gram [B,H,N,C,C] when ``qk_gram`` already formed it
     (vector gates, DEFAULTS "rewy_intra.gram_from_qk"); otherwise built here block by block.
@@ -300,7 +304,7 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32))
                 return
             for j in range(n):
                 A_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
-                    A[i, j] if j <= i else jnp.zeros((BS, BS), F32))
+                    A[i, j] if j <= i else jnp.zeros((BS, BS), F32)).astype(A_ref.dtype)
 
         if given_A:
             for i in range(n):
@@ -315,7 +319,7 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32))
         [] if mode == "none" else [s.chunk_gate()]) + (
         [s.chunk_mat(C, C)] if (given_T or given_A) else [])
     mats = [] if given_A else [s.chunk_mat(C, C)]
-    sds = [] if given_A else [jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32)]
+    sds = [] if given_A else [jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), a_dtype)]
     out = _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
                 out_specs=mats + [s.chunk_tok(s.K), s.chunk_tok(s.V)],
                 out_shape=sds + [s.sds_tok(s.K, dtypes[0]), s.sds_tok(s.V, dtypes[1])],
@@ -595,7 +599,7 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
         elif mode == "none":
             refs.insert(6, None)
         A_ref, R_ref, dO_ref, dR_ref, e_ref, z_ref, G_ref, S0_ref, lam_ref, dT_ref, dAqk_ref = refs
-        A = A_ref[...]
+        A = A_ref[...]  # as stored: bf16 under backward.low_precision "A"
         r, c = iota((C, C), 0), iota((C, C), 1)
         if wy:
             Gc = None if mode == "none" else load_rows(G_ref, 0, C)
@@ -605,7 +609,7 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
             vs = pl.ds(t * BV, BV)
             R_s = R_ref[:, vs]  # as stored: bf16 under backward.low_precision "R"
             R_t, dR_t = R_s.astype(F32), dR_ref[:, vs].astype(F32)
-            lam = dot(A, dR_t, prec, ta=True)
+            lam = dot_stored(A, dR_ref[:, vs], prec, ta=True)
             lam_ref[:, vs] = lam.astype(lam_ref.dtype)
             x = dot_stored(dO_ref[:, vs], R_s, prec, tb=True)
             dAqk = x if dAqk is None else dAqk + x
@@ -616,6 +620,7 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
                 x = -dot(lam, R_t, prec, tb=True)
             dT = x if dT is None else dT + x
         if wy:
+            A = A.astype(F32)
             dT = -dot(dot(A, dT, prec, ta=True), A, prec, tb=True)  # −Aᵀ dA Aᵀ
         dT_ref[...] = jnp.where(c < r, dT, 0.0)
         dAqk_ref[...] = jnp.where(c <= r, dAqk, 0.0)
@@ -746,7 +751,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             dT, dAqk = dT * D, dAqk * D
         if wy:
             dW = -dot_stored(dR_ref[...], S0, prec, tb=True)
-            dEs = dot(A_ref[...], dW, prec, ta=True)
+            dEs = dot(A_ref[...].astype(F32), dW, prec, ta=True)
         else:
             dEs = -dot_stored(lam_ref[...], S0, prec, tb=True)
         dOS = dot_stored(dO_ref[...], S0, prec, tb=True)
