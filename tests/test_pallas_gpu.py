@@ -122,6 +122,28 @@ def test_interpret_qk_gram_pair_grid(op, gram_from_qk, kw, small_tiles, monkeypa
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,gram_from_qk,kw", [("kda", True, {}),
+                                                ("gdn2", False, {"policy": "save"})])
+def test_interpret_outer_diagonal(op, gram_from_qk, kw, small_tiles, monkeypatch):
+    """qk_gram's diagonal blocks by the "outer" method (all pairs at once, key slices of
+    blocks.OUTER_SLICE; K = 32 makes two slices): every output and gradient at strong
+    decays (g down to −50 and −inf), forming P alone or P and intra's T. The method needs the
+    row operands' refs: intra's own Gram (no refs) refuses it by name."""
+    from pallas_kernels.gpu import blocks, kernels
+
+    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.exact_diag", "outer")
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", gram_from_qk)
+    monkeypatch.setattr(blocks, "OUTER_SLICE", 16)
+    inp = testing.make_inputs(op, 1, 70, 2, 32, 16, decay="strong", seed=16)
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
+                                   chunk_size=64, **kw))
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.exact_diag", "outer")
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", False)
+    with pytest.raises(ValueError, match="outer"):
+        testing.run_op(op, inp, backend="pallas_gpu", interpret=True, chunk_size=64)
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {}),
                                          ("gdn", "strong", {"backward": "wy"}),
                                          ("kda", "strong", {"policy": "save"})])

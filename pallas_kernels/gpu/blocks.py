@@ -104,8 +104,13 @@ _MID = BS // 2
 #              frame with both exponents ≤ 0: (x_r e^{G_r − G_u}) · (y_s e^{G_u − G_s}). Four
 #              masked [16, K] × [K, 16] matmuls (frame rows gathered from the ref) replace the
 #              16 steps; rows outside a level's role are zeroed *before* exp, so nothing overflows;
+#   "outer"    exact, every pair at once: the [16, 16, KS] tensor x_rc y_sc e^{G_rc − G_sc}
+#              (s ≤ r; masked before exp) per slice of KS key channels, summed over them — no
+#              dependent steps and one reduction per slice instead of one per column; for Gram
+#              blocks (``grams`` given the row operands' refs; the apply maps run it as "loop");
 #   "centred"  one matmul in the frame of row 8, only under a declared bound (CENTRED_MIN_GATE).
-DIAG_METHODS = ("loop", "levels", "centred")
+DIAG_METHODS = ("loop", "levels", "outer", "centred")
+OUTER_SLICE = 16  # key channels per slice of the "outer" diagonal: [16, 16, 16] fp32 tiles
 
 
 class Gates:
@@ -187,9 +192,10 @@ class Gates:
     def gram(self, i, j, x_i, y_j, y_ref, prec, strict):
         return self.grams(i, j, [x_i], y_j, y_ref, prec, [strict])[0]
 
-    def grams(self, i, j, xs, y_j, y_ref, prec, stricts):
+    def grams(self, i, j, xs, y_j, y_ref, prec, stricts, x_refs=None):
         """``gram`` for several row operands against one column operand (e.g. Qγ K̄ᵀ and
-        Ēγ K̄ᵀ): the decay factors — the exponentials, most of the cost — are formed once."""
+        Ēγ K̄ᵀ): the decay factors — the exponentials, most of the cost — are formed once.
+        x_refs: the row operands' [C, K] refs (the "outer" diagonal reads key slices of them)."""
         r, s = iota((BS, BS), 0), iota((BS, BS), 1)
         masks = [(s < r if st else s <= r) if i == j else None for st in stricts]
         if self.mode == "none":
@@ -209,6 +215,11 @@ class Gates:
                     jnp.where(m, dot(x * f_x, y_f, prec, tb=True), 0.0)
                     for x, m in zip(xs, masks)]
         eye = r == s
+        if self.diag == "outer":
+            if x_refs is None:
+                raise ValueError('the "outer" diagonal method needs the row operands\' refs')
+            ms = self._outer_diag(i, x_refs, y_ref)
+            return [jnp.where(eye, 0.0, m) if st else m for m, st in zip(ms, stricts)]
         if self.diag == "levels":  # exact: one masked matmul per bit level, + the diagonal
             ms = [None] * len(xs)
             for e_up, e_lo, pair in self._levels(i):
@@ -235,6 +246,26 @@ class Gates:
 
         ms = loop(0, BS, body, tuple(jnp.zeros((BS, BS), F32) for _ in xs), self.unroll)
         return [jnp.where(eye, 0.0, m) if st else m for m, st in zip(ms, stricts)]
+
+    def _outer_diag(self, i, x_refs, y_ref):
+        """[M_ii for x in x_refs], M_ii[r, s] = Σ_c x_rc y_sc e^{G_rc − G_sc} (s ≤ r, else 0):
+        per slice of OUTER_SLICE key channels, the [16, 16, KS] pair tensor at once (Triton
+        cannot slice a loaded block, so each slice is loaded from the refs)."""
+        K = self.G_ref.shape[-1]
+        KS = min(OUTER_SLICE, K)
+        rows = pl.ds(self.base + i * BS, BS)
+        keep = iota((BS, BS, 1), 1) <= iota((BS, BS, 1), 0)  # s ≤ r
+
+        def body(c, ms):
+            cols = pl.ds(c * KS, KS)
+            G = self.G_ref[rows, cols].astype(F32)  # [16, KS]
+            f = exp(jnp.where(keep, G[:, None, :] - G[None, :, :], -jnp.inf))  # ≤ 1
+            yf = y_ref[rows, cols].astype(F32)[None, :, :] * f
+            return tuple(m + jnp.sum(x_ref[rows, cols].astype(F32)[:, None, :] * yf, axis=2)
+                         for m, x_ref in zip(ms, x_refs))
+
+        return loop(0, K // KS, body, tuple(jnp.zeros((BS, BS), F32) for _ in x_refs),
+                    self.unroll)
 
     # -- Y_i = Σ_{j ≤ i} Σ_s P_ij[r, s] y_s ⊙ e^{G_r − G_s}   (P lower block-triangular) -------
     def apply(self, P, i, y, y_ref, prec):

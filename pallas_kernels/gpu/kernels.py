@@ -366,7 +366,8 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
                     T_ref[blk] = zero
                 return
             xs, stricts = ([qs[i], es[i]], [False, True]) if with_T else ([qs[i]], [False])
-            out = gt.grams(i, j, xs, ks[j], k_ref, prec, stricts)
+            x_refs = [q_ref, e_ref] if with_T else [q_ref]
+            out = gt.grams(i, j, xs, ks[j], k_ref, prec, stricts, x_refs=x_refs)
             P_ref[blk] = out[0]
             if with_T:
                 T_ref[blk] = out[1]

@@ -68,6 +68,9 @@ VARIANTS = {
     "exp2": ({"exp2": True}, 64, None, None),  # e^x as one ex2.approx (blocks.exp)
     # and qk_gram's diagonal blocks by bit levels (4 masked matmuls, no 16-step loop)
     "qlevels2": ({"exp2": True, "rewy_qk_gram.exact_diag": "levels"}, 64, None, None),
+    # or all pairs of a diagonal block at once per 16-channel key slice (blocks "outer")
+    "qouter2": ({"exp2": True, "rewy_qk_gram.exact_diag": "outer"}, 64, None, None),
+    "qouter": ({"rewy_qk_gram.exact_diag": "outer"}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
