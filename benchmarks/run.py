@@ -136,6 +136,9 @@ def parse_args(argv):
                     help="a lock file shared by benchmark processes run side by side (gpu_run.sh "
                          "BENCH_SPLIT): each compiles on its own CPU cores but holds the lock "
                          "while it times on the GPU")
+    ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Pallas GPU kernel setting for this run (kernels.TUNE, e.g. exp2=true); "
+                         "repeatable; recorded in the results' command line")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--stem", default=None, help="file stem (default: <mode>-<date>)")
     return ap.parse_args(argv)
@@ -161,6 +164,10 @@ def main(argv=None):
     if mode == "quick":  # fit one 10-minute device call (machine start and transfers included)
         a.deadline_s = 330.0 if a.deadline_s is None else a.deadline_s
         a.fla_deadline_s = 300.0 if a.fla_deadline_s is None else a.fla_deadline_s
+    if a.tune:
+        from pallas_kernels.gpu import kernels as gpu_kernels
+
+        gpu_kernels.TUNE.update(gpu_kernels.parse_tune(t) for t in a.tune)
     backends_ = a.backends.split(",") if a.backends else None
     impl_list = I.all_impls(quick=mode != "full", backends_=backends_)
     if a.impls:

@@ -177,8 +177,14 @@ def test_refusing_implementation_is_reported(tmp_path, monkeypatch):
 
     monkeypatch.setattr(impls, "all_impls", lambda quick, backends_=None: [
         Refuses(), impls.Ours("no_such_backend", "rewy", "recompute")])
+    from pallas_kernels.gpu import kernels
+
+    monkeypatch.setattr(kernels, "TUNE", {})  # --tune writes here; restored after the test
     assert run.main(["--cpu-smoke", "--shapes", TINY, "--ops", "deltanet", "--rounds", "1",
-                     "--out-dir", str(tmp_path), "--stem", "r"]) == 0
+                     "--out-dir", str(tmp_path), "--stem", "r", "--tune", "exp2=true",
+                     "--tune", "backward.low_precision=S0,dS"]) == 0
+    assert kernels.TUNE == {"exp2": True, "backward.low_precision": ("S0", "dS")}
+    assert "--tune exp2=true" in json.loads((tmp_path / "r.json").read_text())["meta"]["command"]
     rows = {r["impl"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
     assert rows["refuses"]["status"] == "refused" and "head dims" in rows["refuses"]["reason"]
     assert rows["ours no_such_backend rewy/recompute"]["status"] == "skipped"

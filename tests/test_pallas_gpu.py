@@ -473,6 +473,23 @@ def test_profile_script_runs_its_variants():
     assert profile_kernels.grad_gap(jax.tree_util.tree_map(lambda g: 2 * g, grads), grads) > 0.9
 
 
+def test_parse_tune():
+    """kernels.parse_tune: the tooling's key=value settings, and clear errors."""
+    from pallas_kernels.gpu import kernels
+
+    assert kernels.parse_tune("exp2=true") == ("exp2", True)
+    assert kernels.parse_tune("rewy_bwd_pass.warps=4") == ("rewy_bwd_pass.warps", 4)
+    assert kernels.parse_tune("rewy_qk_gram.exact_diag=outer") == ("rewy_qk_gram.exact_diag",
+                                                                    "outer")
+    assert kernels.parse_tune("backward.low_precision=S0,dS") == ("backward.low_precision",
+                                                                   ("S0", "dS"))
+    assert kernels.parse_tune("backward.low_precision=,") == ("backward.low_precision", ())
+    with pytest.raises(ValueError, match="key=value"):
+        kernels.parse_tune("exp2")
+    with pytest.raises(ValueError, match="unknown tuning key 'exp3'"):
+        kernels.parse_tune("exp3=true")
+
+
 @pytest.mark.skipif(_ON_GPU, reason="CPU smoke test of the tracing script")
 def test_trace_script_sums_stream_kernels(tmp_path):
     """pallas_kernels/gpu/trace_op.py (the device-session tool): on a GPU-like trace it sums

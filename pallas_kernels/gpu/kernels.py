@@ -148,6 +148,20 @@ def setting(key):
     return TUNE.get(key, DEFAULTS[key])
 
 
+def parse_tune(text):
+    """"key=value" (tooling's command lines) -> (key, value) for TUNE: true/false, an integer,
+    a comma list (a tuple of names; "key=," is the empty tuple) or a string."""
+    key, sep, v = text.partition("=")
+    if not sep:
+        raise ValueError(f"a tuning setting is key=value; got {text!r}")
+    if key not in DEFAULTS and not key.endswith((".warps", ".stages")):
+        raise ValueError(f"unknown tuning key {key!r}; expected a key of kernels.DEFAULTS or "
+                         "<kernel name>.warps / .stages")
+    if "," in v:
+        return key, tuple(x for x in v.split(",") if x)
+    return key, {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
+
+
 def _pass_stages(K):
     return 3 if K <= 128 else 1
 

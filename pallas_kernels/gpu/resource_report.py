@@ -55,9 +55,8 @@ def dump(op, outdir, *opts):
     K = int(kw.pop("K", 128))
     from pallas_kernels.gpu import kernels
     for key in [k for k in kw if k.startswith("tune.")]:  # tune.rewy_bwd_leaf.rowgrid=false, ...
-        v = kw.pop(key)
-        kernels.TUNE[key[5:]] = (tuple(v.split(",")) if "," in v else  # a list of names
-                                 {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v))
+        name, value = kernels.parse_tune(f"{key[5:]}={kw.pop(key)}")
+        kernels.TUNE[name] = value
     if "gate_lower_bound" in kw:
         kw["gate_lower_bound"] = float(kw["gate_lower_bound"])
     os.makedirs(outdir, exist_ok=True)
