@@ -81,9 +81,16 @@ def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32)):
     return A, W, U, P
 
 
-def _forward(cfg, q, k, e, z, G, h0, reset, end, seq):
+def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True):
+    """(o, final, (A, W, S0, R, P)); without ``keep_states`` (nothing will read S0 and R) the
+    output may be fused into the state pass (DEFAULTS "fwd_pass.fused_output"), and W, S0, R
+    come back as None."""
     s = _shape(cfg, q, z, G, h0)
     A, W, U, P = _intra(s, q, k, e, z, G, cfg.interpret)
+    if not keep_states and kn.setting("fwd_pass.fused_output"):
+        o, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret,
+                               out=(q, P, z.dtype))
+        return o, final, (A, None, None, None, P)
     S0, R, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret)
     o = kn.output(s, q, k, G, S0, R, P, z.dtype, interpret=cfg.interpret)
     return o, final, (A, W, S0, R, P)
@@ -91,12 +98,13 @@ def _forward(cfg, q, k, e, z, G, h0, reset, end, seq):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def general_delta(cfg: Config, q, k, e, z, G, h0, reset, end, seq):
-    o, final, _ = _forward(cfg, q, k, e, z, G, h0, reset, end, seq)
+    o, final, _ = _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=False)
     return o, final
 
 
 def _fwd(cfg, q, k, e, z, G, h0, reset, end, seq):
-    o, final, saved = _forward(cfg, q, k, e, z, G, h0, reset, end, seq)
+    o, final, saved = _forward(cfg, q, k, e, z, G, h0, reset, end, seq,
+                               keep_states=cfg.policy == "save")
     if cfg.policy == "recompute":
         # Keep the [C, C] chunk matrices (A, and P for vector gates: C/K of a key tensor each)
         # unless told not to: the backward then re-forms W, U with two matmuls per row block

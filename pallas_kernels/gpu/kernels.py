@@ -130,7 +130,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_qk_gram.pairgrid": False, "recompute.keep_chunk_matrices": True,
             "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False,
             "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A"),
-            "exp2": False}
+            "exp2": False, "fwd_pass.fused_output": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -231,6 +231,10 @@ class Shape:
         if self.mode == "scalar":
             return pl.BlockSpec((None, self.Tp, None), lambda bh, v: (bh // H, 0, bh % H))
         return self.col_tok(self.K, False)
+
+    def col_mats(self, r, c):  # [B, H, N, r, c], all chunks (state passes)
+        H = self.H
+        return pl.BlockSpec((None, None, self.N, r, c), lambda bh, v: (bh // H, bh % H, 0, 0, 0))
 
     def col_states(self, lead):  # [B, H, lead, K, V] tiled over V (state passes)
         H = self.H
@@ -433,23 +437,52 @@ def _qg(mode, Gc, qc):
     return (d[:, None] if mode == "scalar" else d) * qc
 
 
-def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F32, F32)):
+def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F32, F32),
+             out=None):
     """S0 [B,H,N,K,V], R [B,Tp,H,V] (stored in ``dtypes``; the pass itself carries S in fp32),
-    final [B,H,n_seq1,K,V] (fp32)."""
+    final [B,H,n_seq1,K,V] (fp32).
+
+    out = (q, P, out_dtype): the output fused into the pass instead — O = Qγ S0 + P R per chunk
+    and value tile while S0 and R are in registers — returning (o [B,Tp,H,V], final) and
+    storing no S0 or R (the ``recompute`` forward, DEFAULTS "fwd_pass.fused_output"). P: the
+    vector-gate [B,H,N,C,C] matrix of ``qk_gram``, or None (rebuilt per chunk, as ``output``).
+    """
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
+    fused = out is not None
+    vec_P = fused and out[1] is not None
 
     def kernel(*refs):
-        W_ref, U_ref, k_ref, G_ref, h0_ref, reset_ref, end_ref, seq_ref, S0_ref, R_ref, fin_ref = \
-            _split(refs, mode, 4)
+        refs = list(refs)
+        if mode == "none":
+            refs.insert(3, None)  # G
+        if not fused:
+            refs[8:8] = [None, None]  # q, P
+        elif not vec_P:
+            refs.insert(9, None)  # P
+        (W_ref, U_ref, k_ref, G_ref, h0_ref, reset_ref, end_ref, seq_ref, q_ref, P_ref,
+         *outs) = refs
+        if fused:
+            o_ref, fin_ref = outs
+        else:
+            S0_ref, R_ref, fin_ref = outs
 
         def body(c, S):
             sq = seq_ref[c]
             S = jnp.where(reset_ref[c] != 0, h0_ref[sq], S)
-            S0_ref[c] = S.astype(S0_ref.dtype)
             base = c * C
+            if not fused:
+                S0_ref[c] = S.astype(S0_ref.dtype)
             R = load_rows(U_ref, base, C) - dot(load_rows(W_ref, base, C), S, prec)
-            R_ref[pl.ds(base, C), :] = R.astype(R_ref.dtype)
             Gc, gl = _chunk_decay(mode, G_ref, base, C)
+            if fused:  # O = Qγ S0 + P R: off the recurrence's critical path
+                if vec_P:
+                    P = P_ref[c]
+                else:
+                    _, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec, base)
+                o = dot(_qg(mode, Gc, load_rows(q_ref, base, C)), S, prec) + dot(P, R, prec)
+                o_ref[pl.ds(base, C), :] = o.astype(o_ref.dtype)
+            else:
+                R_ref[pl.ds(base, C), :] = R.astype(R_ref.dtype)
             Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
             S_new = dot(Kt, R, prec, ta=True)
             S_new = S_new + (S if mode == "none" else _col(exp(gl)) * S)
@@ -465,19 +498,32 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
     ins = [W, U, k] + ([] if mode == "none" else [G]) + [h0, reset, end, seq]
     in_specs = [s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(K, False)] + (
         [] if mode == "none" else [s.col_gate()]) + [s.col_states(s.n_seq1)] + [s.col_meta()] * 3
-    return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs, **s.pass_outputs(dtypes),
+    if fused:
+        q, P, out_dtype = out
+        ins.append(q)
+        in_specs.append(s.col_tok(K, False))
+        if vec_P:
+            ins.append(P)
+            in_specs.append(s.col_mats(C, C))
+        outputs = s.pass_outputs()
+        outputs = dict(out_specs=[s.col_tok(s.V, True), outputs["out_specs"][2]],
+                       out_shape=[s.sds_tok(s.V, out_dtype), outputs["out_shape"][2]])
+    else:
+        outputs = s.pass_outputs(dtypes)
+    return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
                  num_stages=_pass_stages(K))(*ins)
 
 
-def _qk_full(mode, q_ref, k_ref, G_ref, C, prec):
+def _qk_full(mode, q_ref, k_ref, G_ref, C, prec, base=0):
     """No or scalar gates: (G rows or None, P = tril(Qγ K̄ᵀ) = (Q Kᵀ) ⊙ e^{G_r − G_s}) on the
-    whole chunk (the decay is masked before exp, so no factor exceeds 1)."""
+    whole chunk at row ``base`` (the decay is masked before exp, so no factor exceeds 1)."""
     r, c = iota((C, C), 0), iota((C, C), 1)
-    P = dot_stored(load_rows(q_ref, 0, C, None), load_rows(k_ref, 0, C, None), prec, tb=True)
+    P = dot_stored(load_rows(q_ref, base, C, None), load_rows(k_ref, base, C, None), prec,
+                   tb=True)
     if mode == "none":
         return None, jnp.where(c <= r, P, 0.0)
-    Gc = load_rows(G_ref, 0, C)
+    Gc = load_rows(G_ref, base, C)
     return Gc, P * exp(jnp.where(c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
 
 
