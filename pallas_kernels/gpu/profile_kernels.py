@@ -71,6 +71,10 @@ VARIANTS = {
     # or all pairs of a diagonal block at once per 16-channel key slice (blocks "outer")
     "qouter2": ({"exp2": True, "rewy_qk_gram.exact_diag": "outer"}, 64, None, None),
     "qouter": ({"rewy_qk_gram.exact_diag": "outer"}, 64, None, None),
+    # the recompute forward's output formed inside its state pass (no S0, R stored)
+    "fused": ({"fwd_pass.fused_output": True}, 64, None, None),
+    "fused2": ({"fwd_pass.fused_output": True, "exp2": True,
+                "rewy_qk_gram.exact_diag": "outer"}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
@@ -167,6 +171,10 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     f = jax.jit(lambda q, k, G, S0, R, P: kn.output(s, q, k, G, S0, R, P, jnp.bfloat16,
                                                     interpret=it))
     rows["output"] = _bench(f, q, k, G, S0, R, P)
+    if kn.setting("fwd_pass.fused_output"):  # the forward's pass with the output inside
+        f = jax.jit(lambda W, U, k, G, h0, q, P: kn.fwd_pass(
+            s, W, U, k, G, h0, reset, end, seq, interpret=it, out=(q, P, jnp.bfloat16)))
+        rows["fwd_pass_fused"] = _bench(f, W, U, k, G, h0, q, P)
     if set(sd.values()) != {F32}:  # the backward's own state pass reads and stores those
         f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq,
                                                        interpret=it, dtypes=(sd["S0"], sd["R"])))
