@@ -442,7 +442,8 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("gdn2", 64, 64, jnp.bfloat16, {"_vmap": True}, False),
     ("deltanet", 128, 128, jnp.bfloat16, {"_fp32_backward": True, "backward": "wy"}, False),
     ("kda", 64, 128, jnp.bfloat16, {"_fp32_backward": True}, False),
-    ("gdn2", 128, 64, jnp.bfloat16, {"_exp2": True}, False),
+    ("gdn2", 128, 64, jnp.bfloat16, {"_expf": True}, False),
+    ("deltanet", 128, 64, jnp.bfloat16, {"_unfused": True}, False),
 ]
 
 
@@ -475,8 +476,11 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
         monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", False)
     if kw.pop("_fp32_backward", False):  # the backward's stored tensors in fp32 (tuning option)
         monkeypatch.setitem(kernels.TUNE, "backward.low_precision", ())
-    if kw.pop("_exp2", False):  # e^x as exp2(x·log2 e) (tuning option)
-        monkeypatch.setitem(kernels.TUNE, "exp2", True)
+    if kw.pop("_expf", False):  # e^x as jnp.exp (libdevice's expf; the alternative to exp2)
+        monkeypatch.setitem(kernels.TUNE, "exp2", False)
+    unfused = kw.pop("_unfused", False)  # the forward's output kernel instead of the fused pass
+    if unfused:
+        monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", False)
     vmapped = kw.pop("_vmap", False)  # the gradient under jax.vmap: one more grid axis
     inp = testing.make_inputs(op, 1, 100, 2, K, V, dtype=dtype, n_seqs=3 if varlen else None)
     diff = {n: x for n, x in inp.items() if n != "cu_seqlens"}
@@ -495,10 +499,16 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
         device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(jax.value_and_grad(loss)).trace(diff).lower(lowering_platforms=("cuda",)).as_text()
-    kernels = {"rewy_intra", "rewy_fwd_pass", "rewy_output", "rewy_bwd_local", "rewy_bwd_pass",
+    kernels = {"rewy_intra", "rewy_fwd_pass", "rewy_bwd_local", "rewy_bwd_pass",
                "rewy_bwd_dlam", "rewy_bwd_leaf"} | ({"rewy_qk_gram"} if op in ("kda", "gdn2") else set())
-    if kw.get("policy", "recompute") == "recompute":  # the backward's W, U from the kept A
+    recompute = kw.get("policy", "recompute") == "recompute"
+    if recompute:  # the backward's W, U from the kept A
         kernels.add("rewy_wu")
+    # the output kernel unless the recompute forward fuses it into its pass (K ≤ 128)
+    fused = recompute and K <= 128 and not unfused
+    if not fused:
+        kernels.add("rewy_output")
+    assert ("rewy_output" in text) == (not fused)
     missing = {k for k in kernels if k not in text}
     assert not missing, f"kernels absent from the lowered module: {missing}"
 

@@ -83,11 +83,13 @@ def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32)):
 
 def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True):
     """(o, final, (A, W, S0, R, P)); without ``keep_states`` (nothing will read S0 and R) the
-    output may be fused into the state pass (DEFAULTS "fwd_pass.fused_output"), and W, S0, R
-    come back as None."""
+    output may be fused into the state pass (DEFAULTS "fwd_pass.fused_output", K ≤ 128), and
+    W, S0, R then come back as None."""
     s = _shape(cfg, q, z, G, h0)
     A, W, U, P = _intra(s, q, k, e, z, G, cfg.interpret)
-    if not keep_states and kn.setting("fwd_pass.fused_output"):
+    # K = 256: the pass holds one pipeline stage there (kernels._pass_stages) and the fused form
+    # measured slower (run h200-7: DeltaNet (8,2048,32,256) forward 12.2 -> 13.9 ms).
+    if not keep_states and kn.setting("fwd_pass.fused_output") and s.K <= 128:
         o, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret,
                                out=(q, P, z.dtype))
         return o, final, (A, None, None, None, P)

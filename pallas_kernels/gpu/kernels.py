@@ -116,11 +116,20 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               (D = 128) dk 6.2e-3 -> 7.6e-3 (of 1e-2), GDN2 (D = 64) db 4.4e-3 -> 8.8e-3 (of
 #               2e-2). Run h200-6 passed every accuracy check with it. Default: all.
 #   exp2        every e^x of the kernels as exp2(x·log2 e) (blocks.exp): one ex2.approx and a
-#               product instead of libdevice's ~14-instruction expf. Static counts (ptxas,
-#               sm_90, KDA at K = 128; no device time yet): SASS instructions qk_gram
-#               16928 -> 11576, bwd_leaf 8488 -> 6608, intra 4800 -> 3648; qk_gram's diagonal
-#               loop 721 -> 607 per step (its 164 shuffles per step stay), but qk_gram's spill
-#               stores outside the loops 42 -> 139. Untimed: off until profiled.
+#               product instead of libdevice's ~14-instruction expf. Profile-9 (H200, commit
+#               6942002, benchmarks/results/profile-9/): KDA qk_gram 1.80 -> 1.45 ms, fwd_pass
+#               0.44 -> 0.38, the backward's pass 0.39 -> 0.32; KDA fwd+bwd through the op
+#               6.19 -> 5.65 (gradients move 2.7e-4 relative: bf16-storage rounding flips).
+#               Default since profile-9.
+#   fwd_pass.fused_output  a forward whose S0, R nothing reads (policy "recompute", and the
+#               primal) forms O = Qγ S0 + P R inside its state pass instead of storing S0, R
+#               for the output kernel. Profile-9: DeltaNet fwd 0.685 -> 0.593 ms (the fused
+#               pass 0.32 against fwd_pass 0.24 + output 0.17), fwd+bwd through the op
+#               1.89 -> 1.81; KDA (with exp2 and the outer diagonals) 5.71 -> 5.69; gradients
+#               identical. Default since profile-9, for K ≤ 128 (api._forward): at K = 256
+#               run h200-7 measured DeltaNet's forward slower (12.2 -> 13.9 ms).
+#   rewy_qk_gram.exact_diag "outer"  (blocks.DIAG_METHODS) all pairs of a diagonal block at once:
+#               profile-9 with exp2, qk_gram 1.45 (loop) -> 1.53: slower, not the default.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
 # op 6.20 -> 5.86 ms, DeltaNet 2.01 -> 1.88, GDN 2.43 -> 2.16 at the anchor shape, jax.grad.)
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
@@ -130,7 +139,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_qk_gram.pairgrid": False, "recompute.keep_chunk_matrices": True,
             "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False,
             "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A"),
-            "exp2": False, "fwd_pass.fused_output": False}
+            "exp2": True, "fwd_pass.fused_output": True}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -356,8 +365,8 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
     decay factor (the same K̄ frames), so T costs matmuls here instead of exponentials in intra.
     """
     n, C, prec = s.n, s.C, s.prec
-    # Row grid (DEFAULTS): one program per 16-row block of P. Pair grid (DEFAULTS, untimed):
-    # one program per (row block, column block) — balanced programs (a row grid's last row does
+    # Row grid (DEFAULTS): one program per 16-row block of P. Pair grid (DEFAULTS, off: no
+    # faster in profile-6): one program per (row block, column block) — balanced programs (a row grid's last row does
     # n blocks, its first one) with one block's live tiles: ptxas showed the row-grid program
     # spilling once it formed T beside P.
     pairgrid = bool(setting("rewy_qk_gram.pairgrid"))
