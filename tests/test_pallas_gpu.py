@@ -106,31 +106,6 @@ def test_interpret_shared_decay_options(op, decay, kw, diag, gram_from_qk, share
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,decay,n_seqs,C", [("deltanet", "none", None, 16),
-                                               ("gdn", "strong", 3, 32),
-                                               ("kda", "strong", None, 64),
-                                               ("gdn2", "normal", 2, 16)])
-def test_interpret_fused_output_pass(op, decay, n_seqs, C, small_tiles, monkeypatch):
-    """DEFAULTS "fwd_pass.fused_output": the output formed inside the forward state pass (no
-    S0, R stored) — every output and gradient against the float64 recurrence, initial states
-    and packed sequences included, T not a multiple of the chunk; o and the final state equal
-    the two-kernel forward's to fp32 rounding; policy "save" (which keeps S0, R) still runs."""
-    from pallas_kernels.gpu import kernels
-
-    inp = testing.make_inputs(op, 1 if n_seqs else 2, 70, 2, 32, 32, decay=decay, seed=19,
-                              n_seqs=n_seqs)
-    kw = dict(backend="pallas_gpu", interpret=True, chunk_size=C, use_qk_l2norm=True)
-    monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", False)
-    o2, f2 = testing.run_op(op, inp, **kw)
-    monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", True)
-    o1, f1 = testing.run_op(op, inp, **kw)
-    assert _rel(o1, o2) < 1e-6 and _rel(f1, f2) < 1e-6
-    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True, chunk_size=C))
-    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True, chunk_size=C,
-                                   policy="save"))
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,gram_from_qk,kw", [("kda", True, {}),
                                                 ("gdn2", False, {"gate_lower_bound": -5.0})])
 def test_interpret_qk_gram_pair_grid(op, gram_from_qk, kw, small_tiles, monkeypatch):
