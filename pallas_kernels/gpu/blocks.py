@@ -107,7 +107,8 @@ _MID = BS // 2
 #   "outer"    exact, every pair at once: the [16, 16, KS] tensor x_rc y_sc e^{G_rc − G_sc}
 #              (s ≤ r; masked before exp) per slice of KS key channels, summed over them — no
 #              dependent steps and one reduction per slice instead of one per column; for Gram
-#              blocks (``grams`` given the row operands' refs; the apply maps run it as "loop");
+#              blocks (``grams`` given the row operands' refs; the apply maps run it as "loop").
+#              Profile-9 (H200): qk_gram 1.53 ms against the loop's 1.45 with exp2 — off;
 #   "centred"  one matmul in the frame of row 8, only under a declared bound (CENTRED_MIN_GATE).
 DIAG_METHODS = ("loop", "levels", "outer", "centred")
 OUTER_SLICE = 16  # key channels per slice of the "outer" diagonal: [16, 16, 16] fp32 tiles
