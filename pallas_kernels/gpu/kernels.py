@@ -366,9 +366,9 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
     """
     n, C, prec = s.n, s.C, s.prec
     # Row grid (DEFAULTS): one program per 16-row block of P. Pair grid (DEFAULTS, off: no
-    # faster in profile-6): one program per (row block, column block) — balanced programs (a row grid's last row does
-    # n blocks, its first one) with one block's live tiles: ptxas showed the row-grid program
-    # spilling once it formed T beside P.
+    # faster in profile-6): one program per (row block, column block) — balanced programs (a
+    # row grid's last row does n blocks, its first one) with one block's live tiles: ptxas
+    # showed the row-grid program spilling once it formed T beside P.
     pairgrid = bool(setting("rewy_qk_gram.pairgrid"))
     rowgrid = bool(setting("rewy_qk_gram.rowgrid")) and not pairgrid
     diag = setting("rewy_qk_gram.exact_diag")
@@ -488,7 +488,7 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
                     P = P_ref[c]
                 else:
                     _, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec, base)
-                o = dot(_qg(mode, Gc, load_rows(q_ref, base, C)), S, prec) + dot(P, R, prec)
+                o = _chunk_output(mode, Gc, load_rows(q_ref, base, C), S, P, R, prec)
                 o_ref[pl.ds(base, C), :] = o.astype(o_ref.dtype)
             else:
                 R_ref[pl.ds(base, C), :] = R.astype(R_ref.dtype)
@@ -536,6 +536,12 @@ def _qk_full(mode, q_ref, k_ref, G_ref, C, prec, base=0):
     return Gc, P * exp(jnp.where(c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
 
 
+def _chunk_output(mode, Gc, qc, S0, P, R, prec):
+    """One chunk's (value tile of) O = Qγ S0 + P R — fp32, from the chunk's G rows, q rows,
+    start state, gated query-key matrix and residuals (``output`` and the fused ``fwd_pass``)."""
+    return dot(_qg(mode, Gc, qc), S0, prec) + dot(P, R, prec)
+
+
 def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
     """O = Qγ S0 + P R, [B,Tp,H,V] in out_dtype. Grid (N, B·H, V/BV).
 
@@ -558,8 +564,9 @@ def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
             Gc, P = load_rows(G_ref, 0, C), P_ref[...]
         else:  # one [C, C] decay matrix: whole-chunk matmuls
             Gc, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)
-        o = dot(_qg(mode, Gc, load_rows(q_ref, 0, C)), S0_ref[...].astype(F32), prec)
-        o_ref[...] = (o + dot(P, R_ref[...].astype(F32), prec)).astype(o_ref.dtype)
+        o = _chunk_output(mode, Gc, load_rows(q_ref, 0, C), S0_ref[...].astype(F32), P,
+                          R_ref[...].astype(F32), prec)
+        o_ref[...] = o.astype(o_ref.dtype)
 
     if vec:
         ins = [q, G, S0, R, P]
