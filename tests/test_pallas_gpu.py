@@ -169,6 +169,23 @@ def test_interpret_outer_diagonal(op, gram_from_qk, kw, small_tiles, monkeypatch
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,kw", [("kda", {}), ("kda", {"gate_lower_bound": -5.0}),
+                                   ("gdn2", {"backward": "wy", "policy": "save"})])
+def test_interpret_sliced_contractions(op, kw, monkeypatch):
+    """qk_gram's Gram blocks contracted over key slices (``rewy_qk_gram.kslice``) and the
+    leaf's state products over value slices (``rewy_bwd_leaf.vslice``): K = V = 32 in slices
+    of 16 (two loop steps), strong or bounded decays, every output and gradient."""
+    from pallas_kernels.gpu import kernels
+
+    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.kslice", 16)
+    monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.vslice", 16)
+    decay = "bounded" if kw.get("gate_lower_bound") else "strong"
+    inp = testing.make_inputs(op, 1, 70, 2, 32, 32, decay=decay, seed=17)
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
+                                   chunk_size=64, **kw))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {}),
                                          ("gdn", "strong", {"backward": "wy"}),
                                          ("kda", "strong", {"policy": "save"})])

@@ -122,10 +122,13 @@ class Gates:
     gates known to satisfy g ≥ CENTRED_MIN_GATE. unroll: see ``loop``.
     """
 
-    def __init__(self, mode, G_ref, base, C, diag="loop", unroll=False):
+    def __init__(self, mode, G_ref, base, C, diag="loop", unroll=False, kslice=0):
         if diag not in DIAG_METHODS:
             raise ValueError(f"diag must be one of {DIAG_METHODS}; got {diag!r}")
         self.mode, self.G_ref, self.base, self.C = mode, G_ref, base, C
+        # vector gates: Gram blocks in one reference frame contracted over slices of this many
+        # key channels (0: the whole key width at once); see ``_frame_grams``
+        self.kslice = kslice
         self.unroll = unroll  # the "loop" diagonals' 16 steps unrolled (``loop``)
         self.diag = diag if mode == "vector" else "loop"
         self.centred = self.diag == "centred"
@@ -206,6 +209,10 @@ class Gates:
             D = self._sdecay(i, j, None if i > j else (s <= r))
             return [dot(x, y_j, prec, tb=True) * (D if m is None else jnp.where(m, D, 0.0))
                     for x, m in zip(xs, masks)]
+        K = self.G_ref.shape[-1]
+        if (i > j or self.centred) and x_refs is not None and 0 < self.kslice < K:
+            return [m_ if m is None else jnp.where(m, m_, 0.0) for m_, m in
+                    zip(self._frame_grams(i, j, x_refs, y_ref, prec), masks)]
         Gi = self.blk(i)
         if i > j or self.centred:  # one frame row: the block's first (i > j) or middle row
             # (centred diagonal blocks: factors up to e^40, masked after the matmul)
@@ -237,6 +244,27 @@ class Gates:
         rr = iota((BS, 1), 0)
         cc = iota((1, BS), 1)
         base = self.base + i * BS
+        if x_refs is not None and 0 < self.kslice < K:  # the same steps per key slice
+            ks = self.kslice
+            rows = pl.ds(base, BS)
+
+            def slice_body(c, ms):
+                cols = pl.ds(c * ks, ks)
+                xs_c = [x_ref[rows, cols].astype(F32) for x_ref in x_refs]
+                Gi_c = self.G_ref[rows, cols].astype(F32)
+
+                def body(o, ms):
+                    y_o = y_ref[pl.ds(base + o, 1), cols].astype(F32)
+                    g_o = self.G_ref[pl.ds(base + o, 1), cols].astype(F32)
+                    yf = y_o * exp(jnp.where(rr >= o, Gi_c - g_o, -jnp.inf))
+                    return tuple(jnp.where(cc == o, m + jnp.sum(x * yf, axis=1, keepdims=True), m)
+                                 for x, m in zip(xs_c, ms))
+
+                return loop(0, BS, body, ms, self.unroll)
+
+            ms = lax.fori_loop(0, K // ks, slice_body,
+                               tuple(jnp.zeros((BS, BS), F32) for _ in xs))
+            return [jnp.where(eye, 0.0, m) if st else m for m, st in zip(ms, stricts)]
 
         def body(o, ms):
             y_o = y_ref[pl.ds(base + o, 1), :].astype(F32)  # [1, K]
@@ -247,6 +275,34 @@ class Gates:
 
         ms = loop(0, BS, body, tuple(jnp.zeros((BS, BS), F32) for _ in xs), self.unroll)
         return [jnp.where(eye, 0.0, m) if st else m for m, st in zip(ms, stricts)]
+
+    def _frame_grams(self, i, j, x_refs, y_ref, prec):
+        """[M_ij for x in x_refs] in one frame row m (i > j: row 16i; centred: 16i + 8),
+        summed over slices of ``kslice`` key channels read from the refs.
+
+        Why slices: a [16, K] × [K, 16] product's row operand sits whole in every warp's
+        registers (16 rows fill one mma tile, so the warps split only the 16 columns); at
+        K = 128 that is 64 registers per operand and thread, and two Grams plus their decay
+        factors hold the kernel at the 255-register cap (ptxas). A slice of 32 channels holds
+        a quarter of that live at a time."""
+        K = self.G_ref.shape[-1]
+        ks = self.kslice
+        rows_i = pl.ds(self.base + i * BS, BS)
+        rows_j = pl.ds(self.base + j * BS, BS)
+        m = self.base + i * BS + (0 if i > j else _MID)
+
+        def body(c, accs):
+            cols = pl.ds(c * ks, ks)
+            Gi = self.G_ref[rows_i, cols].astype(F32)
+            Gm = self.G_ref[pl.ds(m, 1), cols].astype(F32)
+            Gj = self.G_ref[rows_j, cols].astype(F32) if i > j else Gi
+            f_x = exp(Gi - Gm)
+            y_f = y_ref[rows_j, cols].astype(F32) * exp(Gm - Gj)
+            return tuple(a + dot(x_ref[rows_i, cols].astype(F32) * f_x, y_f, prec, tb=True)
+                         for a, x_ref in zip(accs, x_refs))
+
+        return list(loop(0, K // ks, body, tuple(jnp.zeros((BS, BS), F32) for _ in x_refs),
+                         self.unroll))
 
     def _outer_diag(self, i, x_refs, y_ref):
         """[M_ii for x in x_refs], M_ii[r, s] = Σ_c x_rc y_sc e^{G_rc − G_sc} (s ≤ r, else 0):

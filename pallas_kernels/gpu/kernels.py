@@ -139,7 +139,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_qk_gram.pairgrid": False, "recompute.keep_chunk_matrices": True,
             "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False,
             "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A"),
-            "exp2": True, "fwd_pass.fused_output": True}
+            "exp2": True, "fwd_pass.fused_output": True, "rewy_qk_gram.kslice": 0,
+            "rewy_bwd_leaf.vslice": 0}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -380,7 +381,8 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
         else:
             (q_ref, k_ref, G_ref, P_ref), e_ref, T_ref = refs, None, None
         # exact: as fast as centred here (0.95 ms, when qk_gram formed P alone)
-        gt = Gates("vector", G_ref, 0, C, diag, bool(setting("rewy_qk_gram.unroll")))
+        gt = Gates("vector", G_ref, 0, C, diag, bool(setting("rewy_qk_gram.unroll")),
+                   kslice=setting("rewy_qk_gram.kslice"))
         qs, ks = Rows(q_ref), Rows(k_ref)
         es = Rows(e_ref) if with_T else None
 
@@ -750,14 +752,35 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         A = Blocks(A_ref) if wy else None
         dW_memo = {}
 
+        vs = setting("rewy_bwd_leaf.vslice")
+
+        def state_dots(i, pairs):
+            """[x_i Sᵀ for (x_ref, S_ref) in pairs]: row block i of a [C, V] tensor against a
+            [BK, V] state tile, [BS, BK] each. With a value slice (DEFAULTS
+            "rewy_bwd_leaf.vslice") the V contraction runs over slices of that width, the pairs
+            sharing each slice's loop step: a [16, V] row operand sits whole in every warp's
+            registers (its 16 rows are one mma tile), and several of them live at once kept the
+            kernel at the register cap."""
+            rows = pl.ds(i * BS, BS)
+            if not 0 < vs < V:
+                return [dot_stored(x_ref[rows, :], S_ref[...], prec, tb=True)
+                        for x_ref, S_ref in pairs]
+
+            def body(c, accs):
+                cols = pl.ds(c * vs, vs)
+                return tuple(a + dot_stored(x_ref[rows, cols], S_ref[:, cols], prec, tb=True)
+                             for a, (x_ref, S_ref) in zip(accs, pairs))
+
+            return list(lax.fori_loop(0, V // vs, body,
+                                      tuple(jnp.zeros((BS, BK), F32) for _ in pairs)))
+
         def dW(j):  # WY's dW_j = −dR_j S0ᵀ, formed once per program at first use
             if j not in dW_memo:
-                dW_memo[j] = -dot_stored(load_rows(dR_ref, j * BS, BS, None), S0_ref[...], prec,
-                                         tb=True)
+                dW_memo[j] = -state_dots(j, [(dR_ref, S0_ref)])[0]
             return dW_memo[j]
 
         def RdS(i):  # R_i dS_endᵀ [BS, BK]
-            return dot_stored(load_rows(R_ref, i * BS, BS, None), dSe_ref[...], prec, tb=True)
+            return state_dots(i, [(R_ref, dSe_ref)])[0]
 
         def tail_sum(i, RdS_i):  # Σ_s (R dSᵀ)_s ⊙ K_tail,s over row block i, [1, BK]
             return jnp.sum(RdS_i * gt.tail(i, ks[i]), axis=0, keepdims=True)
@@ -767,8 +790,10 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             when they are not at hand (row grid): the last block then recomputes them."""
             if wy:  # dĒ_state = Aᵀ dW, dW_j = −dR_j S0ᵀ
                 dEs = _sum(dot(A[j, i], dW(j), prec, ta=True) for j in range(i, n))
+                dOS, = state_dots(i, [(dO_ref, S0_ref)])
             else:
-                dEs = -dot_stored(load_rows(lam_ref, i * BS, BS, None), S0_ref[...], prec, tb=True)
+                lS, dOS = state_dots(i, [(lam_ref, S0_ref), (dO_ref, S0_ref)])
+                dEs = -lS
             if shared:  # dT and dA_qk meet the same decay factors: form them once
                 de_k, dq_k = gt.applies([dT, dAqk], i, ks, k_ref, prec)
                 dk_x = gt.apply_t_sum([(dT, es, e_ref), (dAqk, qs, q_ref)], i, prec, n)
@@ -776,8 +801,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
                 de_k, dq_k = (gt.apply(dT, i, ks, k_ref, prec), gt.apply(dAqk, i, ks, k_ref, prec))
                 dk_x = gt.apply_t(dT, i, es, e_ref, prec, n) + gt.apply_t(dAqk, i, qs, q_ref, prec, n)
             de = gt.head(i, dEs) + de_k
-            dq = gt.head(i, dot_stored(load_rows(dO_ref, i * BS, BS, None), S0_ref[...], prec,
-                                       tb=True)) + dq_k
+            dq = gt.head(i, dOS) + dq_k
             RdS_i = RdS(i)
             dk = dk_x + gt.tail(i, RdS_i)
             rows = pl.ds(i * BS, BS)
