@@ -169,16 +169,18 @@ def test_interpret_outer_diagonal(op, gram_from_qk, kw, small_tiles, monkeypatch
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,kw", [("kda", {}), ("kda", {"gate_lower_bound": -5.0}),
-                                   ("gdn2", {"backward": "wy", "policy": "save"})])
-def test_interpret_sliced_contractions(op, kw, monkeypatch):
-    """qk_gram's Gram blocks contracted over key slices (``rewy_qk_gram.kslice``) and the
-    leaf's state products over value slices (``rewy_bwd_leaf.vslice``): K = V = 32 in slices
-    of 16 (two loop steps), strong or bounded decays, every output and gradient."""
+@pytest.mark.parametrize("op,kw,kslice", [("kda", {}, 16), ("kda", {"gate_lower_bound": -5.0}, 0),
+                                          ("gdn2", {"backward": "wy", "policy": "save"}, 16),
+                                          ("deltanet", {}, 16), ("gdn", {"backward": "wy"}, 16)])
+def test_interpret_key_sliced_grams(op, kw, kslice, monkeypatch):
+    """Gram blocks contracted over key slices — qk_gram's (``rewy_qk_gram.kslice``, default
+    16) and intra's own (``rewy_intra.kslice``, an option: the no-gate and scalar-gate key
+    Gram, read as stored) — K = 32 in two loop steps, or over all K at once (0): strong or
+    bounded decays, every output and gradient."""
     from pallas_kernels.gpu import kernels
 
-    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.kslice", 16)
-    monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.vslice", 16)
+    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.kslice", kslice)
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.kslice", kslice)
     decay = "bounded" if kw.get("gate_lower_bound") else "strong"
     inp = testing.make_inputs(op, 1, 70, 2, 32, 32, decay=decay, seed=17)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
@@ -283,8 +285,8 @@ def test_recompute_keeps_chunk_matrices_not_states(mode):
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {}), ("kda", "strong", {}),
                                          ("gdn", "normal", {"backward": "wy", "policy": "save"})])
 def test_interpret_low_precision_backward(op, decay, kw, monkeypatch):
-    """backward.low_precision: the backward's stored S0, R, dS, dR, dRl, Λ, W, U and the
-    forward's kept A in bf16 (16-bit inputs). The forward is untouched bit for bit; every gradient stays within the bf16
+    """backward.low_precision: the backward's stored S0, R, dS, dR, dRl, Λ, W, U, dT and dA_qk
+    and the forward's kept A in bf16 (16-bit inputs). The forward is untouched bit for bit; every gradient stays within the bf16
     thresholds against the float64 recurrence; the stored tensors really are bf16."""
     from pallas_kernels.gpu import api, kernels
 

@@ -152,7 +152,7 @@ def _bwd(cfg, res, cts):
     dq, dk, de, dz, dG = kn.bwd_chunk(s, q, k, e, z, G, A, S0, dSe, R, dO, dR,
                                       backward=cfg.backward,
                                       dtypes=(q.dtype, k.dtype, e.dtype, z.dtype), interpret=it,
-                                      lam_dtype=sd["lam"])
+                                      lam_dtype=sd["lam"], dt_dtype=sd["dT"])
     return dq, dk, de, dz, dG, dh0, None, None, None
 
 

@@ -193,8 +193,9 @@ class Gates:
         return exp(d)
 
     # -- gram block M_ij[r, s] = Σ_c x_rc y_sc e^{G_rc − G_sc}, s ≤ r (s < r if strict) -------
-    def gram(self, i, j, x_i, y_j, y_ref, prec, strict):
-        return self.grams(i, j, [x_i], y_j, y_ref, prec, [strict])[0]
+    def gram(self, i, j, x_i, y_j, y_ref, prec, strict, x_ref=None):
+        return self.grams(i, j, [x_i], y_j, y_ref, prec, [strict],
+                          x_refs=None if x_ref is None else [x_ref])[0]
 
     def grams(self, i, j, xs, y_j, y_ref, prec, stricts, x_refs=None):
         """``gram`` for several row operands against one column operand (e.g. Qγ K̄ᵀ and
@@ -202,13 +203,20 @@ class Gates:
         x_refs: the row operands' [C, K] refs (the "outer" diagonal reads key slices of them)."""
         r, s = iota((BS, BS), 0), iota((BS, BS), 1)
         masks = [(s < r if st else s <= r) if i == j else None for st in stricts]
+        if self.mode != "vector" and x_refs is not None and self.kslice > 0:
+            # the plain products x_i y_jᵀ from the refs as stored, over key slices
+            # (``_sliced_products``), then the same masks and scalar decay as below
+            xs = self._sliced_products(i, j, x_refs, y_ref, prec)
+            y_j = None
         if self.mode == "none":
+            if y_j is None:
+                return [x if m is None else jnp.where(m, x, 0.0) for x, m in zip(xs, masks)]
             return [dot(x, y_j, prec, tb=True) if m is None else
                     jnp.where(m, dot(x, y_j, prec, tb=True), 0.0) for x, m in zip(xs, masks)]
         if self.mode == "scalar":
             D = self._sdecay(i, j, None if i > j else (s <= r))
-            return [dot(x, y_j, prec, tb=True) * (D if m is None else jnp.where(m, D, 0.0))
-                    for x, m in zip(xs, masks)]
+            return [(x if y_j is None else dot(x, y_j, prec, tb=True))
+                    * (D if m is None else jnp.where(m, D, 0.0)) for x, m in zip(xs, masks)]
         K = self.G_ref.shape[-1]
         if (i > j or self.centred) and x_refs is not None and 0 < self.kslice < K:
             return [m_ if m is None else jnp.where(m, m_, 0.0) for m_, m in
@@ -275,6 +283,24 @@ class Gates:
 
         ms = loop(0, BS, body, tuple(jnp.zeros((BS, BS), F32) for _ in xs), self.unroll)
         return [jnp.where(eye, 0.0, m) if st else m for m, st in zip(ms, stricts)]
+
+    def _sliced_products(self, i, j, x_refs, y_ref, prec):
+        """[x_i y_jᵀ for x in x_refs] ([BS, BS], no decay), the rows read as stored (16-bit
+        inputs multiply natively) and contracted over key slices of ``kslice`` channels (all K
+        when kslice ≥ K) — the row operand's registers, as in ``_frame_grams``."""
+        K = y_ref.shape[-1]
+        ks = min(self.kslice, K)
+        rows_i = pl.ds(self.base + i * BS, BS)
+        rows_j = pl.ds(self.base + j * BS, BS)
+
+        def body(c, accs):
+            cols = pl.ds(c * ks, ks)
+            y = y_ref[rows_j, cols]
+            return tuple(a + dot_stored(x_ref[rows_i, cols], y, prec, tb=True)
+                         for a, x_ref in zip(accs, x_refs))
+
+        return list(loop(0, K // ks, body, tuple(jnp.zeros((BS, BS), F32) for _ in x_refs),
+                         self.unroll))
 
     def _frame_grams(self, i, j, x_refs, y_ref, prec):
         """[M_ij for x in x_refs] in one frame row m (i > j: row 16i; centred: 16i + 8),

@@ -71,8 +71,10 @@ def _call(kernel, *, grid, in_specs, out_specs, out_shape, interpret, num_warps,
 # 0.27 -> 0.18); the two with the most live tiles (bwd_pass, bwd_leaf) keep 8 (bwd_leaf with
 # vector gates: 3.09 at 8, 3.23 at 4; ptxas showed the blocked kernels spilling at 4). The state
 # passes software-pipeline their per-chunk loads (num_stages = 3, ~210 KB of shared memory at
-# K = 128); at K = 256 that would need ~400 KB, so they drop to one stage there.
-WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "bwd_pass": 8,
+# K = 128); at K = 256 that would need ~400 KB, so they drop to one stage there. qk_gram runs
+# 2 warps since it contracts in key slices (profile-10, below: [16, 16] output blocks keep
+# few warps busy, and at 2 warps its 153 registers leave room for more programs per SM).
+WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "bwd_pass": 8,
          "bwd_dlam": 4, "bwd_leaf": 8}
 # Algorithm choices of the vector-gate kernels, from profile-4 (H200, KDA at the anchor shape,
 # benchmarks/results/profile-4-256267b.txt):
@@ -128,6 +130,20 @@ WARPS = {"intra": 4, "qk_gram": 4, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               1.89 -> 1.81; KDA (with exp2 and the outer diagonals) 5.71 -> 5.69; gradients
 #               identical. Default since profile-9, for K ≤ 128 (api._forward): at K = 256
 #               run h200-7 measured DeltaNet's forward slower (12.2 -> 13.9 ms).
+#   rewy_qk_gram.kslice  qk_gram's Gram blocks (frame blocks and the per-column diagonal
+#               loop) contracted over slices of this many key channels instead of all K at
+#               once (Gates._frame_grams): a [16, K] row operand of a 16-row product sits whole
+#               in every warp, so at K = 128 two Grams held the kernel at 255 registers with
+#               spills; sliced, ptxas reports 153 (4 warps) and none. Profile-10 (H200, commit
+#               acdd225, benchmarks/results/profile-10/): qk_gram 1.44 -> 0.80 ms (slices of 32,
+#               4 warps), 0.76 (16, 4 warps), 0.56 (32, 2 warps), 0.545 (16, 2 warps), 0.61
+#               (16, 1 warp), 1.36 (32, 1 warp), 1.68 (64, 2 warps); KDA fwd+bwd through the op
+#               5.56 -> 4.66. Default 16 with 2 warps (WARPS).
+#   rewy_intra.kslice  intra's own key Gram (no or scalar gates; vector gates read theirs from
+#               qk_gram) from the rows as stored — native bf16 products — over key slices of
+#               this many channels (0: fp32 rows, all K at once). ptxas, DeltaNet K = 128, 4
+#               warps: 221 -> 172 registers (slices of 16), just short of a third program per
+#               SM. Not yet timed: off.
 #   rewy_qk_gram.exact_diag "outer"  (blocks.DIAG_METHODS) all pairs of a diagonal block at once:
 #               profile-9 with exp2, qk_gram 1.45 (loop) -> 1.53: slower, not the default.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
@@ -139,14 +155,15 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_qk_gram.pairgrid": False, "recompute.keep_chunk_matrices": True,
             "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False,
             "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A"),
-            "exp2": True, "fwd_pass.fused_output": True, "rewy_qk_gram.kslice": 0,
-            "rewy_bwd_leaf.vslice": 0}
+            "exp2": True, "fwd_pass.fused_output": True, "rewy_qk_gram.kslice": 16,
+            "rewy_intra.kslice": 0}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
 # in the backward (they set the backward's recomputed states, so they reach every gradient), and
-# the inverse A [B,H,N,C,C] that the forward keeps for the backward (its own W, U use it in fp32).
-LOW_PRECISION_NAMES = ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A")
+# the inverse A [B,H,N,C,C] that the forward keeps for the backward (its own W, U use it in fp32),
+# and "dT": the chunk cotangents dT and dA_qk [B,H,N,C,C] between bwd_dlam and bwd_leaf.
+LOW_PRECISION_NAMES = ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A", "dT")
 # Overrides for tuning runs (profile_kernels.py), read when a kernel is traced:
 #   "<kernel name>.warps" / ".stages"          launch settings, e.g. "rewy_intra.warps": 8
 #   any key of DEFAULTS                         e.g. "rewy_bwd_leaf.rowgrid": False
@@ -315,13 +332,15 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
         # exact per-pair diagonals even under a declared bound: the centred blocks measured
         # slower here (1.81 -> 2.39 ms, H200), unlike in bwd_leaf (6.0 -> 3.1 ms)
         unroll = bool(setting("rewy_intra.unroll"))
-        gt = Gates(mode, G_ref, 0, C, setting("rewy_intra.exact_diag"), unroll)
+        gt = Gates(mode, G_ref, 0, C, setting("rewy_intra.exact_diag"), unroll,
+                   kslice=setting("rewy_intra.kslice"))
         ks, es, zs = Rows(k_ref), Rows(e_ref), Rows(z_ref)
 
         def T_blk(i, j):
             if given_T:
                 return M_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)]
-            return gt.gram(i, j, es[i], ks[j], k_ref, prec, strict=True)
+            return gt.gram(i, j, es[i], ks[j], k_ref, prec, strict=True,
+                           x_ref=e_ref if gt.kslice else None)  # key slices need the ref
 
         def on_row(i, A):  # row block i of A is final: emit W_i, U_i (and A's row)
             W_ref[pl.ds(i * BS, BS), :] = _sum(
@@ -657,7 +676,8 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
                  num_stages=_pass_stages(K))(*ins)
 
 
-def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dtype=F32):
+def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dtype=F32,
+             dt_dtype=F32):
     """The state-free core of the chunk backward, grid (N, B·H), a loop over value tiles.
 
     ReWY (rewy-math §4):  Λ = Aᵀ dR (product 1),  dT = −tril(Λ Rᵀ, −1) (product 2).
@@ -666,7 +686,8 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
     Both: dA_qk = tril(dO Rᵀ).
     No gate enters these products (only WY's Ē), so they run on whole-chunk [C, ·] tiles
     (one matmul each) rather than 16-row sub-chunk blocks: far fewer live accumulators.
-    Returns Λ [B,Tp,H,V] in ``lam_dtype`` (= dz), dT and dA_qk [B,H,N,C,C] fp32 (masked).
+    Returns Λ [B,Tp,H,V] in ``lam_dtype`` (= dz), dT and dA_qk [B,H,N,C,C] in ``dt_dtype``
+    (masked; formed in fp32).
     """
     C, prec, mode, V, BV = s.C, s.prec, s.mode, s.V, s.BV
     wy = backward == "wy"
@@ -701,8 +722,8 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
         if wy:
             A = A.astype(F32)
             dT = -dot(dot(A, dT, prec, ta=True), A, prec, tb=True)  # −Aᵀ dA Aᵀ
-        dT_ref[...] = jnp.where(c < r, dT, 0.0)
-        dAqk_ref[...] = jnp.where(c <= r, dAqk, 0.0)
+        dT_ref[...] = jnp.where(c < r, dT, 0.0).astype(dT_ref.dtype)
+        dAqk_ref[...] = jnp.where(c <= r, dAqk, 0.0).astype(dAqk_ref.dtype)
 
     full_v = pl.BlockSpec((None, C, None, V), lambda n_, bh: (bh // s.H, n_, bh % s.H, 0))
     ins = [A, R, dO, dR] + ([e, z] + ([] if mode == "none" else [G]) + [S0] if wy else [])
@@ -711,8 +732,9 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
         [s.chunk_mat(s.K, V)] if wy else [])
     return _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
                  out_specs=[full_v, s.chunk_mat(C, C), s.chunk_mat(C, C)],
-                 out_shape=[s.sds_tok(V, lam_dtype), jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32),
-                            jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32)],
+                 out_shape=[s.sds_tok(V, lam_dtype),
+                            jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), dt_dtype),
+                            jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), dt_dtype)],
                  interpret=interpret, num_warps=WARPS["bwd_dlam"], name="rewy_bwd_dlam")(*ins)
 
 
@@ -752,27 +774,12 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         A = Blocks(A_ref) if wy else None
         dW_memo = {}
 
-        vs = setting("rewy_bwd_leaf.vslice")
-
         def state_dots(i, pairs):
             """[x_i Sᵀ for (x_ref, S_ref) in pairs]: row block i of a [C, V] tensor against a
-            [BK, V] state tile, [BS, BK] each. With a value slice (DEFAULTS
-            "rewy_bwd_leaf.vslice") the V contraction runs over slices of that width, the pairs
-            sharing each slice's loop step: a [16, V] row operand sits whole in every warp's
-            registers (its 16 rows are one mma tile), and several of them live at once kept the
-            kernel at the register cap."""
+            [BK, V] state tile, [BS, BK] each. (Contracting V in slices, as qk_gram does K,
+            measured slower here: profile-10, bwd_leaf 1.94 -> 2.13 ms.)"""
             rows = pl.ds(i * BS, BS)
-            if not 0 < vs < V:
-                return [dot_stored(x_ref[rows, :], S_ref[...], prec, tb=True)
-                        for x_ref, S_ref in pairs]
-
-            def body(c, accs):
-                cols = pl.ds(c * vs, vs)
-                return tuple(a + dot_stored(x_ref[rows, cols], S_ref[:, cols], prec, tb=True)
-                             for a, (x_ref, S_ref) in zip(accs, pairs))
-
-            return list(lax.fori_loop(0, V // vs, body,
-                                      tuple(jnp.zeros((BS, BK), F32) for _ in pairs)))
+            return [dot_stored(x_ref[rows, :], S_ref[...], prec, tb=True) for x_ref, S_ref in pairs]
 
         def dW(j):  # WY's dW_j = −dR_j S0ᵀ, formed once per program at first use
             if j not in dW_memo:
@@ -861,9 +868,12 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             dEs, dOS, RdS_t = gam * dEs, gam * dOS, tail * RdS
         else:
             RdS_t = RdS
-        de = dEs + dot(dT, kc, prec)
-        dq = dOS + dot(dAqk, kc, prec)
-        dk = dot(dT, ec, prec, ta=True) + dot(dAqk, qc, prec, ta=True) + RdS_t
+        # dT, dA_qk as stored: in bf16 (backward.low_precision "dT") and ungated they multiply
+        # the stored 16-bit k, e, q natively
+        ks_, es_, qs_ = (load_rows(x, 0, C, None) for x in (k_ref, e_ref, q_ref))
+        de = dEs + dot_stored(dT, ks_, prec)
+        dq = dOS + dot_stored(dAqk, ks_, prec)
+        dk = dot_stored(dT, es_, prec, ta=True) + dot_stored(dAqk, qs_, prec, ta=True) + RdS_t
         dq_ref[...] = dq.astype(dq_ref.dtype)
         dk_ref[...] = dk.astype(dk_ref.dtype)
         de_ref[...] = de.astype(de_ref.dtype)
@@ -899,15 +909,15 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
 
 
 def bwd_chunk(s: Shape, q, k, e, z, G, A, S0, dSe, R, dO, dR, *, backward, dtypes, interpret,
-              lam_dtype=F32):
+              lam_dtype=F32, dt_dtype=F32):
     """Per-chunk cotangents (raw frame): dq, dk, de [B,Tp,H,K], dz [B,Tp,H,V], dG (or None).
-    lam_dtype: how Λ is stored between the two kernels.
+    lam_dtype, dt_dtype: how Λ and dT, dA_qk are stored between the two kernels.
 
     Two kernels, so that neither holds a chunk's worth of [C, K] and [C, V] blocks at once:
     bwd_dlam (the C×C core: Λ, dT, dA_qk) then bwd_leaf (key-tiled leaf maps and dG).
     """
     lam, dT, dAqk = bwd_dlam(s, A, R, dO, dR, e, z, G, S0, backward=backward, interpret=interpret,
-                             lam_dtype=lam_dtype)
+                             lam_dtype=lam_dtype, dt_dtype=dt_dtype)
     dq, dk, de, dG = bwd_leaf(s, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk,
                               backward=backward, dtypes=dtypes[:3], interpret=interpret)
     if dG is not None and s.mode == "scalar":

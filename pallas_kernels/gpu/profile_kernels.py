@@ -75,12 +75,14 @@ VARIANTS = {
     "fused": ({"fwd_pass.fused_output": True}, 64, None, None),
     "fused2": ({"fwd_pass.fused_output": True, "exp2": True,
                 "rewy_qk_gram.exact_diag": "outer"}, 64, None, None),
-    # Gram blocks over key slices in qk_gram (32 or 16 channels; and at 2 warps), the leaf's
-    # state products over value slices of 32 (ptxas: qk_gram 255 registers + spills -> 153)
+    # qk_gram's Grams contracted over all K at once at 4 warps (before profile-10), or over
+    # slices of 32 at 2 warps
+    "noks": ({"rewy_qk_gram.kslice": 0, "rewy_qk_gram.warps": 4}, 64, None, None),
     "ks32": ({"rewy_qk_gram.kslice": 32}, 64, None, None),
-    "ks16": ({"rewy_qk_gram.kslice": 16}, 64, None, None),
-    "ks32w2": ({"rewy_qk_gram.kslice": 32, "rewy_qk_gram.warps": 2}, 64, None, None),
-    "lvs32": ({"rewy_bwd_leaf.vslice": 32}, 64, None, None),
+    # intra's own key Gram (no or scalar gates) read as stored and over key slices of 16
+    # (ptxas, DeltaNet: 221 -> 172 registers at 4 warps); dT and dA_qk stored in bf16 too
+    "iks16": ({"rewy_intra.kslice": 16}, 64, None, None),
+    "lpdt": ({"backward.low_precision": kn.LOW_PRECISION_NAMES}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
