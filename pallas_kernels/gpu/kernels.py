@@ -117,6 +117,14 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               4.7e-3 / 3.9e-3 relative. CPU, float64 reference, β in [0, 2]: DeltaNet
 #               (D = 128) dk 6.2e-3 -> 7.6e-3 (of 1e-2), GDN2 (D = 64) db 4.4e-3 -> 8.8e-3 (of
 #               2e-2). Run h200-6 passed every accuracy check with it. Default: all.
+#               "dT" (dT and dA_qk between bwd_dlam and bwd_leaf, [C, C] per chunk: at
+#               C = K = 64 each fp32 copy is twice a bf16 token tensor): CPU at the benchmark's
+#               accuracy shapes (benchmarks/results/interpret-accuracy-8/) DeltaNet (8, 64) dk
+#               7.30e-3 -> 7.47e-3, dq 5.53e-3 -> 5.79e-3; GDN2 (8, 64) db 4.3e-3 -> 4.7e-3.
+#               ptxas, DeltaNet bwd_leaf at 8 warps: 141 -> 123 registers and 112 -> 64 KB of
+#               shared memory (two programs per SM instead of one). Peak memory at
+#               (8,1024,8,64): −16 MiB by count (h200-8: 120 vs FLA's 104). Default since the
+#               eighth session, not yet timed on the GPU.
 #   exp2        every e^x of the kernels as exp2(x·log2 e) (blocks.exp): one ex2.approx and a
 #               product instead of libdevice's ~14-instruction expf. Profile-9 (H200, commit
 #               6942002, benchmarks/results/profile-9/): KDA qk_gram 1.80 -> 1.45 ms, fwd_pass
@@ -154,7 +162,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_bwd_leaf.shared_decay": True, "rewy_intra.joint_diag_inverse": True,
             "rewy_qk_gram.pairgrid": False, "recompute.keep_chunk_matrices": True,
             "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False,
-            "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A"),
+            "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A", "dT"),
             "exp2": True, "fwd_pass.fused_output": True, "rewy_qk_gram.kslice": 16,
             "rewy_intra.kslice": 0}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk

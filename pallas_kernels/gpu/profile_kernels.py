@@ -80,9 +80,11 @@ VARIANTS = {
     "noks": ({"rewy_qk_gram.kslice": 0, "rewy_qk_gram.warps": 4}, 64, None, None),
     "ks32": ({"rewy_qk_gram.kslice": 32}, 64, None, None),
     # intra's own key Gram (no or scalar gates) read as stored and over key slices of 16
-    # (ptxas, DeltaNet: 221 -> 172 registers at 4 warps); dT and dA_qk stored in bf16 too
+    # (ptxas, DeltaNet: 221 -> 172 registers at 4 warps); dT and dA_qk kept in fp32 (their
+    # bf16 storage, default since the eighth session, is untimed)
     "iks16": ({"rewy_intra.kslice": 16}, 64, None, None),
-    "lpdt": ({"backward.low_precision": kn.LOW_PRECISION_NAMES}, 64, None, None),
+    "nodt": ({"backward.low_precision": tuple(
+        n for n in kn.DEFAULTS["backward.low_precision"] if n != "dT")}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
