@@ -27,11 +27,8 @@ class OursInterpret(Ours):
         return dict(super().kwargs(op), interpret=True)
 
 
-def check(op: str, H: int, D: int, T: int = 512) -> dict:
-    """{"bf16-backward" | "fp32-backward": accuracy.compare's report} at (1, T, H, D)."""
-    from pallas_kernels.gpu import kernels
-
-    shape = Shape(1, T, H, D)
+def reference(op: str, shape: Shape):
+    """(inputs, cotangents, float64 reference) of the benchmark's accuracy check at ``shape``."""
     with tempfile.TemporaryDirectory() as d:
         refs = accuracy.ReferenceJobs(Path(d))  # the benchmark's inputs and reference process
         refs.add(0, op, shape)
@@ -43,6 +40,14 @@ def check(op: str, H: int, D: int, T: int = 512) -> dict:
         if ref is None:
             raise RuntimeError("the float64 reference failed:\n" + refs.log.read_text()[-2000:])
     inp, cts = refs.jobs[refs.key(op, shape)]
+    return inp, cts, ref
+
+
+def check(op: str, H: int, D: int, T: int = 512) -> dict:
+    """{"bf16-backward" | "fp32-backward": accuracy.compare's report} at (1, T, H, D)."""
+    from pallas_kernels.gpu import kernels
+
+    inp, cts, ref = reference(op, Shape(1, T, H, D))
     impl = OursInterpret("pallas_gpu", "rewy", "recompute")
     out = {}
     saved = dict(kernels.TUNE)

@@ -126,8 +126,9 @@ class Gates:
         if diag not in DIAG_METHODS:
             raise ValueError(f"diag must be one of {DIAG_METHODS}; got {diag!r}")
         self.mode, self.G_ref, self.base, self.C = mode, G_ref, base, C
-        # vector gates: Gram blocks in one reference frame contracted over slices of this many
-        # key channels (0: the whole key width at once); see ``_frame_grams``
+        # Gram blocks given their row operands' refs contracted over slices of this many key
+        # channels (0: the whole key width at once, from the loaded fp32 rows): vector gates
+        # in ``_frame_grams`` and the diagonal loop, no or scalar gates in ``_sliced_products``
         self.kslice = kslice
         self.unroll = unroll  # the "loop" diagonals' 16 steps unrolled (``loop``)
         self.diag = diag if mode == "vector" else "loop"

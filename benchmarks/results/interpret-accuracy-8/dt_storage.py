@@ -5,25 +5,14 @@ through the Pallas interpreter (CPU).
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/results/interpret-accuracy-8/dt_storage.py deltanet 8 64
 """
 import sys
-import tempfile
-from pathlib import Path
 
 from benchmarks import accuracy
-from benchmarks.interpret_accuracy import OursInterpret
+from benchmarks.interpret_accuracy import OursInterpret, reference
 from benchmarks.shapes import Shape
 from pallas_kernels.gpu import kernels
 
 op, H, D = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-shape = Shape(1, 512, H, D)
-with tempfile.TemporaryDirectory() as d:
-    refs = accuracy.ReferenceJobs(Path(d))
-    refs.add(0, op, shape)
-    refs.start()
-    try:
-        ref = refs.result(op, shape, timeout_s=3600)
-    finally:
-        refs.stop()
-inp, cts = refs.jobs[refs.key(op, shape)]
+inp, cts, ref = reference(op, Shape(1, 512, H, D))
 impl = OursInterpret("pallas_gpu", "rewy", "recompute")
 without = tuple(n for n in kernels.DEFAULTS["backward.low_precision"] if n != "dT")
 for name, names in (("dT fp32", without), ("dT bf16", without + ("dT",))):
