@@ -181,6 +181,8 @@ def test_interpret_key_sliced_grams(op, kw, kslice, monkeypatch):
 
     monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.kslice", kslice)
     monkeypatch.setitem(kernels.TUNE, "rewy_intra.kslice", kslice)
+    # GDN2: intra forms its own vector-gate key Gram (frame blocks and diagonal loop, sliced)
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", op != "gdn2")
     decay = "bounded" if kw.get("gate_lower_bound") else "strong"
     inp = testing.make_inputs(op, 1, 70, 2, 32, 32, decay=decay, seed=17)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
