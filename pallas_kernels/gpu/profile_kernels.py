@@ -85,6 +85,12 @@ VARIANTS = {
     "iks16": ({"rewy_intra.kslice": 16}, 64, None, None),
     "nodt": ({"backward.low_precision": tuple(
         n for n in kn.DEFAULTS["backward.low_precision"] if n != "dT")}, 64, None, None),
+    # the same at 8 warps (ptxas: 128 registers, 4 B spilled: two programs of 8 warps per SM)
+    "iks16w8": ({"rewy_intra.kslice": 16, "rewy_intra.warps": 8}, 64, None, None),
+    # the vector leaf on key tiles of 32 (ptxas: 188 registers at 4 warps, 158 at 8, no spills;
+    # the default tile of 64 holds 186 at 8 warps, one program per SM)
+    "lk32w4": ({"rewy_bwd_leaf.warps": 4}, 64, None, 32),
+    "lk32": ({}, 64, None, 32),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
