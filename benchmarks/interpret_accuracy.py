@@ -1,12 +1,13 @@
 """The benchmark's accuracy check for our Pallas GPU kernels without a GPU (interpret mode, CPU).
 
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python -m benchmarks.interpret_accuracy gdn2 16 128 [--T 512]
+        [--tune backward.native_pass_dots=true]
 
 Same inputs, float64 reference process and thresholds as ``benchmarks/accuracy.py`` uses at an
 accuracy shape (1, T, H, D); ours (ReWY, policy recompute) run through the Pallas interpreter,
 once with the backward's stored tensors in bf16 (the default, ``kernels.DEFAULTS
 ["backward.low_precision"]``) and once all in fp32, so that the cost of that storage is read
-off one table. The interpreter evaluates the same kernel code with exact fp32 dots where the GPU
+off one table (and, with ``--tune``, a third row with other kernel settings). The interpreter evaluates the same kernel code with exact fp32 dots where the GPU
 uses TF32, so this checks the algorithm and the storage precision, not the TF32 rounding.
 """
 
@@ -43,18 +44,22 @@ def reference(op: str, shape: Shape):
     return inp, cts, ref
 
 
-def check(op: str, H: int, D: int, T: int = 512) -> dict:
-    """{"bf16-backward" | "fp32-backward": accuracy.compare's report} at (1, T, H, D)."""
+def check(op: str, H: int, D: int, T: int = 512, tune: dict | None = None) -> dict:
+    """{"bf16-backward" | "fp32-backward" [| "bf16-backward + tune"]: accuracy.compare's report}
+    at (1, T, H, D); ``tune``: kernel settings (kernels.TUNE) for a third row, on the defaults."""
     from pallas_kernels.gpu import kernels
 
     inp, cts, ref = reference(op, Shape(1, T, H, D))
     impl = OursInterpret("pallas_gpu", "rewy", "recompute")
+    rows = {"bf16-backward": {}, "fp32-backward": {"backward.low_precision": ()}}
+    if tune:
+        rows["bf16-backward + " + " ".join(f"{k}={v}" for k, v in tune.items())] = tune
     out = {}
     saved = dict(kernels.TUNE)
     try:
-        for name, names in (("bf16-backward", kernels.DEFAULTS["backward.low_precision"]),
-                            ("fp32-backward", ())):
-            kernels.TUNE["backward.low_precision"] = names
+        for name, settings in rows.items():
+            kernels.TUNE.clear()
+            kernels.TUNE.update(settings)
             out[name] = accuracy.compare(*accuracy.run_impl(impl, op, inp, cts), ref)
     finally:
         kernels.TUNE.clear()
@@ -68,9 +73,14 @@ def main(argv=None):
     ap.add_argument("H", type=int)
     ap.add_argument("D", type=int)
     ap.add_argument("--T", type=int, default=512)
+    ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
+                    help="a kernel setting (kernels.TUNE) for a third row; repeatable")
     a = ap.parse_args(argv)
+    from pallas_kernels.gpu import kernels
+
+    tune = dict(kernels.parse_tune(t) for t in a.tune)
     t0 = time.time()
-    for name, rep in check(a.op, a.H, a.D, a.T).items():
+    for name, rep in check(a.op, a.H, a.D, a.T, tune).items():
         print(f"{a.op} (1, {a.T}, {a.H}, {a.D}) {name}: {rep['status']} " + " ".join(
             f"{n}={r:.2e}/{t:.0e}" for n, (r, t) in rep["ratios"].items()), flush=True)
     print(f"({time.time() - t0:.0f} s)")

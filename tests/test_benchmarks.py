@@ -259,9 +259,10 @@ def test_interpret_accuracy_tool_reports_both_storages():
     from pallas_kernels.gpu import kernels
 
     before = dict(kernels.TUNE)
-    reps = interpret_accuracy.check("gdn", 2, 32, T=96)
-    assert set(reps) == {"bf16-backward", "fp32-backward"}
+    reps = interpret_accuracy.check("gdn", 2, 32, T=96, tune={"backward.native_pass_dots": True})
+    third = "bf16-backward + backward.native_pass_dots=True"
+    assert set(reps) == {"bf16-backward", "fp32-backward", third}
     assert all(r["status"] == "pass" for r in reps.values())
-    lo, hi = (reps[n]["ratios"] for n in ("bf16-backward", "fp32-backward"))
-    assert lo["o"] == hi["o"] and lo["dk"] != hi["dk"]
+    lo, hi, nat = (reps[n]["ratios"] for n in ("bf16-backward", "fp32-backward", third))
+    assert lo["o"] == hi["o"] == nat["o"] and lo["dk"] != hi["dk"] != nat["dk"] != lo["dk"]
     assert dict(kernels.TUNE) == before

@@ -311,6 +311,32 @@ def test_interpret_low_precision_backward(op, decay, kw, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
+                                         ("kda", "strong", {}),
+                                         ("gdn", "normal", {"policy": "save"})])
+def test_interpret_native_pass_dots(op, decay, kw, small_tiles, monkeypatch):
+    """backward.native_pass_dots: the backward's state passes multiply in the bf16 they store
+    (S, R; dS, dR). The forward is untouched bit for bit, every gradient stays within the bf16
+    thresholds against the float64 recurrence (initial states, packed sequences, T not a
+    multiple of the chunk, two value tiles), and the option does change the gradients; fp32
+    inputs never take it."""
+    from pallas_kernels.gpu import kernels
+
+    n_seqs = kw.pop("n_seqs", None)
+    inp = testing.make_inputs(op, 1, 100, 2, 32, 32, dtype=jnp.bfloat16, decay=decay, seed=31,
+                              n_seqs=n_seqs)
+    kw = dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32)
+    ref = testing.accuracy_report(op, inp, **kw)
+    o_ref = testing.run_op(op, inp, **kw)[0]
+    monkeypatch.setitem(kernels.TUNE, "backward.native_pass_dots", True)
+    rep = testing.accuracy_report(op, inp, **kw)
+    _check(rep)
+    np.testing.assert_array_equal(np.asarray(testing.run_op(op, inp, **kw)[0]), np.asarray(o_ref))
+    assert any(rep[n][0] != ref[n][0] for n in rep if n.startswith("d"))  # it did take effect
+    assert not kernels._native_pass_dots((jnp.float32, jnp.bfloat16))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay", [("kda", "strong"), ("gdn", "strong")])
 def test_interpret_exp2(op, decay, small_tiles, monkeypatch):
     """kernels.DEFAULTS "exp2": every e^x of the kernels as exp2(x·log2 e) — the fp32 bound
@@ -544,6 +570,26 @@ def test_parse_tune():
         kernels.parse_tune("exp2")
     with pytest.raises(ValueError, match="unknown tuning key 'exp3'"):
         kernels.parse_tune("exp3=true")
+
+
+def test_leaf_tile_choice():
+    """bwd_leaf's key tile and warps (kernels.Shape, profile-11): vector gates at K = V = 128 take
+    tiles of 32 at 4 warps; everything else keeps 8 warps, tiles of 64 up to V = 128 and 32 above;
+    an explicit tile is kept (capped at K)."""
+    from pallas_kernels.gpu import kernels
+
+    def leaf(mode, K, V, BK=None):
+        s = kernels.Shape(1, 64, 1, K, V, 64, 2, mode, None, 64, BK)
+        return s.BK, s.leaf_warps
+
+    w = kernels.WARPS["bwd_leaf"]
+    assert leaf("vector", 128, 128) == (32, 4)
+    assert leaf("vector", 64, 64) == (64, w)
+    assert leaf("vector", 256, 256) == (32, w)
+    assert leaf("none", 128, 128) == (64, w)
+    assert leaf("scalar", 128, 256) == (32, w)
+    assert leaf("vector", 128, 128, BK=64) == (64, w)
+    assert leaf("none", 16, 32, BK=64) == (16, w)
 
 
 @pytest.mark.skipif(_ON_GPU, reason="CPU smoke test of the tracing script")

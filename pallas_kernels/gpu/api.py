@@ -32,7 +32,7 @@ F32 = jnp.float32
 # Value-tile width of the state passes and the per-chunk kernels (a power of two ≥ 16; tests
 # lower it to exercise several tiles on small shapes).
 DEFAULT_BV = 64
-DEFAULT_BK = None  # key-tile width of the leaf-gradient kernel (None: 64, or 32 when V > 128)
+DEFAULT_BK = None  # key-tile width of the leaf-gradient kernel (None: kernels.Shape's choice)
 DEFAULT_BV_STATE = None  # value-tile width of the state passes (None: 32)
 
 

@@ -164,7 +164,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False,
             "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A", "dT"),
             "exp2": True, "fwd_pass.fused_output": True, "rewy_qk_gram.kslice": 16,
-            "rewy_intra.kslice": 0}
+            "rewy_intra.kslice": 0, "backward.native_pass_dots": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -212,8 +212,14 @@ class Shape:
         self.centred = centred
         self.N, self.n = Tp // C, C // BS
         self.n_seq1, self.mode, self.prec, self.BV = n_seq1, mode, prec, BV
-        # key-tile width of bwd_leaf (it holds [BK, V] state tiles)
-        self.BK = min(K, BK or (64 if V <= 128 else 32))
+        # key-tile width of bwd_leaf (it holds [BK, V] state tiles) and its warps: 64 at 8
+        # warps; 32 for V > 128; vector gates at K = V = 128 take 32 at 4 warps — the decay
+        # maps' [16, BK] tiles hold 186 registers at BK = 64 (one program per SM), 188 at 4
+        # warps with BK = 32 (two); profile-11 (H200): KDA bwd_leaf 1.95 -> 1.88 ms, fwd+bwd
+        # through the op 4.57 -> 4.51, gradients identical
+        vec128 = mode == "vector" and K == V == 128
+        self.BK = min(K, BK or (64 if V <= 128 and not vec128 else 32))
+        self.leaf_warps = 4 if vec128 and self.BK == 32 else WARPS["bwd_leaf"]
         # value-tile width of the two state passes: 32 keeps S [K, 32] and the chunk's R in
         # registers without spills (ptxas, sm_90) and gives B·H·V/32 programs to the SMs
         self.BVs = min(V, BVs or 32)
@@ -475,6 +481,13 @@ def _qg(mode, Gc, qc):
     return (d[:, None] if mode == "scalar" else d) * qc
 
 
+def _native_pass_dots(dtypes):
+    """Whether a state pass multiplies its carried state and per-chunk tensor in the 16-bit
+    dtype they are stored in (DEFAULTS "backward.native_pass_dots"): only where both are stored
+    16-bit — the backward's passes under "backward.low_precision" —, never the forward's."""
+    return bool(setting("backward.native_pass_dots")) and all(d != F32 for d in dtypes)
+
+
 def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F32, F32),
              out=None):
     """S0 [B,H,N,K,V], R [B,Tp,H,V] (stored in ``dtypes``; the pass itself carries S in fp32),
@@ -488,6 +501,7 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
     fused = out is not None
     vec_P = fused and out[1] is not None
+    native = _native_pass_dots(dtypes)
 
     def kernel(*refs):
         refs = list(refs)
@@ -510,7 +524,11 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
             base = c * C
             if not fused:
                 S0_ref[c] = S.astype(S0_ref.dtype)
-            R = load_rows(U_ref, base, C) - dot(load_rows(W_ref, base, C), S, prec)
+            if native:  # W as stored against S as stored (S0): a native 16-bit product
+                R = load_rows(U_ref, base, C) - dot_stored(
+                    load_rows(W_ref, base, C, None), S.astype(dtypes[0]), prec)
+            else:
+                R = load_rows(U_ref, base, C) - dot(load_rows(W_ref, base, C), S, prec)
             Gc, gl = _chunk_decay(mode, G_ref, base, C)
             if fused:  # O = Qγ S0 + P R: off the recurrence's critical path
                 if vec_P:
@@ -522,7 +540,10 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
             else:
                 R_ref[pl.ds(base, C), :] = R.astype(R_ref.dtype)
             Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
-            S_new = dot(Kt, R, prec, ta=True)
+            if native:  # K̄ᵀ R with both as stored (R) or in the stored dtype (K̄)
+                S_new = dot_stored(Kt.astype(dtypes[1]), R.astype(dtypes[1]), prec, ta=True)
+            else:
+                S_new = dot(Kt, R, prec, ta=True)
             S_new = S_new + (S if mode == "none" else _col(exp(gl)) * S)
 
             @pl.when(end_ref[c] != 0)
@@ -643,6 +664,7 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
     """dS_end [B,H,N,K,V], dR [B,Tp,H,V] (stored in ``dtypes``; the pass carries dS in fp32),
     dh0 [B,H,n_seq1,K,V] (fp32)."""
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
+    native = _native_pass_dots(dtypes)
 
     def kernel(*refs):
         (q_ref, k_ref, G_ref, W_ref, dO_ref, dRl_ref, dfin_ref, reset_ref, end_ref, seq_ref,
@@ -656,14 +678,22 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
             base = c * C
             Gc, gl = _chunk_decay(mode, G_ref, base, C)
             Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
-            dR = load_rows(dRl_ref, base, C) + dot(Kt, dS, prec)
+            if native:  # K̄ against dS as stored (dS_end)
+                dR = load_rows(dRl_ref, base, C) + dot_stored(
+                    Kt.astype(dtypes[0]), dS.astype(dtypes[0]), prec)
+            else:
+                dR = load_rows(dRl_ref, base, C) + dot(Kt, dS, prec)
             dR_ref[pl.ds(base, C), :] = dR.astype(dR_ref.dtype)
             # no gates: Qᵀ dO of the inputs as stored (exact products, native rate)
             raw = None if mode == "none" else F32
             dOc = load_rows(dO_ref, base, C, raw)
             Qg = _qg(mode, Gc, load_rows(q_ref, base, C, raw))
-            dS0 = (dot_stored(Qg, dOc, prec, ta=True)
-                   - dot(load_rows(W_ref, base, C), dR, prec, ta=True))
+            if native:  # Wᵀ dR with both as stored
+                WdR = dot_stored(load_rows(W_ref, base, C, None), dR.astype(dtypes[1]), prec,
+                                 ta=True)
+            else:
+                WdR = dot(load_rows(W_ref, base, C), dR, prec, ta=True)
+            dS0 = dot_stored(Qg, dOc, prec, ta=True) - WdR
             dS0 = dS0 + (dS if mode == "none" else _col(exp(gl)) * dS)
             is_reset = reset_ref[c] != 0
 
@@ -912,7 +942,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         [] if mode == "none" else [s.sds_tok(K)])
     outs = _call(kernel, grid=(s.N * (n if rowgrid else 1), s.B * H, K // BK), in_specs=in_specs,
                  out_specs=[tok_k] * len(out_shape), out_shape=out_shape, interpret=interpret,
-                 num_warps=WARPS["bwd_leaf"], name="rewy_bwd_leaf")(*ins)
+                 num_warps=s.leaf_warps, name="rewy_bwd_leaf")(*ins)
     return list(outs) + ([None] if mode == "none" else [])
 
 

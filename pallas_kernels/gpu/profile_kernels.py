@@ -87,10 +87,11 @@ VARIANTS = {
         n for n in kn.DEFAULTS["backward.low_precision"] if n != "dT")}, 64, None, None),
     # the same at 8 warps (ptxas: 128 registers, 4 B spilled: two programs of 8 warps per SM)
     "iks16w8": ({"rewy_intra.kslice": 16, "rewy_intra.warps": 8}, 64, None, None),
-    # the vector leaf on key tiles of 32 (ptxas: 188 registers at 4 warps, 158 at 8, no spills;
-    # the default tile of 64 holds 186 at 8 warps, one program per SM)
+    # the vector leaf on key tiles of 32 at 4 warps (ptxas: 188 registers, no spills; tiles of
+    # 64 at 8 warps hold 186, one program per SM): profile-11, default since; and the old tile
     "lk32w4": ({"rewy_bwd_leaf.warps": 4}, 64, None, 32),
-    "lk32": ({}, 64, None, 32),
+    "lk32": ({"rewy_bwd_leaf.warps": 8}, 64, None, 32),
+    "lk64": ({"rewy_bwd_leaf.warps": 8}, 64, None, 64),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }

@@ -78,10 +78,10 @@ def table(path):
             continue
         unit = rec.get("Metric Unit", "")
         name = rec["Metric Name"]
-        if name == COLUMNS["us"]:
-            v = v / 1e3 if unit == "nsecond" else v * 1e3 if unit == "msecond" else v
-        if name == COLUMNS["smem_KB"]:
-            v = v / 1024 if unit == "byte" else v
+        if name == COLUMNS["us"]:  # ncu 2025.3 writes "ns" (older: "nsecond")
+            v *= {"ns": 1e-3, "nsecond": 1e-3, "ms": 1e3, "msecond": 1e3}.get(unit, 1.0)
+        if name == COLUMNS["smem_KB"]:  # "byte/block"
+            v = v / 1024 if unit.startswith("byte") else v
         if name == COLUMNS["inst_M"]:
             v = v / 1e6
         rows[key][name] = v
