@@ -92,6 +92,8 @@ VARIANTS = {
     "lk32w4": ({"rewy_bwd_leaf.warps": 4}, 64, None, 32),
     "lk32": ({"rewy_bwd_leaf.warps": 8}, 64, None, 32),
     "lk64": ({"rewy_bwd_leaf.warps": 8}, 64, None, 64),
+    # the backward's two state passes multiplying in the bf16 they store (S, R; dS, dR)
+    "npd": ({"backward.native_pass_dots": True}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
@@ -210,7 +212,8 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     dSe, dR, dh0 = f(q, k, G, W, dO, dRl, dfin)
     f = jax.jit(lambda A, R, dO, dR, e, z, G, S0: kn.bwd_dlam(s, A, R, dO, dR, e, z, G, S0,
                                                              backward=backward, interpret=it,
-                                                             lam_dtype=sd["lam"]))
+                                                             lam_dtype=sd["lam"],
+                                                             dt_dtype=sd["dT"]))
     rows["bwd_dlam"] = _bench(f, A, R, dO, dR, e, z, G, S0)
     lam, dT, dAqk = f(A, R, dO, dR, e, z, G, S0)
     bf = jnp.bfloat16

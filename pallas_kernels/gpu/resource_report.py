@@ -75,6 +75,18 @@ def dump(op, outdir, *opts):
     print(op, seen)
 
 
+def _sass_counts(cubin, ptxas_exe):
+    """Static SASS instruction count (all, and tensor-core HMMA/HGMMA) of a cubin, by the
+    cuobjdump that ships beside Triton's ptxas: a proxy for issue-bound kernels' work."""
+    dump = os.path.join(os.path.dirname(ptxas_exe), "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    r = subprocess.run([dump, "-sass", f.name], capture_output=True, text=True, check=False)
+    ins = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([A-Z][A-Z0-9_.]*)", r.stdout)
+    mma = sum(1 for i in ins if i.startswith(("HMMA", "HGMMA")))
+    return f"sass {len(ins)} (mma {mma})"
+
+
 def ptxas(paths, warps=8, stages=3):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -92,7 +104,8 @@ def ptxas(paths, warps=8, stages=3):
                                capture_output=True, text=True, check=False)
             info = " ".join(line.split("info    :")[-1].strip() for line in r.stderr.splitlines()
                             if "Used" in line or "spill" in line)
-            print(f"{os.path.basename(path):45s} shared={k.metadata.shared:7d} | {info}")
+            print(f"{os.path.basename(path):45s} shared={k.metadata.shared:7d} | {info} | "
+                  f"{_sass_counts(k.asm['cubin'], exe)}")
         except Exception as ex:  # noqa: BLE001 — report every kernel
             print(os.path.basename(path), "FAILED", type(ex).__name__, str(ex)[:300])
 
