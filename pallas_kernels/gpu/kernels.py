@@ -123,8 +123,17 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               7.30e-3 -> 7.47e-3, dq 5.53e-3 -> 5.79e-3; GDN2 (8, 64) db 4.3e-3 -> 4.7e-3.
 #               ptxas, DeltaNet bwd_leaf at 8 warps: 141 -> 123 registers and 112 -> 64 KB of
 #               shared memory (two programs per SM instead of one). Peak memory at
-#               (8,1024,8,64): −16 MiB by count (h200-8: 120 vs FLA's 104). Default since the
-#               eighth session, not yet timed on the GPU.
+#               (8,1024,8,64): −16 MiB by count. Profile-11 (H200,
+#               benchmarks/results/profile-11/): fwd+bwd through the op DeltaNet 1.79 -> 1.65
+#               ms, GDN 2.18 -> 2.14, KDA 4.66 -> 4.57; run h200-9: DeltaNet's peak at
+#               (8,1024,8,64) 120 -> 104 MiB (FLA's 104). Default.
+#   backward.native_pass_dots  the backward's two state passes multiply their carried state and
+#               per-chunk tensor in the 16-bit dtype they store them in (the recompute pass:
+#               W S0, K̄ᵀ R; bwd_pass: K̄ dS, Wᵀ dR) instead of TF32 on fp32 values; the forward
+#               never (o's margin). The passes are issue-bound (profile-11, ncu): static SASS
+#               DeltaNet 1271 -> 759 and 1125 -> 721 instructions, registers 236 -> 123 and
+#               198 -> 108. CPU accuracy (benchmarks/results/interpret-accuracy-9/): DeltaNet
+#               (8, 64) dk 7.47e-3 -> 8.56e-3 of 1e-2. Not yet timed: off.
 #   exp2        every e^x of the kernels as exp2(x·log2 e) (blocks.exp): one ex2.approx and a
 #               product instead of libdevice's ~14-instruction expf. Profile-9 (H200, commit
 #               6942002, benchmarks/results/profile-9/): KDA qk_gram 1.80 -> 1.45 ms, fwd_pass
