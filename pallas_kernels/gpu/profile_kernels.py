@@ -94,6 +94,9 @@ VARIANTS = {
     "lk64": ({"rewy_bwd_leaf.warps": 8}, 64, None, 64),
     # the backward's two state passes multiplying in the bf16 they store (S, R; dS, dR)
     "npd": ({"backward.native_pass_dots": True}, 64, None, None),
+    # the forward's pass at 8 warps (ptxas, DeltaNet fused pass: 255 registers with 84 B of
+    # spills at 4 warps, none at 8)
+    "fpw8": ({"rewy_fwd_pass.warps": 8}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
