@@ -497,6 +497,14 @@ def _native_pass_dots(dtypes):
     return bool(setting("backward.native_pass_dots")) and all(d != F32 for d in dtypes)
 
 
+def _pass_dot(a, b, prec, dtype, ta=False):
+    """A state pass's product: in ``dtype`` (the stored one, native 16-bit) when given — see
+    ``_native_pass_dots`` —, else of a and b as they are (fp32)."""
+    if dtype is not None:
+        return dot_stored(a.astype(dtype), b.astype(dtype), prec, ta=ta)
+    return dot(a, b, prec, ta=ta)
+
+
 def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F32, F32),
              out=None):
     """S0 [B,H,N,K,V], R [B,Tp,H,V] (stored in ``dtypes``; the pass itself carries S in fp32),
@@ -510,7 +518,8 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
     fused = out is not None
     vec_P = fused and out[1] is not None
-    native = _native_pass_dots(dtypes)
+    # the recurrence's two products in the stored dtypes of S0 and R, or on fp32 values
+    S_dt, R_dt = dtypes if _native_pass_dots(dtypes) else (None, None)
 
     def kernel(*refs):
         refs = list(refs)
@@ -533,11 +542,8 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
             base = c * C
             if not fused:
                 S0_ref[c] = S.astype(S0_ref.dtype)
-            if native:  # W as stored against S as stored (S0): a native 16-bit product
-                R = load_rows(U_ref, base, C) - dot_stored(
-                    load_rows(W_ref, base, C, None), S.astype(dtypes[0]), prec)
-            else:
-                R = load_rows(U_ref, base, C) - dot(load_rows(W_ref, base, C), S, prec)
+            R = load_rows(U_ref, base, C) - _pass_dot(  # W as stored when native
+                load_rows(W_ref, base, C, None if S_dt else F32), S, prec, S_dt)
             Gc, gl = _chunk_decay(mode, G_ref, base, C)
             if fused:  # O = Qγ S0 + P R: off the recurrence's critical path
                 if vec_P:
@@ -549,10 +555,7 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
             else:
                 R_ref[pl.ds(base, C), :] = R.astype(R_ref.dtype)
             Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
-            if native:  # K̄ᵀ R with both as stored (R) or in the stored dtype (K̄)
-                S_new = dot_stored(Kt.astype(dtypes[1]), R.astype(dtypes[1]), prec, ta=True)
-            else:
-                S_new = dot(Kt, R, prec, ta=True)
+            S_new = _pass_dot(Kt, R, prec, R_dt, ta=True)
             S_new = S_new + (S if mode == "none" else _col(exp(gl)) * S)
 
             @pl.when(end_ref[c] != 0)
@@ -673,7 +676,8 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
     """dS_end [B,H,N,K,V], dR [B,Tp,H,V] (stored in ``dtypes``; the pass carries dS in fp32),
     dh0 [B,H,n_seq1,K,V] (fp32)."""
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
-    native = _native_pass_dots(dtypes)
+    # K̄ dS and Wᵀ dR in the stored dtypes of dS and dR, or on fp32 values
+    dS_dt, dR_dt = dtypes if _native_pass_dots(dtypes) else (None, None)
 
     def kernel(*refs):
         (q_ref, k_ref, G_ref, W_ref, dO_ref, dRl_ref, dfin_ref, reset_ref, end_ref, seq_ref,
@@ -687,22 +691,14 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
             base = c * C
             Gc, gl = _chunk_decay(mode, G_ref, base, C)
             Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
-            if native:  # K̄ against dS as stored (dS_end)
-                dR = load_rows(dRl_ref, base, C) + dot_stored(
-                    Kt.astype(dtypes[0]), dS.astype(dtypes[0]), prec)
-            else:
-                dR = load_rows(dRl_ref, base, C) + dot(Kt, dS, prec)
+            dR = load_rows(dRl_ref, base, C) + _pass_dot(Kt, dS, prec, dS_dt)
             dR_ref[pl.ds(base, C), :] = dR.astype(dR_ref.dtype)
             # no gates: Qᵀ dO of the inputs as stored (exact products, native rate)
             raw = None if mode == "none" else F32
             dOc = load_rows(dO_ref, base, C, raw)
             Qg = _qg(mode, Gc, load_rows(q_ref, base, C, raw))
-            if native:  # Wᵀ dR with both as stored
-                WdR = dot_stored(load_rows(W_ref, base, C, None), dR.astype(dtypes[1]), prec,
-                                 ta=True)
-            else:
-                WdR = dot(load_rows(W_ref, base, C), dR, prec, ta=True)
-            dS0 = dot_stored(Qg, dOc, prec, ta=True) - WdR
+            dS0 = (dot_stored(Qg, dOc, prec, ta=True) - _pass_dot(  # W as stored when native
+                load_rows(W_ref, base, C, None if dR_dt else F32), dR, prec, dR_dt, ta=True))
             dS0 = dS0 + (dS if mode == "none" else _col(exp(gl)) * dS)
             is_reset = reset_ref[c] != 0
 
