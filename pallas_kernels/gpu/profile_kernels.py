@@ -97,6 +97,9 @@ VARIANTS = {
     # the forward's pass at 8 warps (ptxas, DeltaNet fused pass: 255 registers with 84 B of
     # spills at 4 warps, none at 8)
     "fpw8": ({"rewy_fwd_pass.warps": 8}, 64, None, None),
+    # both (ptxas, DeltaNet: the backward's pass 759 -> 607 SASS instructions at 8 warps; at
+    # K = 256 the forward's pass spills 528 B at 4 warps, none at 8)
+    "npdw8": ({"backward.native_pass_dots": True, "rewy_fwd_pass.warps": 8}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
