@@ -1,7 +1,7 @@
 """The benchmark's accuracy check for our Pallas GPU kernels without a GPU (interpret mode, CPU).
 
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python -m benchmarks.interpret_accuracy gdn2 16 128 [--T 512]
-        [--tune backward.native_pass_dots=true]
+        [--tune backward.native_pass_dots=false]
 
 Same inputs, float64 reference process and thresholds as ``benchmarks/accuracy.py`` uses at an
 accuracy shape (1, T, H, D); ours (ReWY, policy recompute) run through the Pallas interpreter,

@@ -315,8 +315,8 @@ def test_interpret_low_precision_backward(op, decay, kw, monkeypatch):
                                          ("kda", "strong", {}),
                                          ("gdn", "normal", {"policy": "save"})])
 def test_interpret_native_pass_dots(op, decay, kw, small_tiles, monkeypatch):
-    """backward.native_pass_dots: the backward's state passes multiply in the bf16 they store
-    (S, R; dS, dR). The forward is untouched bit for bit, every gradient stays within the bf16
+    """backward.native_pass_dots (default): the backward's state passes multiply in the bf16
+    they store (S, R; dS, dR), against the TF32 products of the fp32 values. The forward is untouched bit for bit, every gradient stays within the bf16
     thresholds against the float64 recurrence (initial states, packed sequences, T not a
     multiple of the chunk, two value tiles), and the option does change the gradients; fp32
     inputs never take it."""
@@ -326,6 +326,7 @@ def test_interpret_native_pass_dots(op, decay, kw, small_tiles, monkeypatch):
     inp = testing.make_inputs(op, 1, 100, 2, 32, 32, dtype=jnp.bfloat16, decay=decay, seed=31,
                               n_seqs=n_seqs)
     kw = dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32)
+    monkeypatch.setitem(kernels.TUNE, "backward.native_pass_dots", False)
     ref = testing.accuracy_report(op, inp, **kw)
     o_ref = testing.run_op(op, inp, **kw)[0]
     monkeypatch.setitem(kernels.TUNE, "backward.native_pass_dots", True)

@@ -133,7 +133,11 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               never (o's margin). The passes are issue-bound (profile-11, ncu): static SASS
 #               DeltaNet 1271 -> 759 and 1125 -> 721 instructions, registers 236 -> 123 and
 #               198 -> 108. CPU accuracy (benchmarks/results/interpret-accuracy-9/): DeltaNet
-#               (8, 64) dk 7.47e-3 -> 8.56e-3 of 1e-2. Not yet timed: off.
+#               (8, 64) dk 7.47e-3 -> 8.56e-3 of 1e-2. Profile-12 (H200,
+#               benchmarks/results/profile-12/): DeltaNet bwd_pass 0.314 -> 0.258 ms, fwd+bwd
+#               through the op 1.65 -> 1.59; GDN 2.17 -> 2.08; KDA bwd_pass 0.461 -> 0.385;
+#               DeltaNet at D = 256 29.0 -> 26.7. Run h200-10 (with it): DeltaNet dk 8.5e-3 at
+#               D = 64, every shape passes. Default.
 #   exp2        every e^x of the kernels as exp2(x·log2 e) (blocks.exp): one ex2.approx and a
 #               product instead of libdevice's ~14-instruction expf. Profile-9 (H200, commit
 #               6942002, benchmarks/results/profile-9/): KDA qk_gram 1.80 -> 1.45 ms, fwd_pass
@@ -173,7 +177,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False,
             "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A", "dT"),
             "exp2": True, "fwd_pass.fused_output": True, "rewy_qk_gram.kslice": 16,
-            "rewy_intra.kslice": 0, "backward.native_pass_dots": False}
+            "rewy_intra.kslice": 0, "backward.native_pass_dots": True}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
