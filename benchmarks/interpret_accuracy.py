@@ -7,8 +7,9 @@ Same inputs, float64 reference process and thresholds as ``benchmarks/accuracy.p
 accuracy shape (1, T, H, D); ours (ReWY, policy recompute) run through the Pallas interpreter,
 once with the backward's stored tensors in bf16 (the default, ``kernels.DEFAULTS
 ["backward.low_precision"]``) and once all in fp32, so that the cost of that storage is read
-off one table (and, with ``--tune``, a third row with other kernel settings). The interpreter evaluates the same kernel code with exact fp32 dots where the GPU
-uses TF32, so this checks the algorithm and the storage precision, not the TF32 rounding.
+off one table (and, with ``--tune``, a third row with other kernel settings). The interpreter
+evaluates the same kernel code with exact fp32 dots where the GPU uses TF32, so this checks the
+algorithm and the storage precision, not the TF32 rounding.
 """
 
 from __future__ import annotations
