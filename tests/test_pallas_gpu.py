@@ -338,6 +338,36 @@ def test_interpret_native_pass_dots(op, decay, kw, small_tiles, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
+                                         ("gdn", "strong", {}),
+                                         ("kda", "normal", {"policy": "save"})])
+def test_interpret_twin_pass(op, decay, kw, small_tiles, monkeypatch):
+    """backward.twin_pass: the recompute pass and the reverse pass in one launch give the
+    outputs and every gradient bit for bit as the two launches (packed sequences, initial
+    states, T not a multiple of the chunk, two value tiles); it is taken under ``recompute``
+    only, and the gradients stay within the bf16 thresholds."""
+    from pallas_kernels.gpu import kernels
+
+    n_seqs = kw.pop("n_seqs", None)
+    inp = testing.make_inputs(op, 1, 100, 2, 32, 32, dtype=jnp.bfloat16, decay=decay, seed=37,
+                              n_seqs=n_seqs)
+    cts = testing.make_inputs(op, 1, 100, 2, 32, 32, seed=38, n_seqs=n_seqs)
+    cts = {"o": cts["v"], "final_state": cts["initial_state"]}
+    kw = dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32, use_qk_l2norm=True)
+    apart = testing.loss_and_grads(op, inp, cts, **kw)
+    calls = []
+    twin = kernels.twin_pass
+    monkeypatch.setattr(kernels, "twin_pass", lambda *a, **k: calls.append(1) or twin(*a, **k))
+    monkeypatch.setitem(kernels.TUNE, "backward.twin_pass", True)
+    jax.clear_caches()  # the setting is read when the kernels are traced
+    together = testing.loss_and_grads(op, inp, cts, **kw)
+    assert len(calls) == (kw.get("policy", "recompute") == "recompute")
+    for x, y in zip(jax.tree_util.tree_leaves(together), jax.tree_util.tree_leaves(apart)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    _check(testing.accuracy_report(op, inp, **kw))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay", [("kda", "strong"), ("gdn", "strong")])
 def test_interpret_exp2(op, decay, small_tiles, monkeypatch):
     """kernels.DEFAULTS "exp2": every e^x of the kernels as exp2(x·log2 e) — the fp32 bound

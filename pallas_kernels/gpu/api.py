@@ -136,19 +136,28 @@ def _bwd(cfg, res, cts):
     s = _shape(cfg, q, z, G, h0)
     it = cfg.interpret
     sd = _stored_dtypes(q.dtype)
-    if cfg.policy == "recompute":  # W, U (and A, P unless kept) and one forward state pass
+    recompute = cfg.policy == "recompute"
+    # both state passes in one launch (K ≤ 128: at K = 256 the twin spills, kernels.py notes)
+    twin = recompute and kn.setting("backward.twin_pass") and s.K <= 128
+    if recompute:  # W, U (and A, P unless kept) and one forward state pass
         if saved is None:
             A, W, U, P = _intra(s, q, k, e, z, G, it, dtypes=(sd["W"], sd["U"]))
         else:
             A, P = saved
             W, U = kn.intra(s, k, e, z, G, A=A, interpret=it, dtypes=(sd["W"], sd["U"]))
-        S0, R, _ = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=it,
-                               dtypes=(sd["S0"], sd["R"]))
+        fwd_args = (W, U, k, G, h0, reset, end, seq)
+        if not twin:
+            S0, R, _ = kn.fwd_pass(s, *fwd_args, interpret=it, dtypes=(sd["S0"], sd["R"]))
     else:
         A, W, S0, R, P = saved
     dRl = kn.bwd_local(s, q, k, G, P, dO, interpret=it, dtype=sd["dRl"])
-    dSe, dR, dh0 = kn.bwd_pass(s, q, k, G, W, dO, dRl, dfin.astype(F32), reset, end, seq,
-                               interpret=it, dtypes=(sd["dS"], sd["dR"]))
+    bwd_args = (q, k, G, W, dO, dRl, dfin.astype(F32), reset, end, seq)
+    if twin:  # the recomputed forward pass and the reverse pass in one launch
+        S0, R, _, dSe, dR, dh0 = kn.twin_pass(s, fwd_args, bwd_args, interpret=it,
+                                              fwd_dtypes=(sd["S0"], sd["R"]),
+                                              bwd_dtypes=(sd["dS"], sd["dR"]))
+    else:
+        dSe, dR, dh0 = kn.bwd_pass(s, *bwd_args, interpret=it, dtypes=(sd["dS"], sd["dR"]))
     dq, dk, de, dz, dG = kn.bwd_chunk(s, q, k, e, z, G, A, S0, dSe, R, dO, dR,
                                       backward=cfg.backward,
                                       dtypes=(q.dtype, k.dtype, e.dtype, z.dtype), interpret=it,

@@ -75,7 +75,7 @@ def _call(kernel, *, grid, in_specs, out_specs, out_shape, interpret, num_warps,
 # 2 warps since it contracts in key slices (profile-10, below: [16, 16] output blocks keep
 # few warps busy, and at 2 warps its 153 registers leave room for more programs per SM).
 WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "bwd_pass": 8,
-         "bwd_dlam": 4, "bwd_leaf": 8}
+         "bwd_dlam": 4, "bwd_leaf": 8, "twin_pass": 4}
 # Algorithm choices of the vector-gate kernels, from profile-4 (H200, KDA at the anchor shape,
 # benchmarks/results/profile-4-256267b.txt):
 #   rowgrid     one program per 16-row block of a chunk instead of per chunk: bwd_leaf
@@ -138,6 +138,14 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               through the op 1.65 -> 1.59; GDN 2.17 -> 2.08; KDA bwd_pass 0.461 -> 0.385;
 #               DeltaNet at D = 256 29.0 -> 26.7. Run h200-10 (with it): DeltaNet dk 8.5e-3 at
 #               D = 64, every shape passes. Default.
+#   backward.twin_pass  the backward's recompute pass and its reverse pass in one launch
+#               (``twin_pass``; policy recompute, K ≤ 128): they are independent, and each alone
+#               runs one program per SM (B·H·V/32 = 128 at the anchor), issue-bound. ptxas at
+#               4 warps and one stage: DeltaNet 208 registers and 28 KB shared, GDN 255 / 24
+#               KB, KDA 255 (96 B spilled) / 57 KB — two programs per SM fit. At K = 256 it
+#               spills 488 B (4 warps) or keeps one program per SM (8 warps): not used there.
+#               Gradients bit-identical (interpret mode). Not yet timed (profile variant
+#               "twin"): off.
 #   exp2        every e^x of the kernels as exp2(x·log2 e) (blocks.exp): one ex2.approx and a
 #               product instead of libdevice's ~14-instruction expf. Profile-9 (H200, commit
 #               6942002, benchmarks/results/profile-9/): KDA qk_gram 1.80 -> 1.45 ms, fwd_pass
@@ -177,7 +185,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False,
             "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A", "dT"),
             "exp2": True, "fwd_pass.fused_output": True, "rewy_qk_gram.kslice": 16,
-            "rewy_intra.kslice": 0, "backward.native_pass_dots": True}
+            "rewy_intra.kslice": 0, "backward.native_pass_dots": True,
+            "backward.twin_pass": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -519,6 +528,15 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
     storing no S0 or R (the ``recompute`` forward, DEFAULTS "fwd_pass.fused_output"). P: the
     vector-gate [B,H,N,C,C] matrix of ``qk_gram``, or None (rebuilt per chunk, as ``output``).
     """
+    kernel, ins, in_specs, outputs = _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq,
+                                                     dtypes, out)
+    return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
+                 interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
+                 num_stages=_pass_stages(s.K))(*ins)
+
+
+def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
+    """``fwd_pass``'s (kernel, inputs, in_specs, outputs) on the grid (B·H, V/BVs)."""
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
     fused = out is not None
     vec_P = fused and out[1] is not None
@@ -585,9 +603,7 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
                        out_shape=[s.sds_tok(s.V, out_dtype), outputs["out_shape"][2]])
     else:
         outputs = s.pass_outputs(dtypes)
-    return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs, **outputs,
-                 interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
-                 num_stages=_pass_stages(K))(*ins)
+    return kernel, ins, in_specs, outputs
 
 
 def _qk_full(mode, q_ref, k_ref, G_ref, C, prec, base=0):
@@ -679,6 +695,15 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
              dtypes=(F32, F32)):
     """dS_end [B,H,N,K,V], dR [B,Tp,H,V] (stored in ``dtypes``; the pass carries dS in fp32),
     dh0 [B,H,n_seq1,K,V] (fp32)."""
+    kernel, ins, in_specs, outputs = _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end,
+                                                     seq, dtypes)
+    return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
+                 interpret=interpret, num_warps=WARPS["bwd_pass"], name="rewy_bwd_pass",
+                 num_stages=_pass_stages(s.K))(*ins)
+
+
+def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):
+    """``bwd_pass``'s (kernel, inputs, in_specs, outputs) on the grid (B·H, V/BVs)."""
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
     # K̄ dS and Wᵀ dR in the stored dtypes of dS and dR, or on fp32 values
     dS_dt, dR_dt = dtypes if _native_pass_dots(dtypes) else (None, None)
@@ -718,9 +743,45 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
     in_specs = [s.col_tok(K, False)] * 2 + ([] if mode == "none" else [s.col_gate()]) + [
         s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(s.V, True),
         s.col_states(s.n_seq1)] + [s.col_meta()] * 3
-    return _call(kernel, grid=(s.B * s.H, s.V // BV), in_specs=in_specs, **s.pass_outputs(dtypes),
-                 interpret=interpret, num_warps=WARPS["bwd_pass"], name="rewy_bwd_pass",
-                 num_stages=_pass_stages(K))(*ins)
+    return kernel, ins, in_specs, s.pass_outputs(dtypes)
+
+
+def twin_pass(s: Shape, fwd_args, bwd_args, *, interpret, fwd_dtypes, bwd_dtypes):
+    """The backward's two state passes in one launch (DEFAULTS "backward.twin_pass"):
+    ``fwd_pass(s, *fwd_args, dtypes=fwd_dtypes)`` (the recomputed S0, R) and ``bwd_pass(s,
+    *bwd_args, dtypes=bwd_dtypes)`` (dS_end, dR) are independent — bwd_pass reads W, not S0 or
+    R — and each runs only B·H·V/BVs programs, one per SM, issue-bound at one warp per
+    scheduler (profile-11, ncu). Launched apart they run one after the other; here a third grid
+    axis picks the pass, so both share the SMs (two programs per SM where registers and shared
+    memory allow). Returns (S0, R, final) + (dS_end, dR, dh0), as the two calls would.
+    """
+    kf, ins_f, specs_f, out_f = _fwd_pass_parts(s, *fwd_args, fwd_dtypes, None)
+    kb, ins_b, specs_b, out_b = _bwd_pass_parts(s, *bwd_args, bwd_dtypes)
+    n_f, n_b, n_fo = len(ins_f), len(ins_b), len(out_f["out_shape"])
+
+    def kernel(*refs):
+        ins, outs = refs[:n_f + n_b], refs[n_f + n_b:]
+        which = pl.program_id(2)
+
+        @pl.when(which == 0)
+        def _():
+            kf(*ins[:n_f], *outs[:n_fo])
+
+        @pl.when(which == 1)
+        def _():
+            kb(*ins[n_f:], *outs[n_fo:])
+
+    def on_twin_grid(spec):  # (bh, v) -> (bh, v, which): both passes see their own blocks
+        return pl.BlockSpec(spec.block_shape, lambda bh, v, which: spec.index_map(bh, v))
+
+    # One stage: two programs share an SM only if each keeps ≤ ~113 KB of shared memory, and
+    # the pipelined loads take 143 KB at K = 128 (ptxas, DeltaNet; 28 KB at one stage, 208
+    # registers at 4 warps: two programs fit). The other program hides the load latency.
+    return _call(kernel, grid=(s.B * s.H, s.V // s.BVs, 2),
+                 in_specs=[on_twin_grid(x) for x in specs_f + specs_b],
+                 out_specs=[on_twin_grid(x) for x in out_f["out_specs"] + out_b["out_specs"]],
+                 out_shape=out_f["out_shape"] + out_b["out_shape"], interpret=interpret,
+                 num_warps=WARPS["twin_pass"], name="rewy_twin_pass", num_stages=1)(*ins_f, *ins_b)
 
 
 def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dtype=F32,

@@ -100,6 +100,10 @@ VARIANTS = {
     # both (ptxas, DeltaNet: the backward's pass 759 -> 607 SASS instructions at 8 warps; at
     # K = 256 the forward's pass spills 528 B at 4 warps, none at 8)
     "npdw8": ({"backward.native_pass_dots": True, "rewy_fwd_pass.warps": 8}, 64, None, None),
+    # the backward's two state passes in one launch, two programs per SM (4 warps, one stage;
+    # ptxas: DeltaNet 208 registers, 28 KB shared), or at 8 warps (DeltaNet 148 registers)
+    "twin": ({"backward.twin_pass": True}, 64, None, None),
+    "twinw8": ({"backward.twin_pass": True, "rewy_twin_pass.warps": 8}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
@@ -211,6 +215,11 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     rows["bwd_local"] = _bench(f, q, k, G, P, dO)
     dRl = f(q, k, G, P, dO)
     dfin = jnp.zeros_like(fin)
+    if kn.setting("backward.twin_pass"):  # the backward's pass and bwd_pass in one launch
+        f = jax.jit(lambda W, U, k, G, h0, q, dO, dRl, dfin: kn.twin_pass(
+            s, (W, U, k, G, h0, reset, end, seq), (q, k, G, W, dO, dRl, dfin, reset, end, seq),
+            interpret=it, fwd_dtypes=(sd["S0"], sd["R"]), bwd_dtypes=(sd["dS"], sd["dR"])))
+        rows["twin_pass"] = _bench(f, W, Ub, k, G, h0, q, dO, dRl, dfin)
     f = jax.jit(lambda q, k, G, W, dO, dRl, dfin: kn.bwd_pass(s, q, k, G, W, dO, dRl, dfin, reset,
                                                               end, seq, interpret=it,
                                                               dtypes=(sd["dS"], sd["dR"])))
