@@ -579,9 +579,11 @@ def test_profile_script_runs_its_variants():
             "bwd_leaf", "OP_FWD+BWD (kda)"} <= set(rows)
     assert all(t > 0 for t in rows.values())
     assert (dict(kernels.TUNE), api.DEFAULT_BV) == before
-    # a variant that only reorganises work agrees with the base one; a changed input does not
-    _, grads2 = profile_kernels.profile("vector", "pairgrid", (1, 64, 1, 16), interpret=True,
-                                        reps=1, runs=1)
+    # a variant that only reorganises work agrees with the base one (the twin pass: its own
+    # row); a changed input does not
+    rows2, grads2 = profile_kernels.profile("vector", "twin", (1, 64, 1, 16), interpret=True,
+                                            reps=1, runs=1)
+    assert rows2["twin_pass"] > 0 and "twin_pass" not in rows
     assert profile_kernels.grad_gap(grads2, grads) < 1e-5
     assert profile_kernels.grad_gap(jax.tree_util.tree_map(lambda g: 2 * g, grads), grads) > 0.9
 

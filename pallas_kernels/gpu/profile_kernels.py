@@ -104,6 +104,8 @@ VARIANTS = {
     # ptxas: DeltaNet 208 registers, 28 KB shared), or at 8 warps (DeltaNet 148 registers)
     "twin": ({"backward.twin_pass": True}, 64, None, None),
     "twinw8": ({"backward.twin_pass": True, "rewy_twin_pass.warps": 8}, 64, None, None),
+    # and with the passes' three pipeline stages (143 KB shared: one program per SM again)
+    "twin3": ({"backward.twin_pass": True, "rewy_twin_pass.stages": 3}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
