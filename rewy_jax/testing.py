@@ -146,6 +146,34 @@ _EXECUTION_ONLY = ("backend", "chunk_size", "policy", "backward", "interpret")
 def accuracy_report(op: str, inputs: dict, *, seed: int = 1, use_qk_l2norm: bool = True, **kw) -> dict:
     """Ratios of every output and gradient of ``op`` (with ``kw``, e.g. backend=...) against the
     float64 token recurrence on the same inputs. Returns {name: (ratio, tolerance)}."""
+    dtype = inputs["q"].dtype
+    return {name: (ratio(x, ref), tolerance(name, dtype)) for name, (x, ref) in
+            compare_to_reference(op, inputs, seed=seed, use_qk_l2norm=use_qk_l2norm, **kw).items()}
+
+
+# The decay-gate gradient comes from the key-gradient identity (rewy-math §5–§6; FLA forms it
+# the same way, rowsum − colsum then a reverse cumsum): dg_t, the sum of the pair terms that cross
+# token t, is the difference of two sums that also hold every non-crossing term (the diagonal
+# query-key pairs, the final state's own-token path). Its error is rounding of those terms —
+# the size of the key gradients — not of dg. Where every token of a sequence decays strongly
+# (T ≤ 3 with g ≈ −20, say) dg is orders below dk, and in fp32 its ratio exceeds 1e-4 while its
+# error stays at that rounding (T = 2, g = (−20, −20): |dg| 1.7e-9, error 4.8e-7, dk ~5).
+GATE_ROUNDING_FLOOR = 1e-5
+
+
+def gate_gradient_at_rounding(pairs: dict) -> bool:
+    """Whether dg's rms error (``compare_to_reference`` pairs) is within GATE_ROUNDING_FLOOR of
+    the reference dk's rms — the bound that holds where dg's own ratio cannot (above)."""
+    (dg, dg_r), dk_r = pairs["dg"], pairs["dk"][1]
+    err = np.sqrt(np.mean((np.asarray(dg, np.float64) - np.asarray(dg_r, np.float64)) ** 2))
+    return bool(np.isfinite(err) and err <= GATE_ROUNDING_FLOOR * np.sqrt(
+        np.mean(np.asarray(dk_r, np.float64) ** 2)))
+
+
+def compare_to_reference(op: str, inputs: dict, *, seed: int = 1, use_qk_l2norm: bool = True,
+                         **kw) -> dict:
+    """{name: (value, float64 reference)} for o, final_state and every gradient of ⟨o, dO⟩ +
+    ⟨final, dS⟩ (random cotangents drawn from ``seed``): what ``accuracy_report`` compares."""
     if not jax.config.jax_enable_x64:
         jax.config.update("jax_enable_x64", True)
     rng = np.random.default_rng(seed)
@@ -156,7 +184,6 @@ def accuracy_report(op: str, inputs: dict, *, seed: int = 1, use_qk_l2norm: bool
         len(inputs["cu_seqlens"]) - 1 if "cu_seqlens" in inputs else B)
     cts = {"o": jnp.asarray(rng.standard_normal((B, T, H, V))),
            "final_state": jnp.asarray(rng.standard_normal((lead, H, K, V)))}
-    dtype = inputs["q"].dtype
     o, s, grads = loss_and_grads(op, inputs, {k: v.astype(jnp.float32) for k, v in cts.items()},
                                  use_qk_l2norm=use_qk_l2norm, **kw)
     ref_inputs = {k: (v if k == "cu_seqlens" else jnp.asarray(v, jnp.float64)) for k, v in inputs.items()}
@@ -165,8 +192,5 @@ def accuracy_report(op: str, inputs: dict, *, seed: int = 1, use_qk_l2norm: bool
     ref_kw = {k: v for k, v in kw.items() if k not in _EXECUTION_ONLY}
     o_r, s_r, grads_r = loss_and_grads(op, ref_inputs, cts, use_qk_l2norm=use_qk_l2norm,
                                        backend="reference", **ref_kw)
-    out = {"o": (ratio(o, o_r), tolerance("o", dtype)),
-           "final_state": (ratio(s, s_r), tolerance("final_state", dtype))}
-    for name, gval in grads.items():
-        out[name] = (ratio(gval, grads_r[name]), tolerance(name, dtype))
-    return out
+    return {"o": (o, o_r), "final_state": (s, s_r),
+            **{name: (gval, grads_r[name]) for name, gval in grads.items()}}
