@@ -625,6 +625,23 @@ def test_leaf_tile_choice():
     assert leaf("none", 16, 32, BK=64) == (16, w)
 
 
+def test_state_pass_stages(monkeypatch):
+    """The state passes' pipeline stages (kernels._pass_stages): three at K ≤ 128, one at
+    K = 256, and one where the grid (B·H, V/BVs) has at least "state_pass.one_stage_from"
+    programs (0: never)."""
+    from pallas_kernels.gpu import kernels
+
+    def stages(B, H, K, V):
+        return kernels._pass_stages(kernels.Shape(B, 64, H, K, V, 64, 2, "none", None, 64))
+
+    assert stages(2, 16, 128, 128) == 3 and stages(64, 64, 128, 128) == 3
+    assert stages(1, 1, 256, 256) == 1
+    bvs = kernels.Shape(1, 64, 1, 128, 128, 64, 2, "none", None, 64).BVs
+    monkeypatch.setitem(kernels.TUNE, "state_pass.one_stage_from", 256)
+    assert stages(2, 16, 128, 128) == (1 if 2 * 16 * 128 // bvs >= 256 else 3)
+    assert stages(4, 64, 128, 128) == 1 and stages(1, 1, 128, 128) == 3
+
+
 @pytest.mark.skipif(_ON_GPU, reason="CPU smoke test of the tracing script")
 def test_trace_script_sums_stream_kernels(tmp_path):
     """pallas_kernels/gpu/trace_op.py (the device-session tool): on a GPU-like trace it sums

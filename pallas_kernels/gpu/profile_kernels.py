@@ -106,6 +106,9 @@ VARIANTS = {
     "twinw8": ({"backward.twin_pass": True, "rewy_twin_pass.warps": 8}, 64, None, None),
     # and with the passes' three pipeline stages (143 KB shared: one program per SM again)
     "twin3": ({"backward.twin_pass": True, "rewy_twin_pass.stages": 3}, 64, None, None),
+    # the state passes at one pipeline stage (ptxas, DeltaNet: 24–57 KB of shared memory
+    # instead of 100–180, so two programs per SM where the grid has more programs than SMs)
+    "st1": ({"rewy_fwd_pass.stages": 1, "rewy_bwd_pass.stages": 1}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
