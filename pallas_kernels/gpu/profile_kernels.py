@@ -109,6 +109,8 @@ VARIANTS = {
     # the state passes at one pipeline stage (ptxas, DeltaNet: 24–57 KB of shared memory
     # instead of 100–180, so two programs per SM where the grid has more programs than SMs)
     "st1": ({"rewy_fwd_pass.stages": 1, "rewy_bwd_pass.stages": 1}, 64, None, None),
+    # the twin pass with the forward's pass at one stage too
+    "twinst1": ({"backward.twin_pass": True, "rewy_fwd_pass.stages": 1}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
