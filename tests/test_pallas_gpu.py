@@ -342,8 +342,8 @@ def test_interpret_native_pass_dots(op, decay, kw, small_tiles, monkeypatch):
                                          ("gdn", "strong", {}),
                                          ("kda", "normal", {"policy": "save"})])
 def test_interpret_twin_pass(op, decay, kw, small_tiles, monkeypatch):
-    """backward.twin_pass: the recompute pass and the reverse pass in one launch give the
-    outputs and every gradient bit for bit as the two launches (packed sequences, initial
+    """backward.twin_pass (default): the recompute pass and the reverse pass in one launch give
+    the outputs and every gradient bit for bit as the two launches (packed sequences, initial
     states, T not a multiple of the chunk, two value tiles); it is taken under ``recompute``
     only, and the gradients stay within the bf16 thresholds."""
     from pallas_kernels.gpu import kernels
@@ -354,6 +354,8 @@ def test_interpret_twin_pass(op, decay, kw, small_tiles, monkeypatch):
     cts = testing.make_inputs(op, 1, 100, 2, 32, 32, seed=38, n_seqs=n_seqs)
     cts = {"o": cts["v"], "final_state": cts["initial_state"]}
     kw = dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32, use_qk_l2norm=True)
+    monkeypatch.setitem(kernels.TUNE, "backward.twin_pass", False)  # the default: launch apart
+    jax.clear_caches()
     apart = testing.loss_and_grads(op, inp, cts, **kw)
     calls = []
     twin = kernels.twin_pass
@@ -562,6 +564,11 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
     if not fused:
         kernels.add("rewy_output")
     assert ("rewy_output" in text) == (not fused)
+    # the backward's two state passes in one launch under recompute at K ≤ 128 (the default)
+    twin = recompute and K <= 128
+    if twin:
+        kernels = (kernels - {"rewy_bwd_pass"}) | {"rewy_twin_pass"}
+    assert ("rewy_bwd_pass" in text) == (not twin)
     missing = {k for k in kernels if k not in text}
     assert not missing, f"kernels absent from the lowered module: {missing}"
 
@@ -579,11 +586,12 @@ def test_profile_script_runs_its_variants():
             "bwd_leaf", "OP_FWD+BWD (kda)"} <= set(rows)
     assert all(t > 0 for t in rows.values())
     assert (dict(kernels.TUNE), api.DEFAULT_BV) == before
-    # a variant that only reorganises work agrees with the base one (the twin pass: its own
-    # row); a changed input does not
-    rows2, grads2 = profile_kernels.profile("vector", "twin", (1, 64, 1, 16), interpret=True,
+    # a variant that only reorganises work agrees with the base one (the two state passes
+    # launched apart instead of the default twin pass, which has its own row); a changed input
+    # does not
+    rows2, grads2 = profile_kernels.profile("vector", "apart", (1, 64, 1, 16), interpret=True,
                                             reps=1, runs=1)
-    assert rows2["twin_pass"] > 0 and "twin_pass" not in rows
+    assert rows["twin_pass"] > 0 and "twin_pass" not in rows2
     assert profile_kernels.grad_gap(grads2, grads) < 1e-5
     assert profile_kernels.grad_gap(jax.tree_util.tree_map(lambda g: 2 * g, grads), grads) > 0.9
 
@@ -623,23 +631,6 @@ def test_leaf_tile_choice():
     assert leaf("scalar", 128, 256) == (32, w)
     assert leaf("vector", 128, 128, BK=64) == (64, w)
     assert leaf("none", 16, 32, BK=64) == (16, w)
-
-
-def test_state_pass_stages(monkeypatch):
-    """The state passes' pipeline stages (kernels._pass_stages): three at K ≤ 128, one at
-    K = 256, and one where the grid (B·H, V/BVs) has at least "state_pass.one_stage_from"
-    programs (0: never)."""
-    from pallas_kernels.gpu import kernels
-
-    def stages(B, H, K, V):
-        return kernels._pass_stages(kernels.Shape(B, 64, H, K, V, 64, 2, "none", None, 64))
-
-    assert stages(2, 16, 128, 128) == 3 and stages(64, 64, 128, 128) == 3
-    assert stages(1, 1, 256, 256) == 1
-    bvs = kernels.Shape(1, 64, 1, 128, 128, 64, 2, "none", None, 64).BVs
-    monkeypatch.setitem(kernels.TUNE, "state_pass.one_stage_from", 256)
-    assert stages(2, 16, 128, 128) == (1 if 2 * 16 * 128 // bvs >= 256 else 3)
-    assert stages(4, 64, 128, 128) == 1 and stages(1, 1, 128, 128) == 3
 
 
 @pytest.mark.skipif(_ON_GPU, reason="CPU smoke test of the tracing script")

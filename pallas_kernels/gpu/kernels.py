@@ -144,16 +144,13 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               4 warps and one stage: DeltaNet 208 registers and 28 KB shared, GDN 255 / 24
 #               KB, KDA 255 (96 B spilled) / 57 KB — two programs per SM fit. At K = 256 it
 #               spills 488 B (4 warps) or keeps one program per SM (8 warps): not used there.
-#               Gradients bit-identical (interpret mode). Not yet timed (profile variant
-#               "twin"): off.
-#   state_pass.one_stage_from  the state passes (fwd_pass, bwd_pass) at one pipeline stage
-#               where their grid has at least this many programs (``_pass_stages``; 0: never):
-#               at three stages they take ~100–180 KB of shared memory, one program per SM;
-#               at one, 24–57 KB (ptxas, DeltaNet K = 128: the forward's fused pass 180 -> 57 KB
-#               at 255 registers, the recompute pass 102 -> 25 KB at 139, bwd_pass at 8 warps
-#               143 -> 29 KB at 122), so at the large shapes (B·H·V/32 = 1024 programs at
-#               (4,4096,64,128)) two or three share an SM. Not yet timed (profile variant
-#               "st1"): off.
+#               Gradients bit-identical (interpret mode). Profile-13 (H200, commit 8cba3db,
+#               benchmarks/results/profile-13/), the anchor: DeltaNet twin 0.357 ms against
+#               0.187 + 0.255 apart, op 1.58 -> 1.51; GDN 0.433 against 0.205 + 0.301, op
+#               2.08 -> 2.01; KDA 0.568 against 0.308 + 0.384, op 4.42 -> 4.33. At
+#               (4,4096,64,128), 1024 programs per pass, no gain (3.36 against 1.14 + 2.17;
+#               op 11.7 / 11.8). Run h200-11: DeltaNet fwd+bwd −4 to −6% at the five FLA shapes
+#               with K ≤ 128 except (4,4096,64,128) (flat). Default.
 #   exp2        every e^x of the kernels as exp2(x·log2 e) (blocks.exp): one ex2.approx and a
 #               product instead of libdevice's ~14-instruction expf. Profile-9 (H200, commit
 #               6942002, benchmarks/results/profile-9/): KDA qk_gram 1.80 -> 1.45 ms, fwd_pass
@@ -194,7 +191,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A", "dT"),
             "exp2": True, "fwd_pass.fused_output": True, "rewy_qk_gram.kslice": 16,
             "rewy_intra.kslice": 0, "backward.native_pass_dots": True,
-            "backward.twin_pass": False, "state_pass.one_stage_from": 0}
+            "backward.twin_pass": True}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -227,16 +224,8 @@ def parse_tune(text):
     return key, {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
 
 
-def _pass_stages(s):
-    """Pipeline stages of a state pass on grid (B·H, V/BVs): three (its next chunk's loads in
-    flight while one program per SM works on this one) at K ≤ 128; one at K = 256 (three would
-    need ~400 KB of shared memory), and where the grid has at least DEFAULTS
-    "state_pass.one_stage_from" programs (0: never) — one stage takes a pass from ~100–180 KB of
-    shared memory to 24–57 KB (ptxas, K = 128), so two programs share an SM and each hides the
-    other's loads."""
-    programs = s.B * s.H * (s.V // s.BVs)
-    from_ = setting("state_pass.one_stage_from")
-    return 1 if s.K > 128 or (from_ and programs >= from_) else 3
+def _pass_stages(K):
+    return 3 if K <= 128 else 1
 
 
 class Shape:
@@ -548,7 +537,7 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
                                                      dtypes, out)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
-                 num_stages=_pass_stages(s))(*ins)
+                 num_stages=_pass_stages(s.K))(*ins)
 
 
 def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
@@ -715,7 +704,7 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
                                                      seq, dtypes)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=WARPS["bwd_pass"], name="rewy_bwd_pass",
-                 num_stages=_pass_stages(s))(*ins)
+                 num_stages=_pass_stages(s.K))(*ins)
 
 
 def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):

@@ -104,10 +104,13 @@ VARIANTS = {
     # ptxas: DeltaNet 208 registers, 28 KB shared), or at 8 warps (DeltaNet 148 registers)
     "twin": ({"backward.twin_pass": True}, 64, None, None),
     "twinw8": ({"backward.twin_pass": True, "rewy_twin_pass.warps": 8}, 64, None, None),
+    # the two launched apart (the default before profile-13)
+    "apart": ({"backward.twin_pass": False}, 64, None, None),
     # and with the passes' three pipeline stages (143 KB shared: one program per SM again)
     "twin3": ({"backward.twin_pass": True, "rewy_twin_pass.stages": 3}, 64, None, None),
     # the state passes at one pipeline stage (ptxas, DeltaNet: 24–57 KB of shared memory
-    # instead of 100–180, so two programs per SM where the grid has more programs than SMs)
+    # instead of 100–180, so two programs per SM where the grid has more programs than SMs);
+    # profile-13: slower at the anchor and at (4,4096,64,128) alike
     "st1": ({"rewy_fwd_pass.stages": 1, "rewy_bwd_pass.stages": 1}, 64, None, None),
     # the twin pass with the forward's pass at one stage too
     "twinst1": ({"backward.twin_pass": True, "rewy_fwd_pass.stages": 1}, 64, None, None),
