@@ -149,7 +149,7 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               0.187 + 0.255 apart, op 1.58 -> 1.51; GDN 0.433 against 0.205 + 0.301, op
 #               2.08 -> 2.01; KDA 0.568 against 0.308 + 0.384, op 4.42 -> 4.33. At
 #               (4,4096,64,128), 1024 programs per pass, no gain (3.36 against 1.14 + 2.17;
-#               op 11.7 / 11.8). Run h200-11: DeltaNet fwd+bwd −4 to −6% at the five FLA shapes
+#               op 11.7 / 11.8). Run h200-11: DeltaNet fwd+bwd −3 to −6% at the five FLA shapes
 #               with K ≤ 128 except (4,4096,64,128) (flat). Default.
 #   exp2        every e^x of the kernels as exp2(x·log2 e) (blocks.exp): one ex2.approx and a
 #               product instead of libdevice's ~14-instruction expf. Profile-9 (H200, commit
