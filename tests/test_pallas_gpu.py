@@ -106,6 +106,36 @@ def test_interpret_shared_decay_options(op, decay, kw, diag, gram_from_qk, share
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+def test_fused_output_by_gate_mode(small_tiles, monkeypatch):
+    """"fwd_pass.fused_output" naming gate modes: only those fuse the output into the forward's
+    pass (the others launch the output kernel), with the same o; an unknown mode is refused."""
+    from pallas_kernels.gpu import kernels
+
+    monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", ("none", "vector"))
+    assert [kernels.fused_output(m) for m in ("none", "scalar", "vector")] == [True, False, True]
+    monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", "scalar")
+    assert [kernels.fused_output(m) for m in ("none", "scalar", "vector")] == [False, True, False]
+    calls = []
+    output = kernels.output
+    monkeypatch.setattr(kernels, "output", lambda *a, **k: calls.append(1) or output(*a, **k))
+    kw = dict(backend="pallas_gpu", interpret=True, chunk_size=16)
+    for op, fused in (("deltanet", True), ("gdn", False)):
+        inp = testing.make_inputs(op, 1, 40, 2, 16, 16, decay="strong", seed=5)
+        monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", ("none", "vector"))
+        jax.clear_caches()
+        calls.clear()
+        o1, f1 = testing.run_op(op, inp, **kw)
+        assert len(calls) == (not fused), op
+        monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", not fused)
+        jax.clear_caches()
+        o2, f2 = testing.run_op(op, inp, **kw)  # the other form
+        assert _rel(o1, o2) < 1e-6 and _rel(f1, f2) < 1e-6, op
+    monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", ("none", "gated"))
+    with pytest.raises(ValueError, match="fwd_pass.fused_output.*gated"):
+        kernels.fused_output("none")
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,gram_from_qk,kw", [("kda", True, {}),
                                                 ("gdn2", False, {"gate_lower_bound": -5.0})])
 def test_interpret_qk_gram_pair_grid(op, gram_from_qk, kw, small_tiles, monkeypatch):

@@ -89,7 +89,7 @@ def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True):
     A, W, U, P = _intra(s, q, k, e, z, G, cfg.interpret)
     # K = 256: the pass holds one pipeline stage there (kernels._pass_stages) and the fused form
     # measured slower (run h200-7: DeltaNet (8,2048,32,256) forward 12.2 -> 13.9 ms).
-    if not keep_states and kn.setting("fwd_pass.fused_output") and s.K <= 128:
+    if not keep_states and kn.fused_output(s.mode) and s.K <= 128:
         o, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret,
                                out=(q, P, z.dtype))
         return o, final, (A, None, None, None, P)

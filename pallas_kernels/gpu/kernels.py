@@ -163,7 +163,11 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               pass 0.32 against fwd_pass 0.24 + output 0.17), fwd+bwd through the op
 #               1.89 -> 1.81; KDA (with exp2 and the outer diagonals) 5.71 -> 5.69; gradients
 #               identical. Default since profile-9, for K ≤ 128 (api._forward): at K = 256
-#               run h200-7 measured DeltaNet's forward slower (12.2 -> 13.9 ms).
+#               run h200-7 measured DeltaNet's forward slower (12.2 -> 13.9 ms). Profile-13:
+#               GDN's fused pass is no faster at the anchor (0.417 against 0.243 + 0.182) and
+#               slower at (4,4096,64,128) (3.48 against 1.50 + 1.29), DeltaNet's faster at both
+#               (0.321 against 0.393; 2.26 against 2.66): the setting may name the gate modes
+#               that fuse (``fused_output``), e.g. "none,vector"; not yet timed through the op.
 #   rewy_qk_gram.kslice  qk_gram's Gram blocks (frame blocks and the per-column diagonal
 #               loop) contracted over slices of this many key channels instead of all K at
 #               once (Gates._frame_grams): a [16, K] row operand of a 16-row product sits whole
@@ -208,6 +212,22 @@ TUNE: dict = {}
 def setting(key):
     """A DEFAULTS choice, or its TUNE override."""
     return TUNE.get(key, DEFAULTS[key])
+
+
+def fused_output(mode):
+    """Whether the forward's state pass forms the output for gate mode ``mode`` ("none",
+    "scalar", "vector"): DEFAULTS "fwd_pass.fused_output" is True / False for every mode, or
+    the gate modes that fuse (a name or a tuple of names, e.g. ``--tune
+    fwd_pass.fused_output=none,vector``)."""
+    v = setting("fwd_pass.fused_output")
+    if isinstance(v, bool):
+        return v
+    modes = (v,) if isinstance(v, str) else tuple(v)
+    unknown = set(modes) - {"none", "scalar", "vector"}
+    if unknown:
+        raise ValueError(f"fwd_pass.fused_output: unknown gate modes {sorted(unknown)}; expected "
+                         "True, False or some of none, scalar, vector")
+    return mode in modes
 
 
 def parse_tune(text):

@@ -73,6 +73,8 @@ VARIANTS = {
     "qouter": ({"rewy_qk_gram.exact_diag": "outer"}, 64, None, None),
     # the recompute forward's output formed inside its state pass (no S0, R stored)
     "fused": ({"fwd_pass.fused_output": True}, 64, None, None),
+    # fused for no and vector gates only: scalar gates' forward as pass + output (profile-13)
+    "unfusedscalar": ({"fwd_pass.fused_output": ("none", "vector")}, 64, None, None),
     "fused2": ({"fwd_pass.fused_output": True, "exp2": True,
                 "rewy_qk_gram.exact_diag": "outer"}, 64, None, None),
     # qk_gram's Grams contracted over all K at once at 4 warps (before profile-10), or over
@@ -210,7 +212,7 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     f = jax.jit(lambda q, k, G, S0, R, P: kn.output(s, q, k, G, S0, R, P, jnp.bfloat16,
                                                     interpret=it))
     rows["output"] = _bench(f, q, k, G, S0, R, P)
-    if kn.setting("fwd_pass.fused_output"):  # the forward's pass with the output inside
+    if kn.fused_output(mode):  # the forward's pass with the output inside
         f = jax.jit(lambda W, U, k, G, h0, q, P: kn.fwd_pass(
             s, W, U, k, G, h0, reset, end, seq, interpret=it, out=(q, P, jnp.bfloat16)))
         rows["fwd_pass_fused"] = _bench(f, W, U, k, G, h0, q, P)
