@@ -70,8 +70,9 @@ def mm_tn(a, b):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def inclusive_cumsum(x, axis: int):
-    """``jnp.cumsum(x, axis)`` — how every chunk's G is formed from its log-decays g — whose VJP
-    is a flipped *forward* cumsum. Autodiff of ``jnp.cumsum`` gives a reverse cumsum, which the
+    """``jnp.cumsum(x, axis)`` — how the Pallas GPU path forms every chunk's G from its
+    log-decays g (its kernels return the gradient w.r.t. G) — whose VJP is a flipped *forward*
+    cumsum. Autodiff of ``jnp.cumsum`` gives a reverse cumsum, which the
     GPU lowering does not support as a scan: it falls back to a reduce-window summing the whole
     axis for every element (64 reads per output at chunk 64). Flipping is exact."""
     return jnp.cumsum(x, axis)
@@ -325,27 +326,55 @@ class ChunkGrads(NamedTuple):
     dk: jnp.ndarray  # [C, K]
     de: jnp.ndarray  # [C, K]
     dz: jnp.ndarray  # [C, V]
-    dG: jnp.ndarray | None  # [C] / [C, K] / None, w.r.t. the cumulative gate G
+    dg: jnp.ndarray | None  # [C] / [C, K] / None, w.r.t. the chunk's per-token log-decays g
+                            # (G = inclusive cumsum of g within the chunk)
+
+
+def diagonal_split(dA_qk):
+    """(dA_qk with a zero diagonal, its diagonal as a [C, 1] column): the diagonal query-key
+    pairs carry the decay factor exp(G_r − G_r) = 1, so they enter no gate gradient."""
+    C = dA_qk.shape[0]
+    eye = _tril_mask(C, strict=False) & ~_tril_mask(C, strict=True)
+    return jnp.where(eye, 0.0, dA_qk), jnp.sum(jnp.where(eye, dA_qk, 0.0), axis=1, keepdims=True)
 
 
 def _leaf_grads(q, k, e, decay, loc, S0, R, dO, dS, dT, dA_qk, dEg_state, dz):
-    """Shared tail of both backward schemes: Gram terms, raw-frame leaves and dG.
+    """Shared tail of both backward schemes: Gram terms, raw-frame leaves and dg.
 
     ``dEg_state`` is the part of dĒ that does not come from T (−Λ S0ᵀ in ReWY; Aᵀ dW in WY).
     """
     RdS = mm_nt(R, dS)  # [C, K]  R dSᵀ
+    dA_off, dA_diag = diagonal_split(dA_qk)
+    y = decay.tail(RdS)  # each row's path into the end state, factor exp(G_C − G_s)
     de = decay.head(dEg_state) + decay.apply(dT, k)  # γ ⊙ dĒ
-    dk = decay.apply_t(dT, e) + decay.apply_t(dA_qk, q) + decay.tail(RdS)  # dK̄ ⊘ γ
-    dq = decay.head(mm_nt(dO, S0)) + decay.apply(dA_qk, k)  # γ ⊙ dQγ
-    dG = None
+    dk_pairs = decay.apply_t(dT, e) + decay.apply_t(dA_off, q)
+    dq_rest = decay.head(mm_nt(dO, S0)) + decay.apply(dA_off, k)
+    dg = None
     if decay.G is not None:
-        # dG_r = dĒ_r⊙ē_r − dK̄_r⊙k̄_r + dQγ_r⊙qγ_r, all as raw-frame products (§5, §6): the
-        # key-gradient products already formed give the gate gradient, no Gram recomputed.
-        rows = de * e - dk * k + dq * q
-        last = jnp.sum(dS * S0, axis=1) * decay.last() + jnp.sum(RdS * loc.Kt, axis=0)
-        rows = rows.at[-1].add(last)  # γ_C enters Diag(γ_C) S0 and K_tail
-        dG = decay.reduce(rows)
-    return ChunkGrads(dq=dq, dk=dk, de=de, dz=dz, dG=dG)
+        # The gate gradient from the key-gradient products already formed (§5, §6). Per row
+        #     dG_r = dĒ_r⊙ē_r − dK̄_r⊙k̄_r + dQγ_r⊙qγ_r   (+ the end state's terms in the last row)
+        # and dg_t = Σ_{r ≥ t} dG_r. Summed that way, the terms with decay factor 1 — the
+        # diagonal query-key pairs, each row's own path into the end state — enter with both
+        # signs and cancel, leaving rounding at the size of dq, dk in dg (orders above dg where
+        # every token decays strongly). So they are left out: the pair and head terms are
+        # reverse-summed, a row's path into the end state crosses only the later tokens (summed
+        # over the rows before t), and the start state's decay crosses every token.
+        pairs = decay.reduce(de * e - dk_pairs * k + dq_rest * q)
+        dg = (_reverse_cumsum(pairs) + _exclusive_cumsum(decay.reduce(y * k))
+              + decay.reduce((jnp.sum(dS * S0, axis=1) * decay.last())[None]))
+    dk = dk_pairs + y + dA_diag * q  # dK̄ ⊘ γ
+    dq = dq_rest + dA_diag * k  # γ ⊙ dQγ
+    return ChunkGrads(dq=dq, dk=dk, de=de, dz=dz, dg=dg)
+
+
+def _reverse_cumsum(x):
+    """Row r: Σ_{s ≥ r} x_s, as a flipped forward cumsum (``inclusive_cumsum`` says why)."""
+    return jnp.flip(jnp.cumsum(jnp.flip(x, 0), axis=0), 0)
+
+
+def _exclusive_cumsum(x):
+    """Row r: Σ_{s < r} x_s (summed without x_r, so nothing cancels). x: [C] or [C, K]."""
+    return jnp.concatenate([jnp.zeros_like(x[:1]), jnp.cumsum(x[:-1], axis=0)], axis=0)
 
 
 def rewy_backward_chunk(q, k, e, decay: Decay, loc: ChunkLocal, S0, R, dO, dS) -> ChunkGrads:

@@ -16,7 +16,6 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import chunk_algebra
 from rewy_jax import layout
 from rewy_jax.reference import reference_general
 from rewy_jax.xla_chunked import chunked_delta
@@ -37,11 +36,6 @@ def _expand(x, ndim):
     return x if x.ndim == ndim else x[..., None]
 
 
-def _chunk_cumsum(g_chunks):
-    """Inclusive cumsum within each chunk. g: [B, H, N, C] or [B, H, N, C, K]."""
-    return chunk_algebra.inclusive_cumsum(g_chunks, 3)
-
-
 def xla_impl(call, *, chunk_size, policy, backward, interpret=False):
     del interpret
     q, k, v, g, b, w, h0 = call.q, call.k, call.v, call.g, call.b, call.w, call.h0
@@ -52,9 +46,9 @@ def xla_impl(call, *, chunk_size, policy, backward, interpret=False):
     z = _expand(w, 4).astype(f32) * v.astype(f32)
     plan = layout.plan_chunks(T, chunk_size, call.cu_seqlens)
     to = lambda x: layout.to_chunks(x, plan)  # noqa: E731
-    G = None if g is None else _chunk_cumsum(to(g.astype(f32)))
+    g = None if g is None else to(g.astype(f32))  # chunked_delta forms the chunk cumsum
     h0 = h0[None] if call.cu_seqlens is not None else h0[:, None]  # [B, n_seq, H, K, V]
-    o, final = chunked_delta(to(q), to(k), to(e), to(z), G, h0, plan.chunk_reset, plan.chunk_seq,
+    o, final = chunked_delta(to(q), to(k), to(e), to(z), g, h0, plan.chunk_reset, plan.chunk_seq,
                              plan.end_chunk, policy, backward)
     o = layout.from_chunks(o, plan, T)
     final = final[0] if call.cu_seqlens is not None else final[:, 0]

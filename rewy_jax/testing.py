@@ -151,13 +151,15 @@ def accuracy_report(op: str, inputs: dict, *, seed: int = 1, use_qk_l2norm: bool
             compare_to_reference(op, inputs, seed=seed, use_qk_l2norm=use_qk_l2norm, **kw).items()}
 
 
-# The decay-gate gradient comes from the key-gradient identity (rewy-math §5–§6; FLA forms it
-# the same way, rowsum − colsum then a reverse cumsum): dg_t, the sum of the pair terms that cross
-# token t, is the difference of two sums that also hold every non-crossing term (the diagonal
-# query-key pairs, the final state's own-token path). Its error is rounding of those terms —
-# the size of the key gradients — not of dg. Where every token of a sequence decays strongly
-# (T ≤ 3 with g ≈ −20, say) dg is orders below dk, and in fp32 its ratio exceeds 1e-4 while its
-# error stays at that rounding (T = 2, g = (−20, −20): |dg| 1.7e-9, error 4.8e-7, dk ~5).
+# The decay-gate gradient comes from the key-gradient identity (rewy-math §5–§6): dg_t is the
+# sum of the pair terms that cross token t. The Pallas GPU kernels form it as FLA does, rowsum −
+# colsum then a reverse cumsum, i.e. as the difference of two sums that also hold every
+# non-crossing term (the diagonal query-key pairs, each row's own path into the end state, both
+# with decay factor 1). Its error there is rounding of those terms — the size of the key
+# gradients — not of dg. Where every token of a sequence decays strongly (T ≤ 3 with g ≈ −20,
+# say) dg is orders below dk, and in fp32 its ratio exceeds 1e-4 while its error stays at that
+# rounding. (The xla and pallas_tpu paths keep those terms out of the sums:
+# chunk_algebra._leaf_grads.)
 GATE_ROUNDING_FLOOR = 1e-5
 
 

@@ -81,9 +81,14 @@ def _final_states(M, Bv, S0s, end_chunk):
     return jnp.moveaxis(final, 2, 1)
 
 
-def _forward(q, k, e, z, G, h0, chunk_reset, chunk_seq, end_chunk):
-    q, k, e, z, G = _to_f32(q, k, e, z, G)
-    loc, M, Bv = _local(q, k, e, z, G)
+def _cum_gates(g):
+    """Chunk-local inclusive cumsum of the log-decays (rows: axis 3), fp32; None stays None."""
+    return None if g is None else jnp.cumsum(g.astype(jnp.float32), axis=3)
+
+
+def _forward(q, k, e, z, g, h0, chunk_reset, chunk_seq, end_chunk):
+    q, k, e, z = _to_f32(q, k, e, z)
+    loc, M, Bv = _local(q, k, e, z, _cum_gates(g))
     S0s = _forward_state_pass(M, Bv, h0, chunk_reset, chunk_seq)
     O, R = _vmap_chunks(ca.chunk_output)(loc, S0s)
     final = _final_states(M, Bv, S0s, end_chunk)
@@ -130,13 +135,15 @@ def _backward_state_pass(loc, M, dO, dfinal, chunk_reset, chunk_seq, end_chunk, 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
-def chunked_delta(q, k, e, z, G, h0, chunk_reset, chunk_seq, end_chunk, policy, backward):
+def chunked_delta(q, k, e, z, g, h0, chunk_reset, chunk_seq, end_chunk, policy, backward):
     """The general delta rule on chunk-layout inputs; differentiable by ReWY's backward.
 
     Args:
       q, k, e: [B, H, N, C, K]  scaled query, key, erase vectors (any float dtype).
       z:       [B, H, N, C, V]  write vectors.
-      G:       None, [B, H, N, C] or [B, H, N, C, K]: chunk-local inclusive cumsum of log-decays.
+      g:       None, [B, H, N, C] or [B, H, N, C, K]: per-token log-decays (≤ 0; padding rows
+               0). Their chunk-local cumsum G is formed here, so the backward returns dg
+               directly (chunk_algebra._leaf_grads: no term that cancels is summed twice).
       h0:      [B, n_seq, H, K, V] fp32 initial states.
       chunk_reset, chunk_seq, end_chunk: sequence metadata (module docstring).
       policy:   "recompute" (save inputs only) or "save" (also save S0, R and the chunk locals).
@@ -144,29 +151,30 @@ def chunked_delta(q, k, e, z, G, h0, chunk_reset, chunk_seq, end_chunk, policy, 
     Returns:
       o [B, H, N, C, V] in z's dtype, final [B, n_seq, H, K, V] fp32.
     """
-    O, final, *_ = _forward(q, k, e, z, G, h0, chunk_reset, chunk_seq, end_chunk)
+    O, final, *_ = _forward(q, k, e, z, g, h0, chunk_reset, chunk_seq, end_chunk)
     return O.astype(z.dtype), final
 
 
-def _fwd(q, k, e, z, G, h0, chunk_reset, chunk_seq, end_chunk, policy, backward):
-    O, final, loc, M, S0s, R = _forward(q, k, e, z, G, h0, chunk_reset, chunk_seq, end_chunk)
-    inputs = (q, k, e, z, G, h0, chunk_reset, chunk_seq, end_chunk)
+def _fwd(q, k, e, z, g, h0, chunk_reset, chunk_seq, end_chunk, policy, backward):
+    O, final, loc, M, S0s, R = _forward(q, k, e, z, g, h0, chunk_reset, chunk_seq, end_chunk)
+    inputs = (q, k, e, z, g, h0, chunk_reset, chunk_seq, end_chunk)
     saved = (loc, M, S0s, R) if policy == "save" else None
     return (O.astype(z.dtype), final), (inputs, saved)
 
 
 def _bwd(policy, backward, res, cts):
-    (q, k, e, z, G, h0, chunk_reset, chunk_seq, end_chunk), saved = res
+    (q, k, e, z, g, h0, chunk_reset, chunk_seq, end_chunk), saved = res
     dO, dfinal = cts
     if saved is None:  # "recompute": one more forward state pass
-        _, _, loc, M, S0s, R = _forward(q, k, e, z, G, h0, chunk_reset, chunk_seq, end_chunk)
+        _, _, loc, M, S0s, R = _forward(q, k, e, z, g, h0, chunk_reset, chunk_seq, end_chunk)
     else:
         loc, M, S0s, R = saved
     dO = dO.astype(jnp.float32)
     n_seq = h0.shape[1]
     dS_end, dh0 = _backward_state_pass(loc, M, dO, dfinal.astype(jnp.float32), chunk_reset,
                                        chunk_seq, end_chunk, n_seq)
-    qf, kf, ef, zf, Gf = _to_f32(q, k, e, z, G)
+    qf, kf, ef, zf = _to_f32(q, k, e, z)
+    Gf = _cum_gates(g)
 
     def one(q, k, e, z, G, loc, S0, R, dO, dS):
         decay = ca.make_decay(G, q.shape[0])
@@ -175,13 +183,13 @@ def _bwd(policy, backward, res, cts):
         return ca.rewy_backward_chunk(q, k, e, decay, loc, S0, R, dO, dS)
 
     if Gf is None:
-        g = _vmap_chunks(lambda q, k, e, z, *rest: one(q, k, e, z, None, *rest))(
+        grads = _vmap_chunks(lambda q, k, e, z, *rest: one(q, k, e, z, None, *rest))(
             qf, kf, ef, zf, loc, S0s, R, dO, dS_end)
     else:
-        g = _vmap_chunks(one)(qf, kf, ef, zf, Gf, loc, S0s, R, dO, dS_end)
-    dG = None if G is None else g.dG.astype(G.dtype)
-    return (g.dq.astype(q.dtype), g.dk.astype(k.dtype), g.de.astype(e.dtype),
-            g.dz.astype(z.dtype), dG, dh0.astype(h0.dtype), None, None, None)
+        grads = _vmap_chunks(one)(qf, kf, ef, zf, Gf, loc, S0s, R, dO, dS_end)
+    dg = None if g is None else grads.dg.astype(g.dtype)
+    return (grads.dq.astype(q.dtype), grads.dk.astype(k.dtype), grads.de.astype(e.dtype),
+            grads.dz.astype(z.dtype), dg, dh0.astype(h0.dtype), None, None, None)
 
 
 chunked_delta.defvjp(_fwd, _bwd)

@@ -14,8 +14,8 @@ float32 to ~1e-6 and, through the kernels, against the float64 recurrence in the
   forms ``exp(−G)``: every exponent is masked to ``≤ 0`` *before* ``exp``.
 * ``ScalarDecay`` takes ``G`` as a rank-1 ``[C]`` array; a TPU block wants 2-D tails, so
   :class:`ScalarDecayTPU` takes ``G`` as a ``[C, 1]`` column and builds the row by a mask-reduce.
-* ``_leaf_grads`` adds the last-row gate terms with ``rows.at[-1].add(...)`` (a scatter, no Mosaic
-  rule) on rank-1 sums; :func:`leaf_grads` uses a row mask and ``[1, K]`` sums instead.
+* ``_leaf_grads`` sums the gate gradient's rows with scans on rank-1 arrays (no Mosaic rule);
+  :func:`leaf_grads` uses triangular ones matmuls and ``[1, K]`` sums instead.
 * ``unit_lower_inverse`` slices and concatenates ``[C, C]`` at 16/32-lane offsets (relayouts
   Mosaic may reject); :func:`unit_lower_inverse` here runs forward substitution on all diagonal
   16×16 blocks at once (one ``[C/16, C] × [C, C]`` product per step), then merges the blocks by
@@ -401,21 +401,26 @@ def next_state(loc: ca.ChunkLocal, decay, S0, R):
 
 
 def leaf_grads(q, k, e, decay, loc, S0, R, dO, dS, dT, dA_qk, dEg_state, dz) -> ca.ChunkGrads:
-    """``chunk_algebra._leaf_grads`` with 2-D last-row terms (no scatter, no rank-1 arrays)."""
+    """``chunk_algebra._leaf_grads`` with its row sums as triangular ones matmuls and the
+    start-state term as a ``[1, K]`` row (no scan, no rank-1 arrays). dg: [C, 1] / [C, K]."""
     C, V = R.shape
     RdS = fmm_nt(R, dS)
+    dA_off, dA_diag = ca.diagonal_split(dA_qk)
+    y = decay.tail(RdS)
     de = decay.head(dEg_state) + decay.apply(dT, k)
-    dk = decay.apply_t(dT, e) + decay.apply_t(dA_qk, q) + decay.tail(RdS)
-    dq = decay.head(fmm_nt(dO, S0)) + decay.apply(dA_qk, k)
-    dG = None
-    if decay.G is not None:
-        rows = de * e - dk * k + dq * q
+    dk_pairs = decay.apply_t(dT, e) + decay.apply_t(dA_off, q)
+    dq_rest = decay.head(fmm_nt(dO, S0)) + decay.apply(dA_off, k)
+    dg = None
+    if decay.G is not None:  # the terms of chunk_algebra._leaf_grads, summed the same way
+        pairs = decay.reduce(de * e - dk_pairs * k + dq_rest * q)
         # Σ_v dS⊙S0 as a [1, K] row: ones[1, V] · (dS ⊙ S0)ᵀ.
-        last = (mm_nt(jnp.ones((1, V), f32), dS * S0) * decay.last_row()
-                + jnp.sum(RdS * loc.Kt, axis=0, keepdims=True))
-        rows = rows + jnp.where(_iota((C, 1), 0) == C - 1, last, 0.0)
-        dG = decay.reduce(rows)
-    return ca.ChunkGrads(dq=dq, dk=dk, de=de, dz=dz, dG=dG)
+        start = mm_nt(jnp.ones((1, V), f32), dS * S0) * decay.last_row()
+        before = ca._tril_mask(C, strict=True).astype(f32)  # row r: the rows s < r
+        dg = (rev_cumsum_rows(pairs) + mm(before, decay.reduce(y * k))
+              + decay.reduce(start))
+    dk = dk_pairs + y + dA_diag * q
+    dq = dq_rest + dA_diag * k
+    return ca.ChunkGrads(dq=dq, dk=dk, de=de, dz=dz, dg=dg)
 
 
 def backward_chunk(q, k, e, z, decay, loc, S0, R, dO, dS, scheme: str = "rewy"):

@@ -123,8 +123,8 @@ def backward_chunk(q, k, v, b, w, g, S0, R, dO, dS, scheme="rewy", operands=None
     """One chunk's backward. R None: recomputed from S0 (policy "recompute"), else saved.
 
     Returns ((dq, dk, dv, db, dw or None, dg or None), dS0): cotangents of the loaded blocks
-    (scalar ones as [1, C] rows), dg w.r.t. the raw per-token gates (reverse cumsum of dG as a
-    ones matmul), and dS0 for the previous chunk."""
+    (scalar ones as [1, C] rows), dg w.r.t. the raw per-token gates, and dS0 for the previous
+    chunk."""
     q, k, v, dO = (x.astype(f32) for x in (q, k, v, dO))
     e, z, bc, wc = _leaf_in(k, v, b, w)
     decay = ta.make_decay(_cum_gate(g, q.shape[0]), q.shape[0])
@@ -138,11 +138,9 @@ def backward_chunk(q, k, v, b, w, g, S0, R, dO, dS, scheme="rewy", operands=None
             loc = ta.chunk_local(q, k, e, z, decay)
             R = loc.U - ta.xmm(loc.W, S0)  # fp32: U and W S0 nearly cancel
         grads, dS0 = ta.backward_chunk(q, k, e, z, decay, loc, S0, R, dO, dS, scheme)
-    dg = None
-    if grads.dG is not None:
-        dg = ta.rev_cumsum_rows(grads.dG)
-        if _is_row(g):  # [C, 1] -> the [1, C] row layout of the gate
-            dg = ta.col_to_row(dg)
+    dg = grads.dg
+    if dg is not None and _is_row(g):  # [C, 1] -> the [1, C] row layout of the gate
+        dg = ta.col_to_row(dg)
     dk, dv, db, dw = _leaf_out(k, v, b, w, bc, wc, grads.dk, grads.de, grads.dz)
     return (grads.dq, dk, dv, db, dw, dg), dS0
 
