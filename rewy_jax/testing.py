@@ -151,27 +151,6 @@ def accuracy_report(op: str, inputs: dict, *, seed: int = 1, use_qk_l2norm: bool
             compare_to_reference(op, inputs, seed=seed, use_qk_l2norm=use_qk_l2norm, **kw).items()}
 
 
-# The decay-gate gradient comes from the key-gradient identity (rewy-math §5–§6): dg_t is the
-# sum of the pair terms that cross token t. The Pallas GPU kernels form it as FLA does, rowsum −
-# colsum then a reverse cumsum, i.e. as the difference of two sums that also hold every
-# non-crossing term (the diagonal query-key pairs, each row's own path into the end state, both
-# with decay factor 1). Its error there is rounding of those terms — the size of the key
-# gradients — not of dg. Where every token of a sequence decays strongly (T ≤ 3 with g ≈ −20,
-# say) dg is orders below dk, and in fp32 its ratio exceeds 1e-4 while its error stays at that
-# rounding. (The xla and pallas_tpu paths keep those terms out of the sums:
-# chunk_algebra._leaf_grads.)
-GATE_ROUNDING_FLOOR = 1e-5
-
-
-def gate_gradient_at_rounding(pairs: dict) -> bool:
-    """Whether dg's rms error (``compare_to_reference`` pairs) is within GATE_ROUNDING_FLOOR of
-    the reference dk's rms — the bound that holds where dg's own ratio cannot (above)."""
-    (dg, dg_r), dk_r = pairs["dg"], pairs["dk"][1]
-    err = np.sqrt(np.mean((np.asarray(dg, np.float64) - np.asarray(dg_r, np.float64)) ** 2))
-    return bool(np.isfinite(err) and err <= GATE_ROUNDING_FLOOR * np.sqrt(
-        np.mean(np.asarray(dk_r, np.float64) ** 2)))
-
-
 def compare_to_reference(op: str, inputs: dict, *, seed: int = 1, use_qk_l2norm: bool = True,
                          **kw) -> dict:
     """{name: (value, float64 reference)} for o, final_state and every gradient of ⟨o, dO⟩ +

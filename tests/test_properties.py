@@ -29,25 +29,19 @@ def _check(op, inputs, label, **kw):
 
 @pytest.mark.parametrize("op", ["gdn", "kda"])
 def test_gate_gradient_of_a_fully_decayed_sequence(op):
-    """Where hypothesis found the gate gradient's conditioning limit: two tokens both decaying by
-    e^−20, dg ~1e-9 against dk ~1. The xla and pallas_tpu paths meet the 1e-4 ratio (the terms
-    with decay factor 1 are kept out of dg's sums); the Pallas GPU kernels (interpret mode) miss
-    it with their error at the rounding of the key-gradient products, which the floor accepts —
-    and it rejects an error above that rounding."""
+    """Where hypothesis once found dg off by 6.8e-4 (fp32, xla): two tokens both decaying by
+    e^−20, so dg ~1e-9 against dk ~1. Formed as rowsum − colsum then a reverse cumsum, the
+    terms with decay factor 1 (diagonal query-key pairs, each row's own path into the end state)
+    enter with both signs and leave rounding at dk's size (ratio ~400 here); every backend now
+    keeps them out of dg's sums (chunk_algebra._leaf_grads) and meets the 1e-4 bound."""
     inputs = make_inputs(op, 1, 2, 1, 16, 16, seed=0, decay="strong", initial_state=False)
     inputs["g"] = jnp.full(inputs["g"].shape, -20.0, jnp.float32)
-    for backend in ("xla", "pallas_tpu"):
+    for backend in ("xla", "pallas_tpu", "pallas_gpu"):
         pairs = testing.compare_to_reference(op, inputs, seed=1, backend=backend, chunk_size=16,
                                              interpret=True)
-        assert all(testing.ratio(*pairs[n]) <= 1e-4 for n in pairs), backend
-    pairs = testing.compare_to_reference(op, inputs, seed=1, backend="pallas_gpu", chunk_size=16,
-                                         interpret=True)
-    assert all(testing.ratio(*pairs[n]) <= 1e-4 for n in pairs if n != "dg")
-    assert testing.ratio(*pairs["dg"]) > 1e-4
-    assert testing.gate_gradient_at_rounding(pairs)
-    dg, dg_r = pairs["dg"]
-    dk_rms = float(np.sqrt(np.mean(np.asarray(pairs["dk"][1]) ** 2)))
-    assert not testing.gate_gradient_at_rounding(dict(pairs, dg=(dg + 1e-4 * dk_rms, dg_r)))
+        assert float(np.max(np.abs(np.asarray(pairs["dg"][1])))) < 1e-6  # the regime
+        bad = {n: testing.ratio(*p) for n, p in pairs.items() if not testing.ratio(*p) <= 1e-4}
+        assert not bad, (backend, bad)
 
 
 @settings(max_examples=6 * _SCALE, deadline=None)

@@ -4,15 +4,16 @@
 
     q, k, e : [B, Tp, H, K]   scaled query, key, erase vectors (bf16 / fp16 / fp32)
     z       : [B, Tp, H, V]   write vectors
-    G       : None, [B, Tp, H] or [B, Tp, H, K] fp32: chunk-local inclusive cumsum of log-decays
+    g       : None, [B, Tp, H] or [B, Tp, H, K] fp32 per-token log-decays (padding rows 0); their
+              chunk-local inclusive cumsum G is what the kernels read
     h0      : [B, H, n_seq + 1, K, V] fp32 initial states (last slot: padding chunks)
     reset, end, seq : int32 [N] chunk metadata (kernels.py docstring)
 
 It returns ``o [B, Tp, H, V]`` (z's dtype) and ``final [B, H, n_seq + 1, K, V]`` fp32, and is
-differentiable in q, k, e, z, G and h0. ``delta_rule_call`` adapts a backend call of
-``rewy_jax`` (leaf maps e = b ⊙ k, z = w ⊙ v and the chunk cumsum of g are plain JAX, so their
-VJPs — dβ, db, dw, dg (a flipped cumsum, `chunk_algebra.inclusive_cumsum`) — come from
-autodiff around the kernels).
+differentiable in q, k, e, z, g and h0 (dg summed per token from the leaf kernel's two parts,
+``_gate_grad``). ``delta_rule_call`` adapts a backend call of ``rewy_jax`` (leaf maps
+e = b ⊙ k, z = w ⊙ v are plain JAX, so their VJPs — dβ, db, dw — come from autodiff around the
+kernels).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.chunk_algebra import inclusive_cumsum
 from pallas_kernels.gpu import kernels as kn
 from pallas_kernels.gpu.blocks import CENTRED_MIN_GATE
 
@@ -47,6 +47,29 @@ class Config(NamedTuple):
 
 def _mode(G):
     return "none" if G is None else ("scalar" if G.ndim == 3 else "vector")
+
+
+def _chunks(x, C):
+    """[B, Tp, ...] -> [B, Tp/C, C, ...]."""
+    return x.reshape((x.shape[0], x.shape[1] // C, C) + x.shape[2:])
+
+
+def _cum_gates(g, C):
+    """G: the chunk-local inclusive cumsum of the log-decays g (None stays None)."""
+    return None if g is None else jnp.cumsum(_chunks(g, C), axis=2).reshape(g.shape)
+
+
+def _gate_grad(parts, C):
+    """g's gradient from ``kernels.bwd_leaf``'s two parts (pairs, path): per chunk, the reverse
+    cumsum of pairs (the terms that cross every earlier token) plus the exclusive cumsum of path
+    (each row's path into the end state crosses only the later tokens). Summed so, no term
+    enters with both signs (chunk_algebra._leaf_grads). Flipped forward cumsums: a reverse one
+    lowers to a whole-axis reduce-window per element on GPUs (chunk_algebra.inclusive_cumsum)."""
+    pairs, path = (_chunks(x, C) for x in parts)
+    rev = jnp.flip(jnp.cumsum(jnp.flip(pairs, 2), axis=2), 2)
+    before = jnp.concatenate([jnp.zeros_like(path[:, :, :1]),
+                              jnp.cumsum(path[:, :, :-1], axis=2)], axis=2)
+    return (rev + before).reshape(parts[0].shape)
 
 
 def _precision(dtype, interpret):
@@ -99,14 +122,15 @@ def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def general_delta(cfg: Config, q, k, e, z, G, h0, reset, end, seq):
-    o, final, _ = _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=False)
+def general_delta(cfg: Config, q, k, e, z, g, h0, reset, end, seq):
+    o, final, _ = _forward(cfg, q, k, e, z, _cum_gates(g, cfg.chunk_size), h0, reset, end, seq,
+                           keep_states=False)
     return o, final
 
 
-def _fwd(cfg, q, k, e, z, G, h0, reset, end, seq):
-    o, final, saved = _forward(cfg, q, k, e, z, G, h0, reset, end, seq,
-                               keep_states=cfg.policy == "save")
+def _fwd(cfg, q, k, e, z, g, h0, reset, end, seq):
+    o, final, saved = _forward(cfg, q, k, e, z, _cum_gates(g, cfg.chunk_size), h0, reset, end,
+                               seq, keep_states=cfg.policy == "save")
     if cfg.policy == "recompute":
         # Keep the [C, C] chunk matrices (A, and P for vector gates: C/K of a key tensor each)
         # unless told not to: the backward then re-forms W, U with two matmuls per row block
@@ -114,7 +138,7 @@ def _fwd(cfg, q, k, e, z, G, h0, reset, end, seq):
         # The states S0 and R ([K, V] per chunk) are what recompute saves memory on.
         A, _, _, _, P = saved
         saved = (A, P) if kn.setting("recompute.keep_chunk_matrices") else None
-    return (o, final), (q, k, e, z, G, h0, reset, end, seq, saved)
+    return (o, final), (q, k, e, z, g, h0, reset, end, seq, saved)
 
 
 def _stored_dtypes(dtype):
@@ -131,8 +155,9 @@ def _stored_dtypes(dtype):
 
 
 def _bwd(cfg, res, cts):
-    q, k, e, z, G, h0, reset, end, seq, saved = res
+    q, k, e, z, g, h0, reset, end, seq, saved = res
     dO, dfin = cts
+    G = _cum_gates(g, cfg.chunk_size)
     s = _shape(cfg, q, z, G, h0)
     it = cfg.interpret
     sd = _stored_dtypes(q.dtype)
@@ -158,11 +183,12 @@ def _bwd(cfg, res, cts):
                                               bwd_dtypes=(sd["dS"], sd["dR"]))
     else:
         dSe, dR, dh0 = kn.bwd_pass(s, *bwd_args, interpret=it, dtypes=(sd["dS"], sd["dR"]))
-    dq, dk, de, dz, dG = kn.bwd_chunk(s, q, k, e, z, G, A, S0, dSe, R, dO, dR,
+    dq, dk, de, dz, dg = kn.bwd_chunk(s, q, k, e, z, G, A, S0, dSe, R, dO, dR,
                                       backward=cfg.backward,
                                       dtypes=(q.dtype, k.dtype, e.dtype, z.dtype), interpret=it,
                                       lam_dtype=sd["lam"], dt_dtype=sd["dT"])
-    return dq, dk, de, dz, dG, dh0, None, None, None
+    dg = None if dg is None else _gate_grad(dg, cfg.chunk_size)
+    return dq, dk, de, dz, dg, dh0, None, None, None
 
 
 general_delta.defvjp(_fwd, _bwd)
@@ -240,15 +266,10 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
         n_seq = h0.shape[0]
         h0x = jnp.concatenate([h0, jnp.zeros_like(h0[:1])], axis=0)  # [n_seq + 1, H, K, V]
         h0x = jnp.moveaxis(h0x, 0, 1)[None]  # [1, H, n_seq + 1, K, V]
-    G = None
-    if g is not None:
-        gc = lay(g)
-        gc = gc.reshape((B, N, C) + gc.shape[2:])
-        G = inclusive_cumsum(gc, 2).reshape((B, Tp) + gc.shape[3:])
     centred = (gate_lower_bound is not None and g is not None and g.ndim == 4
                and gate_lower_bound >= CENTRED_MIN_GATE)
     cfg = Config(C, policy, backward, bool(interpret), BV or DEFAULT_BV, centred)
-    o, final = general_delta(cfg, lay(q), lay(k), lay(e), lay(z), G, h0x, reset, end, seq)
+    o, final = general_delta(cfg, lay(q), lay(k), lay(e), lay(z), lay(g), h0x, reset, end, seq)
     if n_seq is None:
         return o[:, :T], final[:, :, 0]
     return o[:, plan.scatter], jnp.moveaxis(final[0, :, :n_seq], 1, 0)

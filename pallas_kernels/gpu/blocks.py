@@ -488,14 +488,22 @@ class Rows:
 
 
 class Blocks:
-    """Lazy [16, 16] blocks of a [C, C] ref: ``Blocks(ref)[i, j]``."""
+    """Lazy [16, 16] blocks of a [C, C] ref: ``Blocks(ref)[i, j]``; with ``zero_diagonal`` the
+    matrix's diagonal reads as 0 (``diagonal(i)`` gives it, [BS, 1])."""
 
-    def __init__(self, ref):
+    def __init__(self, ref, zero_diagonal=False):
         self.ref = ref
+        self.zero_diagonal = zero_diagonal
 
     def __getitem__(self, ij):
         i, j = ij
-        return self.ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)].astype(F32)
+        blk = self.ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)].astype(F32)
+        if self.zero_diagonal and i == j:
+            blk = jnp.where(iota((BS, BS), 0) == iota((BS, BS), 1), 0.0, blk)
+        return blk
+
+    def diagonal(self, i):
+        return Gates._diag_of(self.ref[pl.ds(i * BS, BS), pl.ds(i * BS, BS)].astype(F32))
 
 
 def inv_diag(T, unroll=False):

@@ -878,9 +878,15 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
 
         dĒ_state = −Λ S0ᵀ (ReWY product 3)  or  Aᵀ dW, dW = −dR S0ᵀ (WY)
         de = γ ⊙ dĒ_state + apply(dT, k)          dq = γ ⊙ dO S0ᵀ + apply(dA_qk, k)
-        dk = apply_t(dT, e) + apply_t(dA_qk, q) + e^{G_C − G} ⊙ R dSᵀ
-        dG (per channel) = de⊙e − dk⊙k + dq⊙q, last row + γ_C ⊙ Σ_v dS⊙S0 + Σ_s (R dSᵀ ⊙ K_tail)_s
-    Returns dq, dk, de [B,Tp,H,K] and dG per channel [B,Tp,H,K] fp32 (None without gates).
+        dk = apply_t(dT, e) + apply_t(dA_qk, q) + y,   y = e^{G_C − G} ⊙ R dSᵀ
+    and the gate gradient's two parts (chunk_algebra._leaf_grads: the terms with
+    decay factor 1 — dA_qk's diagonal, each row's own path y into the end state — kept out):
+        pairs = de⊙e − dk'⊙k + dq'⊙q (dk', dq' without those terms), last row + γ_C ⊙ Σ_v dS⊙S0
+        path  = y ⊙ k
+    so that g's gradient is, per chunk, the reverse cumsum of pairs plus the exclusive cumsum of
+    path (``api._bwd``). Returns dq, dk, de [B,Tp,H,K] and (pairs, path) fp32: [B,Tp,H,K] per
+    channel for vector gates, [B,Tp,H,K/BK] summed over each key tile's channels for scalar
+    gates; None without gates.
     """
     n, C, prec, mode, K, V = s.n, s.C, s.prec, s.mode, s.K, s.V
     BK = s.BK
@@ -898,12 +904,13 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             refs.insert(4, None)  # A
         (q_ref, k_ref, e_ref, G_ref, A_ref, S0_ref, dSe_ref, lam_ref, R_ref, dO_ref, dR_ref,
          dT_ref, dAqk_ref, dq_ref, dk_ref, de_ref) = refs[:16]
-        dG_ref = refs[16] if mode != "none" else None
+        dg_refs = refs[16:18] if mode != "none" else None
         if mode != "vector":
-            return _leaf_full(refs[:16], dG_ref)
+            return _leaf_full(refs[:16], dg_refs)
+        pairs_ref, path_ref = dg_refs
         gt = Gates(mode, G_ref, 0, C, diag)
         qs, ks, es = Rows(q_ref), Rows(k_ref), Rows(e_ref)
-        dT, dAqk = Blocks(dT_ref), Blocks(dAqk_ref)
+        dT, dAqk = Blocks(dT_ref), Blocks(dAqk_ref, zero_diagonal=True)
         A = Blocks(A_ref) if wy else None
         dW_memo = {}
 
@@ -919,15 +926,8 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
                 dW_memo[j] = -state_dots(j, [(dR_ref, S0_ref)])[0]
             return dW_memo[j]
 
-        def RdS(i):  # R_i dS_endᵀ [BS, BK]
-            return state_dots(i, [(R_ref, dSe_ref)])[0]
-
-        def tail_sum(i, RdS_i):  # Σ_s (R dSᵀ)_s ⊙ K_tail,s over row block i, [1, BK]
-            return jnp.sum(RdS_i * gt.tail(i, ks[i]), axis=0, keepdims=True)
-
-        def row_block(i, tail_k):
-            """Row block i of dq, dk, de, dG; tail_k: Σ of tail_sum over blocks < i, or None
-            when they are not at hand (row grid): the last block then recomputes them."""
+        def row_block(i):
+            """Row block i of dq, dk, de and the gate gradient's two parts."""
             if wy:  # dĒ_state = Aᵀ dW, dW_j = −dR_j S0ᵀ
                 dEs = _sum(dot(A[j, i], dW(j), prec, ta=True) for j in range(i, n))
                 dOS, = state_dots(i, [(dO_ref, S0_ref)])
@@ -941,40 +941,36 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
                 de_k, dq_k = (gt.apply(dT, i, ks, k_ref, prec), gt.apply(dAqk, i, ks, k_ref, prec))
                 dk_x = gt.apply_t(dT, i, es, e_ref, prec, n) + gt.apply_t(dAqk, i, qs, q_ref, prec, n)
             de = gt.head(i, dEs) + de_k
-            dq = gt.head(i, dOS) + dq_k
-            RdS_i = RdS(i)
-            dk = dk_x + gt.tail(i, RdS_i)
-            rows = pl.ds(i * BS, BS)
-            dq_ref[rows, :] = dq.astype(dq_ref.dtype)
-            dk_ref[rows, :] = dk.astype(dk_ref.dtype)
-            de_ref[rows, :] = de.astype(de_ref.dtype)
-            tk = tail_sum(i, RdS_i)
-            tail_k = tk if tail_k is None else tail_k + tk
-            dG = de * es[i] - dk * ks[i] + dq * qs[i]
-            if i == n - 1:  # γ_C enters Diag(γ_C) S0 and K_tail: its terms sit on the last row
+            dq = gt.head(i, dOS) + dq_k  # both without dA_qk's diagonal (dAqk reads it as 0)
+            y = gt.tail(i, state_dots(i, [(R_ref, dSe_ref)])[0])  # e^{G_C − G} ⊙ R_i dS_endᵀ
+            d_i = dAqk.diagonal(i)  # [BS, 1]: its pairs (r, r) have decay factor 1
+            pairs = de * es[i] - dk_x * ks[i] + dq * qs[i]
+            if i == n - 1:  # the start state's decay γ_C into the end state, on the last row
                 sd = jnp.sum(dSe_ref[...].astype(F32) * S0_ref[...].astype(F32),
                              axis=1)[None, :]  # [1, BK]
-                last = exp(gt.glast()) * sd + tail_k
-                dG = dG + jnp.where(iota((BS, 1), 0) == BS - 1, last, 0.0)
-            dG_ref[rows, :] = dG
-            return tail_k
+                pairs = pairs + jnp.where(iota((BS, 1), 0) == BS - 1, exp(gt.glast()) * sd, 0.0)
+            rows = pl.ds(i * BS, BS)
+            dq_ref[rows, :] = (dq + d_i * ks[i]).astype(dq_ref.dtype)
+            dk_ref[rows, :] = (dk_x + y + d_i * qs[i]).astype(dk_ref.dtype)
+            de_ref[rows, :] = de.astype(de_ref.dtype)
+            pairs_ref[rows, :] = pairs
+            path_ref[rows, :] = y * ks[i]
 
         if rowgrid:  # this program owns row block program_id(0) % n of its chunk
             ib = pl.program_id(0) % n
             for i in range(n):
                 def one(i=i):
                     dW_memo.clear()  # values of another branch are out of scope here
-                    before = _sum(tail_sum(j, RdS(j)) for j in range(i)) if i == n - 1 else None
-                    row_block(i, before)
+                    row_block(i)
                 pl.when(ib == i)(one)
         else:
-            tail_k = None
             for i in range(n):
-                tail_k = row_block(i, tail_k)
+                row_block(i)
 
-    def _leaf_full(refs, dG_ref):
-        """No or scalar gates: every decay is one [C, C] matrix D_rs = e^{G_r − G_s} (s ≤ r,
-        masked before exp), so the leaf maps are whole-chunk matmuls (no sub-chunk frames)."""
+    def _leaf_full(refs, dg_refs):
+        """No or scalar gates: every decay is one [C, C] matrix D_rs = e^{G_r − G_s} (s < r,
+        masked before exp; the diagonal's factor is 1), so the leaf maps are whole-chunk
+        matmuls (no sub-chunk frames)."""
         (q_ref, k_ref, e_ref, G_ref, A_ref, S0_ref, dSe_ref, lam_ref, R_ref, dO_ref, dR_ref,
          dT_ref, dAqk_ref, dq_ref, dk_ref, de_ref) = refs
         r, c = iota((C, C), 0), iota((C, C), 1)
@@ -985,10 +981,14 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         else:
             Gc = load_rows(G_ref, 0, C)  # [C]
             gl = load_rows(G_ref, C - 1, 1)  # [1]
-            D = exp(jnp.where(c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
+            # strictly lower: dT has no diagonal, and dA_qk's (decay factor 1) joins dq, dk
+            # apart from the gate gradient's terms (below)
+            D = exp(jnp.where(c < r, Gc[:, None] - Gc[None, :], -jnp.inf))
             gam, tail = exp(Gc)[:, None], exp(gl - Gc)[:, None]
         dT, dAqk = dT_ref[...], dAqk_ref[...]
+        d_qk = None
         if D is not None:
+            d_qk = jnp.where(r == c, dAqk, 0.0)  # dA_qk's diagonal, as a [C, C] matrix
             dT, dAqk = dT * D, dAqk * D
         if wy:
             dW = -dot_stored(dR_ref[...], S0, prec, tb=True)
@@ -1006,16 +1006,24 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         ks_, es_, qs_ = (load_rows(x, 0, C, None) for x in (k_ref, e_ref, q_ref))
         de = dEs + dot_stored(dT, ks_, prec)
         dq = dOS + dot_stored(dAqk, ks_, prec)
-        dk = dot_stored(dT, es_, prec, ta=True) + dot_stored(dAqk, qs_, prec, ta=True) + RdS_t
-        dq_ref[...] = dq.astype(dq_ref.dtype)
-        dk_ref[...] = dk.astype(dk_ref.dtype)
+        if mode == "none":
+            dk = dot_stored(dT, es_, prec, ta=True) + dot_stored(dAqk, qs_, prec, ta=True) + RdS_t
+            dq_ref[...] = dq.astype(dq_ref.dtype)
+            dk_ref[...] = dk.astype(dk_ref.dtype)
+            de_ref[...] = de.astype(de_ref.dtype)
+            return
+        # each result stored as soon as it is whole (fewer live [C, K] tiles); the gate
+        # gradient's parts summed over this tile's channels (one decay per row)
+        pairs_ref, path_ref = dg_refs
         de_ref[...] = de.astype(de_ref.dtype)
-        if mode != "none":
-            dG = de * ec - dk * kc + dq * qc
-            tail_k = jnp.sum(RdS_t * kc, axis=0, keepdims=True)  # Σ_s (R dSᵀ)_s ⊙ K_tail,s
-            sd = jnp.sum(dSe.astype(F32) * S0.astype(F32), axis=1)[None, :]
-            last = exp(gl) * sd + tail_k
-            dG_ref[...] = dG + jnp.where(iota((C, 1), 0) == C - 1, last, 0.0)
+        dq_ref[...] = (dq + dot_stored(d_qk, ks_, prec)).astype(dq_ref.dtype)
+        pairs = de * ec + dq * qc
+        path_ref[...] = jnp.sum(RdS_t * kc, axis=1, keepdims=True)
+        dk = dot_stored(dT, es_, prec, ta=True) + dot_stored(dAqk, qs_, prec, ta=True)
+        dk_ref[...] = (dk + RdS_t + dot_stored(d_qk, qs_, prec, ta=True)).astype(dk_ref.dtype)
+        sd = jnp.sum(dSe.astype(F32) * S0.astype(F32), axis=1)[None, :]
+        pairs = pairs - dk * kc + jnp.where(iota((C, 1), 0) == C - 1, exp(gl) * sd, 0.0)
+        pairs_ref[...] = jnp.sum(pairs, axis=1, keepdims=True)
 
     # Row grid (vector gates, DEFAULTS): n programs per chunk, one
     # per 16-row block — n× the parallelism and one block's live tiles per program, at the cost
@@ -1033,17 +1041,25 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     in_specs = [tok_k] * 3 + ([] if mode == "none" else [gate]) + ([mat] if wy else []) + [
         st_k, st_k, tok_v, tok_v, tok_v, tok_v, mat, mat]
     qd, kd, ed = dtypes
+    # the gate gradient's two parts: per channel (vector gates) or per key tile (scalar)
+    n_kt = K // BK
+    gate_part = (tok_k, s.sds_tok(K)) if mode == "vector" else (
+        pl.BlockSpec((None, C, None, 1), lambda m, bh, kt: (bh // H, ch(m), bh % H, kt)),
+        jax.ShapeDtypeStruct((s.B, s.Tp, H, n_kt), F32))
     out_shape = [s.sds_tok(K, qd), s.sds_tok(K, kd), s.sds_tok(K, ed)] + (
-        [] if mode == "none" else [s.sds_tok(K)])
+        [] if mode == "none" else [gate_part[1]] * 2)
     outs = _call(kernel, grid=(s.N * (n if rowgrid else 1), s.B * H, K // BK), in_specs=in_specs,
-                 out_specs=[tok_k] * len(out_shape), out_shape=out_shape, interpret=interpret,
+                 out_specs=[tok_k] * 3 + ([] if mode == "none" else [gate_part[0]] * 2),
+                 out_shape=out_shape, interpret=interpret,
                  num_warps=s.leaf_warps, name="rewy_bwd_leaf")(*ins)
-    return list(outs) + ([None] if mode == "none" else [])
+    return list(outs[:3]) + [None if mode == "none" else tuple(outs[3:])]
 
 
 def bwd_chunk(s: Shape, q, k, e, z, G, A, S0, dSe, R, dO, dR, *, backward, dtypes, interpret,
               lam_dtype=F32, dt_dtype=F32):
-    """Per-chunk cotangents (raw frame): dq, dk, de [B,Tp,H,K], dz [B,Tp,H,V], dG (or None).
+    """Per-chunk cotangents (raw frame): dq, dk, de [B,Tp,H,K], dz [B,Tp,H,V], and the gate
+    gradient's two parts (pairs, path) per token ([B,Tp,H] for scalar gates; ``bwd_leaf``), or
+    None.
     lam_dtype, dt_dtype: how Λ and dT, dA_qk are stored between the two kernels.
 
     Two kernels, so that neither holds a chunk's worth of [C, K] and [C, V] blocks at once:
@@ -1051,8 +1067,8 @@ def bwd_chunk(s: Shape, q, k, e, z, G, A, S0, dSe, R, dO, dR, *, backward, dtype
     """
     lam, dT, dAqk = bwd_dlam(s, A, R, dO, dR, e, z, G, S0, backward=backward, interpret=interpret,
                              lam_dtype=lam_dtype, dt_dtype=dt_dtype)
-    dq, dk, de, dG = bwd_leaf(s, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk,
-                              backward=backward, dtypes=dtypes[:3], interpret=interpret)
-    if dG is not None and s.mode == "scalar":
-        dG = jnp.sum(dG, axis=-1)
-    return dq, dk, de, lam.astype(dtypes[3]), dG
+    dq, dk, de, dg_parts = bwd_leaf(s, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk,
+                                    backward=backward, dtypes=dtypes[:3], interpret=interpret)
+    if dg_parts is not None and s.mode == "scalar":
+        dg_parts = tuple(jnp.sum(x, axis=-1) for x in dg_parts)
+    return dq, dk, de, lam.astype(dtypes[3]), dg_parts

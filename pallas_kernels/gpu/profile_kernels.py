@@ -148,12 +148,11 @@ def _inputs(mode, B, T, H, D, C=64, seed=0):
     b = jax.random.uniform(ks[2], (B, T, H, 1), F32, 0.0, 1.0)
     e = (b * k.astype(F32)).astype(bf)
     z = (jax.random.normal(ks[3], (B, T, H, D), F32) * b).astype(bf)
-    G = None
+    g = G = None
     if mode != "none":
         gshape = (B, T, H) if mode == "scalar" else (B, T, H, D)
         g = -jax.random.uniform(ks[4], gshape, F32, 0.005, 0.2)
-        N = T // C
-        G = jnp.cumsum(g.reshape((B, N, C) + gshape[2:]), axis=2).reshape(gshape)
+        G = api._cum_gates(g, C)
     N = T // C
     h0 = jnp.zeros((B, H, 2, D, D), F32).at[:, :, 0].set(
         0.1 * jax.random.normal(ks[5], (B, H, D, D), F32))
@@ -161,7 +160,7 @@ def _inputs(mode, B, T, H, D, C=64, seed=0):
     end = (jnp.arange(N) == N - 1).astype(jnp.int32)
     seq = jnp.zeros((N,), jnp.int32)
     dO = jax.random.normal(ks[6], (B, T, H, D), F32).astype(bf)
-    return q, k, e, z, G, h0, reset, end, seq, dO
+    return q, k, e, z, g, G, h0, reset, end, seq, dO
 
 
 def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, runs=5):
@@ -183,7 +182,7 @@ def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, run
 
 def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     B, T, H, D = shape
-    q, k, e, z, G, h0, reset, end, seq, dO = _inputs(mode, B, T, H, D)
+    q, k, e, z, g, G, h0, reset, end, seq, dO = _inputs(mode, B, T, H, D)
     cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4"))
     s = api._shape(cfg, q, z, G, h0)
     it = interpret
@@ -249,17 +248,17 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
         dtypes=(bf, bf, bf), interpret=it))
     rows["bwd_leaf"] = _bench(f, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk)
 
-    def fwd(q, k, e, z, G, h0):
-        return api.general_delta(cfg, q, k, e, z, G, h0, reset, end, seq)[0]
+    def fwd(q, k, e, z, g, h0):
+        return api.general_delta(cfg, q, k, e, z, g, h0, reset, end, seq)[0]
 
-    def loss(q, k, e, z, G, h0):
-        return jnp.sum(fwd(q, k, e, z, G, h0).astype(F32) * dO.astype(F32))
+    def loss(q, k, e, z, g, h0):
+        return jnp.sum(fwd(q, k, e, z, g, h0).astype(F32) * dO.astype(F32))
 
-    argn = (0, 1, 2, 3, 5) if G is None else (0, 1, 2, 3, 4, 5)
-    rows["FWD (general_delta)"] = _bench(jax.jit(fwd), q, k, e, z, G, h0)
+    argn = (0, 1, 2, 3, 5) if g is None else (0, 1, 2, 3, 4, 5)
+    rows["FWD (general_delta)"] = _bench(jax.jit(fwd), q, k, e, z, g, h0)
     vg = jax.jit(jax.value_and_grad(loss, argnums=argn))
-    rows["FWD+BWD (general_delta)"] = _bench(vg, q, k, e, z, G, h0)
-    grads = vg(q, k, e, z, G, h0)[1]
+    rows["FWD+BWD (general_delta)"] = _bench(vg, q, k, e, z, g, h0)
+    grads = vg(q, k, e, z, g, h0)[1]
     grads = (*grads[:-1], grads[-1][:, :, :1])  # dh0 without the padding slot (never written)
     # The same through the public op (rewy_jax), as the benchmark calls it: the difference is
     # the op's XLA glue (e = βk, z = βv, the gate cumsum and its VJP, dβ/dg reductions).
