@@ -15,7 +15,7 @@ cumsum, ``[B, Tp, H]`` (scalar), ``[B, Tp, H, K]`` (vector) or None.
                                   dS0 = γ_C dS_end + Qγᵀ dO − Wᵀ dR   (Ēᵀ Λ = Wᵀ dR), dh0
     bwd_dlam   grid (N, B·H)      Λ = Aᵀ dR, dT = −tril(Λ Rᵀ, −1), dA_qk = tril(dO Rᵀ)
                                   (or the seven-product WY form of dT, backward="wy")
-    bwd_leaf   grid (N, B·H, K/BK) −Λ S0ᵀ, the leaf maps (dq, dk, de) and dG per key tile
+    bwd_leaf   grid (N, B·H, K/BK) −Λ S0ᵀ, the leaf maps (dq, dk, de) and dg's two parts per key tile
 
 Vector gates (KDA, GDN2) run on 16-row sub-chunk blocks in reference frames (blocks.py); with no
 or scalar gates the decay is one [C, C] matrix and the kernels use whole-chunk matmuls.
@@ -1025,10 +1025,10 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         pairs = pairs - dk * kc + jnp.where(iota((C, 1), 0) == C - 1, exp(gl) * sd, 0.0)
         pairs_ref[...] = jnp.sum(pairs, axis=1, keepdims=True)
 
-    # Row grid (vector gates, DEFAULTS): n programs per chunk, one
-    # per 16-row block — n× the parallelism and one block's live tiles per program, at the cost
-    # of the last block recomputing the others' tail sums for dG. Blocks stay whole chunks
-    # (each program stores only its rows).
+    # Row grid (vector gates, DEFAULTS): n programs per chunk, one per 16-row block — n× the
+    # parallelism and one block's live tiles per program (the gate gradient's parts are summed
+    # across blocks outside, api._gate_grad). Blocks stay whole chunks (each program stores only
+    # its rows).
     ch = (lambda m: m // n) if rowgrid else (lambda m: m)
     tok_k = pl.BlockSpec((None, C, None, BK), lambda m, bh, kt: (bh // H, ch(m), bh % H, kt))
     tok_v = pl.BlockSpec((None, C, None, V), lambda m, bh, kt: (bh // H, ch(m), bh % H, 0))
@@ -1063,7 +1063,7 @@ def bwd_chunk(s: Shape, q, k, e, z, G, A, S0, dSe, R, dO, dR, *, backward, dtype
     lam_dtype, dt_dtype: how Λ and dT, dA_qk are stored between the two kernels.
 
     Two kernels, so that neither holds a chunk's worth of [C, K] and [C, V] blocks at once:
-    bwd_dlam (the C×C core: Λ, dT, dA_qk) then bwd_leaf (key-tiled leaf maps and dG).
+    bwd_dlam (the C×C core: Λ, dT, dA_qk) then bwd_leaf (key-tiled leaf maps and dg's parts).
     """
     lam, dT, dAqk = bwd_dlam(s, A, R, dO, dR, e, z, G, S0, backward=backward, interpret=interpret,
                              lam_dtype=lam_dtype, dt_dtype=dt_dtype)
