@@ -30,6 +30,8 @@ from jax import lax
 
 __all__ = [
     "inclusive_cumsum",
+    "reverse_cumsum",
+    "exclusive_cumsum",
     "Decay",
     "ScalarDecay",
     "VectorDecay",
@@ -360,21 +362,25 @@ def _leaf_grads(q, k, e, decay, loc, S0, R, dO, dS, dT, dA_qk, dEg_state, dz):
         # reverse-summed, a row's path into the end state crosses only the later tokens (summed
         # over the rows before t), and the start state's decay crosses every token.
         pairs = decay.reduce(de * e - dk_pairs * k + dq_rest * q)
-        dg = (_reverse_cumsum(pairs) + _exclusive_cumsum(decay.reduce(y * k))
+        dg = (reverse_cumsum(pairs) + exclusive_cumsum(decay.reduce(y * k))
               + decay.reduce((jnp.sum(dS * S0, axis=1) * decay.last())[None]))
     dk = dk_pairs + y + dA_diag * q  # dK̄ ⊘ γ
     dq = dq_rest + dA_diag * k  # γ ⊙ dQγ
     return ChunkGrads(dq=dq, dk=dk, de=de, dz=dz, dg=dg)
 
 
-def _reverse_cumsum(x):
-    """Row r: Σ_{s ≥ r} x_s, as a flipped forward cumsum (``inclusive_cumsum`` says why)."""
-    return jnp.flip(jnp.cumsum(jnp.flip(x, 0), axis=0), 0)
+def reverse_cumsum(x, axis: int = 0):
+    """Σ_{s ≥ r} x_s along ``axis``, as a flipped forward cumsum (``inclusive_cumsum`` says
+    why)."""
+    return jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis=axis), axis)
 
 
-def _exclusive_cumsum(x):
-    """Row r: Σ_{s < r} x_s (summed without x_r, so nothing cancels). x: [C] or [C, K]."""
-    return jnp.concatenate([jnp.zeros_like(x[:1]), jnp.cumsum(x[:-1], axis=0)], axis=0)
+def exclusive_cumsum(x, axis: int = 0):
+    """Σ_{s < r} x_s along ``axis`` (summed without x_r, so nothing cancels)."""
+    n = x.shape[axis]
+    head = jnp.zeros_like(lax.slice_in_dim(x, 0, 1, axis=axis))
+    return jnp.concatenate([head, jnp.cumsum(lax.slice_in_dim(x, 0, n - 1, axis=axis),
+                                             axis=axis)], axis=axis)
 
 
 def rewy_backward_chunk(q, k, e, decay: Decay, loc: ChunkLocal, S0, R, dO, dS) -> ChunkGrads:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.chunk_algebra import exclusive_cumsum, reverse_cumsum
 from pallas_kernels.gpu import kernels as kn
 from pallas_kernels.gpu.blocks import CENTRED_MIN_GATE
 
@@ -63,13 +64,9 @@ def _gate_grad(parts, C):
     """g's gradient from ``kernels.bwd_leaf``'s two parts (pairs, path): per chunk, the reverse
     cumsum of pairs (the terms that cross every earlier token) plus the exclusive cumsum of path
     (each row's path into the end state crosses only the later tokens). Summed so, no term
-    enters with both signs (chunk_algebra._leaf_grads). Flipped forward cumsums: a reverse one
-    lowers to a whole-axis reduce-window per element on GPUs (chunk_algebra.inclusive_cumsum)."""
+    enters with both signs (chunk_algebra._leaf_grads)."""
     pairs, path = (_chunks(x, C) for x in parts)
-    rev = jnp.flip(jnp.cumsum(jnp.flip(pairs, 2), axis=2), 2)
-    before = jnp.concatenate([jnp.zeros_like(path[:, :, :1]),
-                              jnp.cumsum(path[:, :, :-1], axis=2)], axis=2)
-    return (rev + before).reshape(parts[0].shape)
+    return (reverse_cumsum(pairs, 2) + exclusive_cumsum(path, 2)).reshape(parts[0].shape)
 
 
 def _precision(dtype, interpret):
