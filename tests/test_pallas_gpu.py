@@ -400,6 +400,41 @@ def test_interpret_twin_pass(op, decay, kw, small_tiles, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
+                                         ("kda", "strong", {"policy": "save"}),
+                                         ("gdn", "normal", {})])
+def test_interpret_tiles_first(op, decay, kw, small_tiles, monkeypatch):
+    """launch.tiles_first: the kernels with value or key tiles launch that grid axis first; the
+    outputs and every gradient are bit for bit those of the logical order (two value and key
+    tiles, packed sequences, T not a multiple of the chunk, both policies, the twin pass), and
+    the reordering did happen."""
+    from pallas_kernels.gpu import kernels
+
+    n_seqs = kw.pop("n_seqs", None)
+    inp = testing.make_inputs(op, 1, 100, 2, 32, 32, dtype=jnp.bfloat16, decay=decay, seed=41,
+                              n_seqs=n_seqs)
+    cts = testing.make_inputs(op, 1, 100, 2, 32, 32, seed=42, n_seqs=n_seqs)
+    cts = {"o": cts["v"], "final_state": cts["initial_state"]}
+    kw = dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32, use_qk_l2norm=True)
+    orders = []
+    ordered = kernels._launch_ordered
+    monkeypatch.setattr(kernels, "_launch_ordered",
+                        lambda kernel, order: orders.append(order) or ordered(kernel, order))
+    runs = []
+    for first in (False, True):
+        monkeypatch.setitem(kernels.TUNE, "launch.tiles_first", first)
+        jax.clear_caches()  # the setting is read when the kernels are traced
+        orders.clear()
+        runs.append(testing.loss_and_grads(op, inp, cts, **kw))
+        moved = [o for o in orders if o != tuple(range(len(o)))]
+        assert bool(moved) == first, orders
+    if kw.get("policy") == "save":  # the output kernel, bwd_local, bwd_leaf, both passes
+        assert {(1, 0), (2, 0, 1)} <= set(moved)
+    for x, y in zip(jax.tree_util.tree_leaves(runs[1]), jax.tree_util.tree_leaves(runs[0])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay", [("kda", "strong"), ("gdn", "strong")])
 def test_interpret_exp2(op, decay, small_tiles, monkeypatch):
     """kernels.DEFAULTS "exp2": every e^x of the kernels as exp2(x·log2 e) — the fp32 bound

@@ -54,15 +54,65 @@ def _compiler_params(num_warps, num_stages=None):
 
 
 def _call(kernel, *, grid, in_specs, out_specs, out_shape, interpret, num_warps, name,
-          num_stages=None):
+          num_stages=None, tile_axis=None):
+    """``pl.pallas_call`` with the kernels' launch settings (TUNE overrides them).
+
+    tile_axis: the grid axis that splits one (chunk or column, head) across several programs
+    (value or key tiles), which all read the same per-chunk operands (q, k, W, ...). Under
+    DEFAULTS "launch.tiles_first" it is launched first — CUDA dispatches blockIdx.x fastest —
+    so those programs run side by side and the operands come from L2 once instead of from
+    memory once per tile, on grids with more programs than the SMs hold at once. The specs and
+    ``grid_id`` keep the logical axis order either way.
+    """
     num_warps = TUNE.get(name + ".warps", num_warps)
     num_stages = TUNE.get(name + ".stages", num_stages)
+    order = tuple(range(len(grid)))
+    if tile_axis is not None and setting("launch.tiles_first"):
+        order = (tile_axis,) + tuple(a for a in order if a != tile_axis)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return pl.pallas_call(
-            kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        call = pl.pallas_call(
+            _launch_ordered(kernel, order), grid=tuple(grid[a] for a in order),
+            in_specs=[_launch_spec(x, order) for x in in_specs],
+            out_specs=([_launch_spec(x, order) for x in out_specs]
+                       if isinstance(out_specs, (list, tuple)) else _launch_spec(out_specs, order)),
+            out_shape=out_shape,
             interpret=interpret, name=name,
             compiler_params=None if interpret else _compiler_params(num_warps, num_stages))
+    return call
+
+
+_LAUNCH_ORDER: list = []  # launch position -> logical grid axis, of the kernel being traced
+
+
+def _launch_ordered(kernel, order):
+    def traced(*refs):
+        _LAUNCH_ORDER.append(order)
+        try:
+            return kernel(*refs)
+        finally:
+            _LAUNCH_ORDER.pop()
+    return traced
+
+
+def _launch_spec(spec, order):
+    """A BlockSpec written for the logical grid, on the launch grid ``order``."""
+    if order == tuple(range(len(order))):
+        return spec
+    imap = spec.index_map
+
+    def index_map(*launch_ids):
+        ids = [None] * len(order)
+        for pos, axis in enumerate(order):
+            ids[axis] = launch_ids[pos]
+        return imap(*ids)
+    return pl.BlockSpec(spec.block_shape, index_map)
+
+
+def grid_id(axis):
+    """``pl.program_id`` of a logical grid axis (``_call`` may launch the axes reordered)."""
+    order = _LAUNCH_ORDER[-1] if _LAUNCH_ORDER else None
+    return pl.program_id(order.index(axis) if order else axis)
 
 
 # Launch settings. Warps per kernel from profile_kernels.py on the H200 (2x4096x16x128 bf16,
@@ -151,6 +201,18 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               (4,4096,64,128), 1024 programs per pass, no gain (3.36 against 1.14 + 2.17;
 #               op 11.7 / 11.8). Run h200-11: DeltaNet fwd+bwd −3 to −6% at the five FLA shapes
 #               with K ≤ 128 except (4,4096,64,128) (flat). Default.
+#   launch.tiles_first  kernels whose grid splits a (chunk or column, head) into value or key
+#               tiles — the state passes, output, bwd_local, bwd_leaf — launch the tile axis
+#               first (``_call``): CUDA dispatches blockIdx.x fastest, and with (B·H, V/BV) the
+#               tiles of one head were B·H programs apart — in different waves wherever the
+#               grid outgrows the SMs (K = 256, (4,4096,64,128)) — so every tile re-read the
+#               head's W, k, q from memory (the forward pass at (8,2048,32,256): ~6.5 GB per
+#               call, ~2 ms at 3.26 TB/s, of its 5.25). Side by side, the tiles share them in L2.
+#               Bit-identical results (only the launch order moves). Not yet timed: off.
+#   rewy_bwd_leaf.store_early  no gates: the leaf stores dq and de before forming dk's two
+#               products. ptxas (sm_90, K = 128, 8 warps): 123 -> 90 registers, the same 544
+#               SASS instructions, 64 KB shared — two programs per SM by registers either way,
+#               so a gain is not certain. Not yet timed: off.
 #   exp2        every e^x of the kernels as exp2(x·log2 e) (blocks.exp): one ex2.approx and a
 #               product instead of libdevice's ~14-instruction expf. Profile-9 (H200, commit
 #               6942002, benchmarks/results/profile-9/): KDA qk_gram 1.80 -> 1.45 ms, fwd_pass
@@ -195,7 +257,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A", "dT"),
             "exp2": True, "fwd_pass.fused_output": True, "rewy_qk_gram.kslice": 16,
             "rewy_intra.kslice": 0, "backward.native_pass_dots": True,
-            "backward.twin_pass": True}
+            "backward.twin_pass": True, "launch.tiles_first": False,
+            "rewy_bwd_leaf.store_early": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -488,9 +551,9 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
         for i in range(n):
             if pairgrid:
                 for j in range(n):
-                    pl.when(pl.program_id(0) % (n * n) == i * n + j)(lambda i=i, j=j: block(i, j))
+                    pl.when(grid_id(0) % (n * n) == i * n + j)(lambda i=i, j=j: block(i, j))
             elif rowgrid:
-                pl.when(pl.program_id(0) % n == i)(lambda i=i: row_block(i))
+                pl.when(grid_id(0) % n == i)(lambda i=i: row_block(i))
             else:
                 row_block(i)
 
@@ -557,7 +620,7 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
                                                      dtypes, out)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
-                 num_stages=_pass_stages(s.K))(*ins)
+                 num_stages=_pass_stages(s.K), tile_axis=1)(*ins)
 
 
 def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
@@ -685,7 +748,7 @@ def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
             s.chunk_state_v(BV), s.chunk_tok_v(BV)]
     return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
                  out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V, out_dtype),
-                 interpret=interpret, num_warps=WARPS["output"], name="rewy_output")(*ins)
+                 interpret=interpret, num_warps=WARPS["output"], name="rewy_output", tile_axis=2)(*ins)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -713,7 +776,7 @@ def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32):
             s.chunk_tok_v(BV)]
     return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
                  out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V, dtype), interpret=interpret,
-                 num_warps=WARPS["bwd_local"], name="rewy_bwd_local")(*ins)
+                 num_warps=WARPS["bwd_local"], name="rewy_bwd_local", tile_axis=2)(*ins)
 
 
 def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
@@ -724,7 +787,7 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
                                                      seq, dtypes)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=WARPS["bwd_pass"], name="rewy_bwd_pass",
-                 num_stages=_pass_stages(s.K))(*ins)
+                 num_stages=_pass_stages(s.K), tile_axis=1)(*ins)
 
 
 def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):
@@ -786,7 +849,7 @@ def twin_pass(s: Shape, fwd_args, bwd_args, *, interpret, fwd_dtypes, bwd_dtypes
 
     def kernel(*refs):
         ins, outs = refs[:n_f + n_b], refs[n_f + n_b:]
-        which = pl.program_id(2)
+        which = grid_id(2)
 
         @pl.when(which == 0)
         def _():
@@ -806,7 +869,8 @@ def twin_pass(s: Shape, fwd_args, bwd_args, *, interpret, fwd_dtypes, bwd_dtypes
                  in_specs=[on_twin_grid(x) for x in specs_f + specs_b],
                  out_specs=[on_twin_grid(x) for x in out_f["out_specs"] + out_b["out_specs"]],
                  out_shape=out_f["out_shape"] + out_b["out_shape"], interpret=interpret,
-                 num_warps=WARPS["twin_pass"], name="rewy_twin_pass", num_stages=1)(*ins_f, *ins_b)
+                 num_warps=WARPS["twin_pass"], name="rewy_twin_pass", num_stages=1,
+                 tile_axis=1)(*ins_f, *ins_b)
 
 
 def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dtype=F32,
@@ -957,7 +1021,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             path_ref[rows, :] = y * ks[i]
 
         if rowgrid:  # this program owns row block program_id(0) % n of its chunk
-            ib = pl.program_id(0) % n
+            ib = grid_id(0) % n
             for i in range(n):
                 def one(i=i):
                     dW_memo.clear()  # values of another branch are out of scope here
@@ -1007,10 +1071,15 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         de = dEs + dot_stored(dT, ks_, prec)
         dq = dOS + dot_stored(dAqk, ks_, prec)
         if mode == "none":
+            early = bool(setting("rewy_bwd_leaf.store_early"))
+            if early:  # dq, de out before dk's products are staged: fewer live [C, K] tiles
+                dq_ref[...] = dq.astype(dq_ref.dtype)
+                de_ref[...] = de.astype(de_ref.dtype)
             dk = dot_stored(dT, es_, prec, ta=True) + dot_stored(dAqk, qs_, prec, ta=True) + RdS_t
-            dq_ref[...] = dq.astype(dq_ref.dtype)
             dk_ref[...] = dk.astype(dk_ref.dtype)
-            de_ref[...] = de.astype(de_ref.dtype)
+            if not early:
+                dq_ref[...] = dq.astype(dq_ref.dtype)
+                de_ref[...] = de.astype(de_ref.dtype)
             return
         # each result stored as soon as it is whole (fewer live [C, K] tiles); the gate
         # gradient's parts summed over this tile's channels (one decay per row)
@@ -1051,7 +1120,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     outs = _call(kernel, grid=(s.N * (n if rowgrid else 1), s.B * H, K // BK), in_specs=in_specs,
                  out_specs=[tok_k] * 3 + ([] if mode == "none" else [gate_part[0]] * 2),
                  out_shape=out_shape, interpret=interpret,
-                 num_warps=s.leaf_warps, name="rewy_bwd_leaf")(*ins)
+                 num_warps=s.leaf_warps, name="rewy_bwd_leaf", tile_axis=2)(*ins)
     return list(outs[:3]) + [None if mode == "none" else tuple(outs[3:])]
 
 

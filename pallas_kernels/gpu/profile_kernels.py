@@ -116,6 +116,14 @@ VARIANTS = {
     "st1": ({"rewy_fwd_pass.stages": 1, "rewy_bwd_pass.stages": 1}, 64, None, None),
     # the twin pass with the forward's pass at one stage too
     "twinst1": ({"backward.twin_pass": True, "rewy_fwd_pass.stages": 1}, 64, None, None),
+    # the tiled kernels launch their tile axis first (value/key tiles of a head side by side,
+    # sharing its per-chunk reads in L2), alone and with the other candidates of profile-14
+    "tiles": ({"launch.tiles_first": True}, 64, None, None),
+    "tilesbv128": ({"launch.tiles_first": True}, 128, None, None),
+    "tilesunfused": ({"launch.tiles_first": True, "fwd_pass.fused_output": ("none", "vector")},
+                     64, None, None),
+    # no gates: the leaf stores dq and de before dk's products (ptxas: 123 -> 90 registers)
+    "early": ({"rewy_bwd_leaf.store_early": True}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
