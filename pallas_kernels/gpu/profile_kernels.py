@@ -120,6 +120,7 @@ VARIANTS = {
     # sharing its per-chunk reads in L2), alone and with the other candidates of profile-14
     "tiles": ({"launch.tiles_first": True}, 64, None, None),
     "tilesbv128": ({"launch.tiles_first": True}, 128, None, None),
+    "tilesbvs64": ({"launch.tiles_first": True}, 64, 64, None),
     "tilesunfused": ({"launch.tiles_first": True, "fwd_pass.fused_output": ("none", "vector")},
                      64, None, None),
     # no gates: the leaf stores dq and de before dk's products (ptxas: 123 -> 90 registers)
