@@ -208,11 +208,20 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               grid outgrows the SMs (K = 256, (4,4096,64,128)) — so every tile re-read the
 #               head's W, k, q from memory (the forward pass at (8,2048,32,256): ~6.5 GB per
 #               call, ~2 ms at 3.26 TB/s, of its 5.25). Side by side, the tiles share them in L2.
-#               Bit-identical results (only the launch order moves). Not yet timed: off.
+#               Bit-identical results (only the launch order moves). Profile-14 (H200, commit
+#               039219f, benchmarks/results/profile-14/): DeltaNet op fwd+bwd at the anchor
+#               1.50 -> 1.46 ms; at (4,4096,64,128) 11.8 -> 10.7 (fwd_pass 1.50 -> 1.13, twin
+#               3.36 -> 2.63, bwd_pass 2.18 -> 1.84, leaf 1.58 -> 1.45); at (8,2048,32,256)
+#               26.7 (profile-12) -> 20.9 (fwd_pass 5.26 -> 3.91, output 4.23 -> 2.59). GDN:
+#               15.8 -> 15.1 at (4,4096,64,128); at the anchor its fused pass slows (0.41 ->
+#               0.47) — GDN no longer fuses (fwd_pass.fused_output). Run h200-12 with it:
+#               DeltaNet fwd+bwd ÷ FLA graph 1.97 -> 1.86 (anchor), 2.12 -> 1.91,
+#               2.53 -> 1.82 (K = 256). Default.
 #   rewy_bwd_leaf.store_early  no gates: the leaf stores dq and de before forming dk's two
 #               products. ptxas (sm_90, K = 128, 8 warps): 123 -> 90 registers, the same 544
 #               SASS instructions, 64 KB shared — two programs per SM by registers either way,
-#               so a gain is not certain. Not yet timed: off.
+#               so a gain is not certain. Profile-14: op fwd+bwd at the anchor 1.50 either
+#               way (leaf 0.228 -> 0.230): off.
 #   exp2        every e^x of the kernels as exp2(x·log2 e) (blocks.exp): one ex2.approx and a
 #               product instead of libdevice's ~14-instruction expf. Profile-9 (H200, commit
 #               6942002, benchmarks/results/profile-9/): KDA qk_gram 1.80 -> 1.45 ms, fwd_pass
@@ -229,7 +238,9 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               GDN's fused pass is no faster at the anchor (0.417 against 0.243 + 0.182) and
 #               slower at (4,4096,64,128) (3.48 against 1.50 + 1.29), DeltaNet's faster at both
 #               (0.321 against 0.393; 2.26 against 2.66): the setting may name the gate modes
-#               that fuse (``fused_output``), e.g. "none,vector"; not yet timed through the op.
+#               that fuse (``fused_output``), e.g. "none,vector". Profile-14 (launch.tiles_first
+#               on): GDN op fwd+bwd at the anchor 2.06 fused -> 1.98 unfused. Default since
+#               profile-14: DeltaNet and vector gates fuse, scalar gates (GDN) do not.
 #   rewy_qk_gram.kslice  qk_gram's Gram blocks (frame blocks and the per-column diagonal
 #               loop) contracted over slices of this many key channels instead of all K at
 #               once (Gates._frame_grams): a [16, K] row operand of a 16-row product sits whole
@@ -243,7 +254,12 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               qk_gram) from the rows as stored — native bf16 products — over key slices of
 #               this many channels (0: fp32 rows, all K at once). ptxas, DeltaNet K = 128, 4
 #               warps: 221 -> 172 registers (slices of 16), just short of a third program per
-#               SM. Not yet timed: off.
+#               SM; slices of 64: 178, SASS 4215 -> 3399 instructions; at K = 256 (0 spills 232
+#               B, 64 none). Profile-14: intra at the anchor 0.285 -> 0.267 ms (slices of 128),
+#               DeltaNet op 1.50 -> 1.48, GDN 2.01 -> 1.97; at (8,2048,32,256) (slices of 64,
+#               tiles first) intra 3.45 -> 1.55 ms, op 20.9 -> 19.1. Gradients move within
+#               bf16 rounding (3.8e-3 relative at the anchor; run h200-12 passes rewy-math §8
+#               with it at every shape). Default 64 since profile-14.
 #   rewy_qk_gram.exact_diag "outer"  (blocks.DIAG_METHODS) all pairs of a diagonal block at once:
 #               profile-9 with exp2, qk_gram 1.45 (loop) -> 1.53: slower, not the default.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
@@ -255,9 +271,10 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_qk_gram.pairgrid": False, "recompute.keep_chunk_matrices": True,
             "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False,
             "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A", "dT"),
-            "exp2": True, "fwd_pass.fused_output": True, "rewy_qk_gram.kslice": 16,
-            "rewy_intra.kslice": 0, "backward.native_pass_dots": True,
-            "backward.twin_pass": True, "launch.tiles_first": False,
+            "exp2": True, "fwd_pass.fused_output": ("none", "vector"),
+            "rewy_qk_gram.kslice": 16, "rewy_intra.kslice": 64,
+            "backward.native_pass_dots": True,
+            "backward.twin_pass": True, "launch.tiles_first": True,
             "rewy_bwd_leaf.store_early": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
