@@ -343,12 +343,15 @@ class Shape:
         # warps; 32 for V > 128; vector gates at K = V = 128 take 32 at 4 warps — the decay
         # maps' [16, BK] tiles hold 186 registers at BK = 64 (one program per SM), 188 at 4
         # warps with BK = 32 (two); profile-11 (H200): KDA bwd_leaf 1.95 -> 1.88 ms, fwd+bwd
-        # through the op 4.57 -> 4.51, gradients identical. Vector gates take 4 warps on any
-        # key tile of 32: profile-15 (H200, commit 7b8a675, benchmarks/results/profile-15/),
-        # KDA at (8,2048,32,256): bwd_leaf 26.4 -> 14.0 ms, op fwd+bwd 60.3 -> 48.1
+        # through the op 4.57 -> 4.51, gradients identical. No or vector gates take 4 warps
+        # on any key tile of 32: profile-15 (H200, benchmarks/results/profile-15/) at
+        # (8,2048,32,256), KDA bwd_leaf 26.4 -> 14.0 ms, op fwd+bwd 60.3 -> 48.1 (run h200-12d:
+        # 46.1 against FLA's 21.0); DeltaNet bwd_leaf 2.92 -> 2.25, op 19.0 -> 18.3; gradients
+        # identical. Scalar gates (GDN) keep 8: their 4-warp leaf is untimed (the run ended).
         vec128 = mode == "vector" and K == V == 128
         self.BK = min(K, BK or (64 if V <= 128 and not vec128 else 32))
-        self.leaf_warps = 4 if mode == "vector" and self.BK == 32 else WARPS["bwd_leaf"]
+        self.leaf_warps = (4 if mode in ("none", "vector") and self.BK == 32
+                           else WARPS["bwd_leaf"])
         # value-tile width of the two state passes: 32 keeps S [K, 32] and the chunk's R in
         # registers without spills (ptxas, sm_90) and gives B·H·V/32 programs to the SMs
         self.BVs = min(V, BVs or 32)
