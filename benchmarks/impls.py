@@ -426,7 +426,12 @@ class FlaRunner:
                     body(i)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g), ctx():
+        # thread_local: only this thread's unsafe CUDA calls invalidate the capture. Under
+        # torch's default "global" mode a capture failed twice with "operation failed due to a
+        # previous error during capture" (runs h200-11 and h200-12, GDN) and left the process's
+        # CUDA context unusable; JAX's runtime threads share the process, the likely culprit.
+        # Not yet seen on the GPU with this setting (no device time left when it was made).
+        with torch.cuda.graph(g, capture_error_mode="thread_local"), ctx():
             outs = [body(i) for i in range(n)]
         self.graphs.append((g, outs))
         self.reps[ph] = n

@@ -183,7 +183,8 @@ def test_interpret_outer_diagonal(op, gram_from_qk, kw, small_tiles, monkeypatch
     """qk_gram's diagonal blocks by the "outer" method (all pairs at once, key slices of
     blocks.OUTER_SLICE; K = 32 makes two slices): every output and gradient at strong
     decays (g down to −50 and −inf), forming P alone or P and intra's T. The method needs the
-    row operands' refs: intra's own Gram (no refs) refuses it by name."""
+    row operands' refs: intra's own Gram reads them over key slices (``rewy_intra.kslice``, the
+    default) and then runs it too; from fp32 rows (kslice 0: no refs) it refuses it by name."""
     from pallas_kernels.gpu import blocks, kernels
 
     monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.exact_diag", "outer")
@@ -194,6 +195,10 @@ def test_interpret_outer_diagonal(op, gram_from_qk, kw, small_tiles, monkeypatch
                                    chunk_size=64, **kw))
     monkeypatch.setitem(kernels.TUNE, "rewy_intra.exact_diag", "outer")
     monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", False)
+    if not gram_from_qk:  # intra's own vector-gate Gram by "outer", read over key slices
+        _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
+                                       chunk_size=64, **kw))
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.kslice", 0)
     with pytest.raises(ValueError, match="outer"):
         testing.run_op(op, inp, backend="pallas_gpu", interpret=True, chunk_size=64)
 
@@ -367,6 +372,20 @@ def test_interpret_native_pass_dots(op, decay, kw, small_tiles, monkeypatch):
     assert not kernels._native_pass_dots((jnp.float32, jnp.bfloat16))
 
 
+def _bf16_case(op, decay, seed, kw):
+    """bf16 inputs (B = 1, T = 100, H = 2, K = V = 32; packed sequences when kw has "n_seqs"),
+    fp32 cotangents for o and the final state, and the interpret-mode call's keywords (chunk
+    32, two value tiles with ``small_tiles``) — for tests comparing two kernel settings."""
+    kw = dict(kw)
+    n_seqs = kw.pop("n_seqs", None)
+    inp = testing.make_inputs(op, 1, 100, 2, 32, 32, dtype=jnp.bfloat16, decay=decay, seed=seed,
+                              n_seqs=n_seqs)
+    cts = testing.make_inputs(op, 1, 100, 2, 32, 32, seed=seed + 1, n_seqs=n_seqs)
+    cts = {"o": cts["v"], "final_state": cts["initial_state"]}
+    return inp, cts, dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32,
+                          use_qk_l2norm=True)
+
+
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
                                          ("gdn", "strong", {}),
@@ -378,13 +397,8 @@ def test_interpret_twin_pass(op, decay, kw, small_tiles, monkeypatch):
     only, and the gradients stay within the bf16 thresholds."""
     from pallas_kernels.gpu import kernels
 
-    n_seqs = kw.pop("n_seqs", None)
-    inp = testing.make_inputs(op, 1, 100, 2, 32, 32, dtype=jnp.bfloat16, decay=decay, seed=37,
-                              n_seqs=n_seqs)
-    cts = testing.make_inputs(op, 1, 100, 2, 32, 32, seed=38, n_seqs=n_seqs)
-    cts = {"o": cts["v"], "final_state": cts["initial_state"]}
-    kw = dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32, use_qk_l2norm=True)
-    monkeypatch.setitem(kernels.TUNE, "backward.twin_pass", False)  # the default: launch apart
+    inp, cts, kw = _bf16_case(op, decay, 37, kw)
+    monkeypatch.setitem(kernels.TUNE, "backward.twin_pass", False)  # the two launches apart
     jax.clear_caches()
     apart = testing.loss_and_grads(op, inp, cts, **kw)
     calls = []
@@ -410,12 +424,7 @@ def test_interpret_tiles_first(op, decay, kw, small_tiles, monkeypatch):
     the reordering did happen."""
     from pallas_kernels.gpu import kernels
 
-    n_seqs = kw.pop("n_seqs", None)
-    inp = testing.make_inputs(op, 1, 100, 2, 32, 32, dtype=jnp.bfloat16, decay=decay, seed=41,
-                              n_seqs=n_seqs)
-    cts = testing.make_inputs(op, 1, 100, 2, 32, 32, seed=42, n_seqs=n_seqs)
-    cts = {"o": cts["v"], "final_state": cts["initial_state"]}
-    kw = dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32, use_qk_l2norm=True)
+    inp, cts, kw = _bf16_case(op, decay, 41, kw)
     orders = []
     ordered = kernels._launch_ordered
     monkeypatch.setattr(kernels, "_launch_ordered",
@@ -619,13 +628,15 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
         device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(jax.value_and_grad(loss)).trace(diff).lower(lowering_platforms=("cuda",)).as_text()
+    # the gate modes whose recompute forward fuses its output (DEFAULTS "fwd_pass.fused_output")
+    mode_fuses = kernels.fused_output({"deltanet": "none", "gdn": "scalar"}.get(op, "vector"))
     kernels = {"rewy_intra", "rewy_fwd_pass", "rewy_bwd_local", "rewy_bwd_pass",
                "rewy_bwd_dlam", "rewy_bwd_leaf"} | ({"rewy_qk_gram"} if op in ("kda", "gdn2") else set())
     recompute = kw.get("policy", "recompute") == "recompute"
     if recompute:  # the backward's W, U from the kept A
         kernels.add("rewy_wu")
     # the output kernel unless the recompute forward fuses it into its pass (K ≤ 128)
-    fused = recompute and K <= 128 and not unfused
+    fused = recompute and K <= 128 and not unfused and mode_fuses
     if not fused:
         kernels.add("rewy_output")
     assert ("rewy_output" in text) == (not fused)
@@ -679,9 +690,9 @@ def test_parse_tune():
 
 
 def test_leaf_tile_choice():
-    """bwd_leaf's key tile and warps (kernels.Shape, profile-11): vector gates at K = V = 128 take
-    tiles of 32 at 4 warps; everything else keeps 8 warps, tiles of 64 up to V = 128 and 32 above;
-    an explicit tile is kept (capped at K)."""
+    """bwd_leaf's key tile and warps (kernels.Shape, profile-11, profile-15): tiles of 64 up to
+    V = 128 and 32 above, except vector gates at K = V = 128 (32); no or vector gates run tiles
+    of 32 at 4 warps, everything else 8; an explicit tile is kept (capped at K)."""
     from pallas_kernels.gpu import kernels
 
     def leaf(mode, K, V, BK=None):
@@ -691,9 +702,11 @@ def test_leaf_tile_choice():
     w = kernels.WARPS["bwd_leaf"]
     assert leaf("vector", 128, 128) == (32, 4)
     assert leaf("vector", 64, 64) == (64, w)
-    assert leaf("vector", 256, 256) == (32, w)
+    assert leaf("vector", 256, 256) == (32, 4)
+    assert leaf("none", 256, 256) == (32, 4)
     assert leaf("none", 128, 128) == (64, w)
     assert leaf("scalar", 128, 256) == (32, w)
+    assert leaf("scalar", 256, 256) == (32, w)
     assert leaf("vector", 128, 128, BK=64) == (64, w)
     assert leaf("none", 16, 32, BK=64) == (16, w)
 
