@@ -148,8 +148,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
     if a.cpu_smoke:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
+        os.environ["JAX_PLATFORMS"] = "cpu"  # before the imports below load jax
 
     from benchmarks import accuracy, impls as I, report, roofline, shapes as S
     from benchmarks.inputs import device_inputs

@@ -184,7 +184,7 @@ class VectorDecay(Decay):
         return P4, P4[idx, :, idx, :]  # full blocks [i, a, j, b]; diagonal blocks [i, a, b]
 
     def _diag_to_full(self, off4, dia):
-        n, sub = self.n, self.sub
+        n = self.n
         eye = jnp.eye(n, dtype=off4.dtype)[:, None, :, None]
         return (off4 + eye * dia[:, :, None, :]).reshape(self.C, self.C)
 
