@@ -214,9 +214,9 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               3.36 -> 2.63, bwd_pass 2.18 -> 1.84, leaf 1.58 -> 1.45); at (8,2048,32,256)
 #               26.7 (profile-12) -> 20.9 (fwd_pass 5.26 -> 3.91, output 4.23 -> 2.59). GDN:
 #               15.8 -> 15.1 at (4,4096,64,128); at the anchor its fused pass slows (0.41 ->
-#               0.47) — GDN no longer fuses (fwd_pass.fused_output). Run h200-12 with it:
-#               DeltaNet fwd+bwd ÷ FLA graph 1.97 -> 1.86 (anchor), 2.12 -> 1.91,
-#               2.53 -> 1.82 (K = 256). Default.
+#               0.47) — GDN no longer fuses (fwd_pass.fused_output). Run h200-12 (with
+#               rewy_intra.kslice): DeltaNet fwd+bwd ÷ FLA graph against h200-11 1.97 -> 1.86
+#               (anchor), 2.12 -> 1.90 ((4,4096,64,128)), 2.53 -> 1.81 (K = 256). Default.
 #   rewy_bwd_leaf.store_early  no gates: the leaf stores dq and de before forming dk's two
 #               products. ptxas (sm_90, K = 128, 8 warps): 123 -> 90 registers, the same 544
 #               SASS instructions, 64 KB shared — two programs per SM by registers either way,
@@ -254,8 +254,8 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               qk_gram) from the rows as stored — native bf16 products — over key slices of
 #               this many channels (0: fp32 rows, all K at once). ptxas, DeltaNet K = 128, 4
 #               warps: 221 -> 172 registers (slices of 16), just short of a third program per
-#               SM; slices of 64: 178, SASS 4215 -> 3399 instructions; at K = 256 (0 spills 232
-#               B, 64 none). Profile-14: intra at the anchor 0.285 -> 0.267 ms (slices of 128),
+#               SM; slices of 64: 178, SASS 4215 -> 3399 instructions; at K = 256 232 B of
+#               spills from fp32 rows, none over slices of 64. Profile-14: intra at the anchor 0.285 -> 0.267 ms (slices of 128),
 #               DeltaNet op 1.50 -> 1.48, GDN 2.01 -> 1.97; at (8,2048,32,256) (slices of 64,
 #               tiles first) intra 3.45 -> 1.55 ms, op 20.9 -> 19.1. Gradients move within
 #               bf16 rounding (3.8e-3 relative at the anchor; run h200-12 passes rewy-math §8
