@@ -94,6 +94,10 @@ VARIANTS = {
     "lk32w4": ({"rewy_bwd_leaf.warps": 4}, 64, None, 32),
     "lk32": ({"rewy_bwd_leaf.warps": 8}, 64, None, 32),
     "lk64": ({"rewy_bwd_leaf.warps": 8}, 64, None, 64),
+    # the leaf on key tiles of 16 at 4 warps — for GDN at K = 256, whose tiles of 32 hold 219
+    # registers at 8 warps (one program per SM) and spill 558 B at 4; ptxas for 16 at 4 warps:
+    # 255 registers, no spills, 94 KB shared (two programs per SM), SASS 1550 -> 1918
+    "lk16w4": ({"rewy_bwd_leaf.warps": 4}, 64, None, 16),
     # the backward's two state passes multiplying in the bf16 they store (S, R; dS, dR)
     "npd": ({"backward.native_pass_dots": True}, 64, None, None),
     # the forward's pass at 8 warps (ptxas, DeltaNet fused pass: 255 registers with 84 B of
@@ -117,7 +121,10 @@ VARIANTS = {
     # the twin pass with the forward's pass at one stage too
     "twinst1": ({"backward.twin_pass": True, "rewy_fwd_pass.stages": 1}, 64, None, None),
     # the tiled kernels launch their tile axis first (value/key tiles of a head side by side,
-    # sharing its per-chunk reads in L2), alone and with the other candidates of profile-14
+    # sharing its per-chunk reads in L2), alone and with the other candidates of profile-14 —
+    # tiles first, intra's kslice 64 and GDN unfused are the defaults since, so "tiles",
+    # "tilesik64" and "tilesunfused" now time what "base" does; "notiles" is the old order
+    "notiles": ({"launch.tiles_first": False}, 64, None, None),
     "tiles": ({"launch.tiles_first": True}, 64, None, None),
     "tilesbv128": ({"launch.tiles_first": True}, 128, None, None),
     "tilesbvs64": ({"launch.tiles_first": True}, 64, 64, None),
