@@ -443,6 +443,110 @@ def test_interpret_tiles_first(op, decay, kw, small_tiles, monkeypatch):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def _same_runs(a, b):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
+                                         ("gdn", "strong", {}),
+                                         ("gdn", "normal", {"policy": "save"}),
+                                         ("deltanet", "none", {"_fuse_all": False})])
+def test_interpret_intra_forms_P(op, decay, kw, small_tiles, monkeypatch):
+    """rewy_intra.emit_P: intra forms P = tril(Qγ K̄ᵀ) for no and scalar gates, and the output
+    (fused into the pass or its own kernel) and, under ``save``, bwd_local read it — the outputs
+    and every gradient bit for bit as when each rebuilds it (same fp32 products), with intra
+    really called with q (packed sequences, strong decays, both policies)."""
+    from pallas_kernels.gpu import kernels
+
+    kw = dict(kw)
+    fuse_all = kw.pop("_fuse_all", True)
+    if not fuse_all:  # DeltaNet's forward through the output kernel too
+        monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", False)
+    inp, cts, kw = _bf16_case(op, decay, 43, kw)
+    with_q = []
+    intra = kernels.intra
+    monkeypatch.setattr(kernels, "intra", lambda *a, **k: with_q.append(
+        k.get("q") is not None) or intra(*a, **k))
+    runs = []
+    for modes in ((), ("none", "scalar")):
+        monkeypatch.setitem(kernels.TUNE, "rewy_intra.emit_P", modes)
+        jax.clear_caches()  # the setting is read when the kernels are traced
+        with_q.clear()
+        runs.append(testing.loss_and_grads(op, inp, cts, **kw))
+        assert any(with_q) == bool(modes), with_q
+    _same_runs(runs[1], runs[0])
+    assert [kernels.intra_forms_P(m) for m in ("none", "scalar", "vector")] == [True, True, False]
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.emit_P", ("none", "gated"))
+    with pytest.raises(ValueError, match="rewy_intra.emit_P.*gated"):
+        kernels.intra_forms_P("none")
+
+
+def test_stacked_blocks_and_inverse():
+    """blocks.stack_blocks / unstack_blocks round-trip 1–8 blocks in order, and the stacked
+    diagonal inverse equals the per-block one and inverts I + T (fp32, random strict T)."""
+    from pallas_kernels.gpu import blocks
+
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 4, 8):
+        Ts = [jnp.asarray(np.tril(rng.standard_normal((16, 16)), -1) * 0.3, jnp.float32)
+              for _ in range(n)]
+        x = blocks.stack_blocks(Ts)
+        assert x.shape == (n, 16, 16)
+        _same_runs(list(x), Ts)
+        _same_runs(blocks.unstack_blocks(x), Ts)
+        inv = blocks.inv_diags_stacked(Ts)
+        for A, A_ref, T in zip(inv, blocks.inv_diags(Ts), Ts, strict=True):
+            np.testing.assert_allclose(np.asarray(A), np.asarray(A_ref), rtol=0, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(A) @ (np.eye(16) + np.asarray(T)), np.eye(16),
+                                       atol=1e-5)
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {}),
+                                         ("gdn", "strong", {"backward": "wy"}),
+                                         ("kda", "strong", {"policy": "save"})])
+def test_interpret_stacked_diagonal_inverse(op, decay, kw, monkeypatch):
+    """rewy_intra.stacked_diag: intra's diagonal inverses on the stacked blocks — every output
+    and gradient against the float64 recurrence (default chunk: four diagonal blocks), each gate
+    kind, strong decays."""
+    from pallas_kernels.gpu import kernels
+
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.stacked_diag", True)
+    inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay=decay, seed=15)
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
+                                   chunk_size=64, **kw))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {}),
+                                         ("gdn", "strong", {"policy": "save"}),
+                                         ("kda", "normal", {"backward": "wy"})])
+def test_interpret_one_seq_init(op, decay, kw, small_tiles, monkeypatch):
+    """state_pass.one_seq_init: without cu_seqlens the state passes start from h0 and dfin
+    instead of selecting them at every chunk — the outputs and every gradient (dh0 and the
+    final state's cotangent included) bit for bit as the per-chunk select, both policies, the
+    twin pass and the separate passes; a varlen call keeps the per-chunk select."""
+    from pallas_kernels.gpu import api, kernels
+
+    inp, cts, kw = _bf16_case(op, decay, 47, kw)
+    shapes = []
+    shape = api._shape
+    monkeypatch.setattr(api, "_shape", lambda *a: shapes.append(shape(*a)) or shapes[-1])
+    runs = []
+    for init in (False, True):
+        monkeypatch.setitem(kernels.TUNE, "state_pass.one_seq_init", init)
+        jax.clear_caches()  # the setting is read when the kernels are traced
+        runs.append(testing.loss_and_grads(op, inp, cts, **kw))
+    _same_runs(runs[1], runs[0])
+    assert shapes and all(s.one_seq for s in shapes)
+    shapes.clear()
+    varlen, _, _ = _bf16_case(op, decay, 47, dict(kw, n_seqs=2))
+    testing.run_op(op, varlen, **kw)
+    assert shapes and not any(s.one_seq for s in shapes)
+
+
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay", [("kda", "strong"), ("gdn", "strong")])
 def test_interpret_exp2(op, decay, small_tiles, monkeypatch):

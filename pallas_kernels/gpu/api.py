@@ -44,6 +44,9 @@ class Config(NamedTuple):
     interpret: bool
     BV: int  # value-tile width of the per-chunk output kernels
     centred: bool = False  # vector gates declared ≥ blocks.CENTRED_MIN_GATE (centred diagonals)
+    # one sequence per batch row (no cu_seqlens): the metadata is reset = [chunk 0], end =
+    # [chunk N − 1], seq = 0, and h0's slot 0 is the start state (kernels.Shape.one_seq)
+    one_seq: bool = False
 
 
 def _mode(G):
@@ -85,17 +88,21 @@ def _shape(cfg, q, v, G, h0):
     V = v.shape[-1]
     return kn.Shape(B, Tp, H, K, V, cfg.chunk_size, h0.shape[2], _mode(G),
                     _precision(q.dtype, cfg.interpret), min(cfg.BV, V), DEFAULT_BK,
-                    DEFAULT_BV_STATE, cfg.centred)
+                    DEFAULT_BV_STATE, cfg.centred, cfg.one_seq)
 
 
 def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32)):
-    """(A, W, U, P): P (vector gates only, else None) is the gated query-key matrix; W, U
-    stored in ``dtypes``; A (kept only for the backward) as ``_stored_dtypes`` says."""
+    """(A, W, U, P): P is the gated query-key matrix [B,H,N,C,C] (vector gates, and no or scalar
+    gates where ``intra`` forms it — kernels.intra_forms_P —, else None); W, U stored in
+    ``dtypes``; A (kept only for the backward) as ``_stored_dtypes`` says."""
     a_dtype = _stored_dtypes(q.dtype)["A"]
     if s.mode == "vector" and kn.setting("rewy_intra.gram_from_qk"):
         P, T = kn.qk_gram(s, q, k, G, e=e, interpret=interpret)
         return (*kn.intra(s, k, e, z, G, T=T, interpret=interpret, dtypes=dtypes,
                           a_dtype=a_dtype), P)
+    if kn.intra_forms_P(s.mode):
+        return tuple(kn.intra(s, k, e, z, G, interpret=interpret, dtypes=dtypes,
+                              a_dtype=a_dtype, q=q))
     A, W, U = kn.intra(s, k, e, z, G, interpret=interpret, dtypes=dtypes, a_dtype=a_dtype)
     P = kn.qk_gram(s, q, k, G, interpret=interpret) if s.mode == "vector" else None
     return A, W, U, P
@@ -133,7 +140,9 @@ def _fwd(cfg, q, k, e, z, g, h0, reset, end, seq):
         # unless told not to: the backward then re-forms W, U with two matmuls per row block
         # instead of the Gram, the block substitution and (vector gates) qk_gram's decay factors.
         # The states S0 and R ([K, V] per chunk) are what recompute saves memory on.
+        # P of no or scalar gates (kernels.intra_forms_P) is not kept: bwd_local rebuilds it.
         A, _, _, _, P = saved
+        P = P if _mode(g) == "vector" else None
         saved = (A, P) if kn.setting("recompute.keep_chunk_matrices") else None
     return (o, final), (q, k, e, z, g, h0, reset, end, seq, saved)
 
@@ -265,7 +274,7 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
         h0x = jnp.moveaxis(h0x, 0, 1)[None]  # [1, H, n_seq + 1, K, V]
     centred = (gate_lower_bound is not None and g is not None and g.ndim == 4
                and gate_lower_bound >= CENTRED_MIN_GATE)
-    cfg = Config(C, policy, backward, bool(interpret), BV or DEFAULT_BV, centred)
+    cfg = Config(C, policy, backward, bool(interpret), BV or DEFAULT_BV, centred, n_seq is None)
     o, final = general_delta(cfg, lay(q), lay(k), lay(e), lay(z), lay(g), h0x, reset, end, seq)
     if n_seq is None:
         return o[:, :T], final[:, :, 0]

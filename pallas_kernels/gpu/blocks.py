@@ -528,7 +528,55 @@ def inv_diags(Ts, unroll=False):
     return list(loop(1, BS, body, tuple(A0 for _ in Ts), unroll))
 
 
-def inv_blocks(T, n, prec, on_row=None, joint_diag=False, unroll=False):
+def stack_blocks(blocks):
+    """n = 2^m [BS, BS] values -> one [n, BS, BS] value (block b at index b). The Triton lowering
+    concatenates only by joining two values along a new last axis, so the blocks are joined
+    pairwise m times ([BS, BS, 2, …, 2], block bits least significant first) and the block
+    axes moved to the front."""
+    m = len(blocks).bit_length() - 1
+    assert len(blocks) == 1 << m, "a power-of-two number of blocks"
+    while len(blocks) > 1:  # join neighbours: the new last axis is the next block bit
+        blocks = [lax.stack([blocks[i], blocks[i + 1]], axis=blocks[i].ndim)
+                  for i in range(0, len(blocks), 2)]
+    x = blocks[0]
+    return jnp.transpose(x, tuple(range(x.ndim - 1, 1, -1)) + (0, 1)).reshape(-1, BS, BS)
+
+
+def unstack_blocks(x):
+    """``stack_blocks``' inverse: [n, BS, BS] -> the list of its n [BS, BS] blocks."""
+    n = x.shape[0]
+    m = n.bit_length() - 1
+    x = jnp.transpose(x.reshape((2,) * m + (BS, BS)), (m, m + 1) + tuple(range(m - 1, -1, -1)))
+
+    def split(x):  # the last axis is the most significant remaining block bit
+        if x.ndim == 2:
+            return [x]
+        lo, hi = lax.unstack(x, axis=x.ndim - 1)
+        return split(lo) + split(hi)
+
+    return split(x)
+
+
+def inv_diags_stacked(Ts, unroll=False):
+    """``inv_diags`` on the blocks stacked as one [n, BS, BS] value, written so that every
+    per-step reduction runs within a block — no layout conversion and no cross-warp barrier
+    where the layout gives each block its warps (the [BS, BS] form takes two reductions, a
+    layout conversion and ~4 barriers per block and step: ptxas, sm_90). Row o of each T is
+    read as column o of Tᵀ, which lands in the layout that scales the rows of A."""
+    Tt = stack_blocks([jnp.transpose(T) for T in Ts])  # [n, j, r] = T[r, j]
+    shape = Tt.shape
+    r, c = iota(shape, 1), iota(shape, 2)
+    A0 = (r == c).astype(F32)
+
+    def step(o, A):
+        t = jnp.sum(jnp.where(c == o, Tt, 0.0), axis=2)  # [n, j]: row o of each T
+        upd = jnp.sum(t[:, :, None] * A, axis=1)  # [n, c]: Σ_j T_oj A_jc
+        return jnp.where(r == o, A - upd[:, None, :], A)
+
+    return unstack_blocks(loop(1, BS, step, A0, unroll))
+
+
+def inv_blocks(T, n, prec, on_row=None, joint_diag=False, unroll=False, stacked=False):
     """Blocked ``(I + T)⁻¹``: T(i, j) -> [BS, BS] for i ≥ j (diagonal blocks strict).
 
     A_ii = inv(L_ii); A_ij = −A_ii Σ_{j ≤ k < i} T_ik A_kj (block forward substitution).
@@ -536,11 +584,13 @@ def inv_blocks(T, n, prec, on_row=None, joint_diag=False, unroll=False):
     ``on_row(i, A)`` may consume row i at once, so only A and one row of T are live.
     joint_diag: invert the n diagonal blocks first, in one interleaved loop (``inv_diags``),
     instead of each when its row comes (n chains of BS − 1 dependent steps back to back).
-    unroll: the substitution steps unrolled (``loop``).
+    unroll: the substitution steps unrolled (``loop``). stacked: the joint loop on the blocks
+    stacked into one value (``inv_diags_stacked``).
     """
     A = {}
     if joint_diag:
-        for i, Aii in enumerate(inv_diags([T(i, i) for i in range(n)], unroll)):
+        inv = inv_diags_stacked if stacked else inv_diags
+        for i, Aii in enumerate(inv([T(i, i) for i in range(n)], unroll)):
             A[i, i] = Aii
     for i in range(n):
         Ti = {k: T(i, k) for k in range(i + (0 if joint_diag else 1))}

@@ -275,7 +275,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_qk_gram.kslice": 16, "rewy_intra.kslice": 64,
             "backward.native_pass_dots": True,
             "backward.twin_pass": True, "launch.tiles_first": True,
-            "rewy_bwd_leaf.store_early": False}
+            "rewy_bwd_leaf.store_early": False, "rewy_intra.emit_P": (),
+            "rewy_intra.stacked_diag": False, "state_pass.one_seq_init": True}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -294,20 +295,33 @@ def setting(key):
     return TUNE.get(key, DEFAULTS[key])
 
 
-def fused_output(mode):
-    """Whether the forward's state pass forms the output for gate mode ``mode`` ("none",
-    "scalar", "vector"): DEFAULTS "fwd_pass.fused_output" is True / False for every mode, or
-    the gate modes that fuse (a name or a tuple of names, e.g. ``--tune
-    fwd_pass.fused_output=none,vector``)."""
-    v = setting("fwd_pass.fused_output")
+def _names_mode(key, mode):
+    """Whether the DEFAULTS setting ``key`` — True / False for every gate mode, or the gate modes
+    it applies to (a name or a tuple of names) — applies to ``mode``."""
+    v = setting(key)
     if isinstance(v, bool):
         return v
     modes = (v,) if isinstance(v, str) else tuple(v)
     unknown = set(modes) - {"none", "scalar", "vector"}
     if unknown:
-        raise ValueError(f"fwd_pass.fused_output: unknown gate modes {sorted(unknown)}; expected "
+        raise ValueError(f"{key}: unknown gate modes {sorted(unknown)}; expected "
                          "True, False or some of none, scalar, vector")
     return mode in modes
+
+
+def fused_output(mode):
+    """Whether the forward's state pass forms the output for gate mode ``mode`` ("none",
+    "scalar", "vector"): DEFAULTS "fwd_pass.fused_output" is True / False for every mode, or
+    the gate modes that fuse (a name or a tuple of names, e.g. ``--tune
+    fwd_pass.fused_output=none,vector``)."""
+    return _names_mode("fwd_pass.fused_output", mode)
+
+
+def intra_forms_P(mode):
+    """Whether ``intra`` also forms P = tril(Qγ K̄ᵀ) for no or scalar gates (DEFAULTS
+    "rewy_intra.emit_P"), so that the output (fused or not) and ``bwd_local`` read it instead
+    of rebuilding it per value tile. Vector gates always take theirs from ``qk_gram``."""
+    return mode != "vector" and _names_mode("rewy_intra.emit_P", mode)
 
 
 def parse_tune(text):
@@ -324,16 +338,28 @@ def parse_tune(text):
     return key, {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
 
 
-def _pass_stages(K):
-    return 3 if K <= 128 else 1
+def _pass_stages(s):
+    """Software-pipeline stages of the two state passes. Reading h0 / dfin at every chunk (the
+    per-sequence select of varlen calls) is an indirect load, and with it Triton keeps two
+    buffers per per-chunk tile at 3 stages; without it (``one_seq``) 3 stages take three and
+    overflow shared memory (ptxas, sm_90, K = 128: DeltaNet's fused pass 237 KB, KDA's 255 KB
+    of 227), while 2 stages give the buffers the 3 gave before — so the one-sequence passes
+    ask for 2."""
+    if s.K > 128:
+        return 1
+    return 2 if s.one_seq and setting("state_pass.one_seq_init") else 3
 
 
 class Shape:
     """Static problem description shared by the kernels."""
 
     def __init__(self, B, Tp, H, K, V, C, n_seq1, mode, prec, BV, BK=None, BVs=None,
-                 centred=False):
+                 centred=False, one_seq=False):
         self.B, self.Tp, self.H, self.K, self.V, self.C = B, Tp, H, K, V, C
+        # one sequence per batch row (no cu_seqlens): chunk 0 resets to h0[:, :, 0] and chunk
+        # N − 1 ends it, so the state passes start from h0 / dfin instead of selecting them at
+        # every chunk (DEFAULTS "state_pass.one_seq_init")
+        self.one_seq = one_seq
         # vector gates with a declared lower bound (blocks.CENTRED_MIN_GATE): diagonal sub-chunk
         # blocks of the leaf kernel as one centred matmul instead of exact per-pair work
         self.centred = centred
@@ -453,8 +479,12 @@ def _split(refs, mode, n_in):
     return refs
 
 
-def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32), a_dtype=F32):
-    """A [B,H,N,C,C] (stored in ``a_dtype``), W [B,Tp,H,K], U [B,Tp,H,V] (in ``dtypes``).
+def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32), a_dtype=F32,
+          q=None):
+    """A [B,H,N,C,C] (stored in ``a_dtype``), W [B,Tp,H,K], U [B,Tp,H,V] (in ``dtypes``), and
+    with ``q`` given (no or scalar gates, DEFAULTS "rewy_intra.emit_P") P = tril(Qγ K̄ᵀ)
+    [B,H,N,C,C] fp32: one [C, K]·[K, C] product per chunk here instead of one per value tile in
+    the output (fused or not) and ``bwd_local``.
 
     The inverse is formed and applied in fp32 either way: ``a_dtype`` is only the dtype of the
     copy kept for the backward (``backward.low_precision`` "A").
@@ -466,12 +496,15 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
     recomputation without the Gram and the block substitution.
     """
     n, C, prec, mode = s.n, s.C, s.prec, s.mode
-    given_T, given_A = T is not None, A is not None
+    given_T, given_A, with_P = T is not None, A is not None, q is not None
     assert not (given_T and given_A), "intra takes T (to invert) or A (inverted), not both"
+    assert not with_P or (mode != "vector" and not given_A), "P: no or scalar gates, forward"
 
     def kernel(*refs):
         refs = list(refs)
         M_ref = refs.pop(4 if mode != "none" else 3) if (given_T or given_A) else None
+        q_ref = refs.pop(4 if mode != "none" else 3) if with_P else None
+        P_ref = refs.pop() if with_P else None
         if given_A:
             k_ref, e_ref, z_ref, G_ref, W_ref, U_ref = _split(refs, mode, 4)
             A_ref = None
@@ -506,18 +539,23 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
                 on_row(i, Blocks(M_ref))
         else:
             inv_blocks(T_blk, n, prec, on_row,
-                       joint_diag=setting("rewy_intra.joint_diag_inverse"), unroll=unroll)
+                       joint_diag=setting("rewy_intra.joint_diag_inverse"), unroll=unroll,
+                       stacked=setting("rewy_intra.stacked_diag"))
+        if with_P:  # last: the inverse's blocks are dead by now
+            P_ref[...] = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)[1]
 
     ins = [k, e, z] + ([] if mode == "none" else [G]) + (
-        [T] if given_T else [A] if given_A else [])
+        [T] if given_T else [A] if given_A else []) + ([q] if with_P else [])
     in_specs = [s.chunk_tok(s.K), s.chunk_tok(s.K), s.chunk_tok(s.V)] + (
         [] if mode == "none" else [s.chunk_gate()]) + (
-        [s.chunk_mat(C, C)] if (given_T or given_A) else [])
-    mats = [] if given_A else [s.chunk_mat(C, C)]
-    sds = [] if given_A else [jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), a_dtype)]
+        [s.chunk_mat(C, C)] if (given_T or given_A) else []) + (
+        [s.chunk_tok(s.K)] if with_P else [])
+    mat = jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), a_dtype)
+    mats, sds = ([], []) if given_A else ([s.chunk_mat(C, C)], [mat])
+    P_out = ([s.chunk_mat(C, C)], [mat.update(dtype=F32)]) if with_P else ([], [])
     out = _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
-                out_specs=mats + [s.chunk_tok(s.K), s.chunk_tok(s.V)],
-                out_shape=sds + [s.sds_tok(s.K, dtypes[0]), s.sds_tok(s.V, dtypes[1])],
+                out_specs=mats + [s.chunk_tok(s.K), s.chunk_tok(s.V)] + P_out[0],
+                out_shape=sds + [s.sds_tok(s.K, dtypes[0]), s.sds_tok(s.V, dtypes[1])] + P_out[1],
                 interpret=interpret,
                 num_warps=WARPS["intra"], name="rewy_wu" if given_A else "rewy_intra")(*ins)
     return tuple(out)
@@ -638,20 +676,22 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
     out = (q, P, out_dtype): the output fused into the pass instead — O = Qγ S0 + P R per chunk
     and value tile while S0 and R are in registers — returning (o [B,Tp,H,V], final) and
     storing no S0 or R (the ``recompute`` forward, DEFAULTS "fwd_pass.fused_output"). P: the
-    vector-gate [B,H,N,C,C] matrix of ``qk_gram``, or None (rebuilt per chunk, as ``output``).
+    [B,H,N,C,C] matrix of ``qk_gram`` (vector gates) or ``intra`` (``intra_forms_P``), or None
+    (rebuilt per chunk and value tile, as in ``output``).
     """
     kernel, ins, in_specs, outputs = _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq,
                                                      dtypes, out)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
-                 num_stages=_pass_stages(s.K), tile_axis=1)(*ins)
+                 num_stages=_pass_stages(s), tile_axis=1)(*ins)
 
 
 def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
     """``fwd_pass``'s (kernel, inputs, in_specs, outputs) on the grid (B·H, V/BVs)."""
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
+    one_seq = s.one_seq and setting("state_pass.one_seq_init")
     fused = out is not None
-    vec_P = fused and out[1] is not None
+    given_P = fused and out[1] is not None
     # the recurrence's two products in the stored dtypes of S0 and R, or on fp32 values
     S_dt, R_dt = dtypes if _native_pass_dots(dtypes) else (None, None)
 
@@ -661,7 +701,7 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
             refs.insert(3, None)  # G
         if not fused:
             refs[8:8] = [None, None]  # q, P
-        elif not vec_P:
+        elif not given_P:
             refs.insert(9, None)  # P
         (W_ref, U_ref, k_ref, G_ref, h0_ref, reset_ref, end_ref, seq_ref, q_ref, P_ref,
          *outs) = refs
@@ -672,7 +712,8 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
 
         def body(c, S):
             sq = seq_ref[c]
-            S = jnp.where(reset_ref[c] != 0, h0_ref[sq], S)
+            if not one_seq:  # else h0 is the loop's initial state
+                S = jnp.where(reset_ref[c] != 0, h0_ref[sq], S)
             base = c * C
             if not fused:
                 S0_ref[c] = S.astype(S0_ref.dtype)
@@ -680,7 +721,7 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
                 load_rows(W_ref, base, C, None if S_dt else F32), S, prec, S_dt)
             Gc, gl = _chunk_decay(mode, G_ref, base, C)
             if fused:  # O = Qγ S0 + P R: off the recurrence's critical path
-                if vec_P:
+                if given_P:
                     P = P_ref[c]
                 else:
                     _, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec, base)
@@ -698,7 +739,7 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
 
             return S_new
 
-        lax.fori_loop(0, N, body, jnp.zeros((K, BV), F32))
+        lax.fori_loop(0, N, body, h0_ref[0] if one_seq else jnp.zeros((K, BV), F32))
 
     ins = [W, U, k] + ([] if mode == "none" else [G]) + [h0, reset, end, seq]
     in_specs = [s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(K, False)] + (
@@ -707,7 +748,7 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
         q, P, out_dtype = out
         ins.append(q)
         in_specs.append(s.col_tok(K, False))
-        if vec_P:
+        if given_P:
             ins.append(P)
             in_specs.append(s.col_mats(C, C))
         outputs = s.pass_outputs()
@@ -739,37 +780,37 @@ def _chunk_output(mode, Gc, qc, S0, P, R, prec):
 def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
     """O = Qγ S0 + P R, [B,Tp,H,V] in out_dtype. Grid (N, B·H, V/BV).
 
-    No or scalar gates rebuild P per tile (one masked [C, C] matmul); vector gates read the P
-    that ``qk_gram`` built.
+    P: the [B,H,N,C,C] matrix that ``qk_gram`` (vector gates) or ``intra`` (``intra_forms_P``)
+    built, or None: no or scalar gates then rebuild it per tile (one masked [C, C] matmul).
     """
     C, prec, mode, BV = s.C, s.prec, s.mode, s.BV
-    vec = mode == "vector"
+    given_P = P is not None
 
     def kernel(*refs):
         refs = list(refs)
-        if vec:
+        if given_P:
             refs.insert(1, None)  # k
-        else:
-            if mode == "none":
-                refs.insert(2, None)  # G
+        if mode == "none":
+            refs.insert(2, None)  # G
+        if not given_P:
             refs.insert(5, None)  # P
         q_ref, k_ref, G_ref, S0_ref, R_ref, P_ref, o_ref = refs
-        if vec:
-            Gc, P = load_rows(G_ref, 0, C), P_ref[...]
+        if given_P:
+            Gc, P = _chunk_decay(mode, G_ref, 0, C)[0], P_ref[...]
         else:  # one [C, C] decay matrix: whole-chunk matmuls
             Gc, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)
         o = _chunk_output(mode, Gc, load_rows(q_ref, 0, C), S0_ref[...].astype(F32), P,
                           R_ref[...].astype(F32), prec)
         o_ref[...] = o.astype(o_ref.dtype)
 
-    if vec:
-        ins = [q, G, S0, R, P]
-        in_specs = [s.chunk_tok3(s.K), s.chunk_gate3(), s.chunk_state_v(BV), s.chunk_tok_v(BV),
-                    s.chunk_mat3(C, C)]
+    gate = ([], []) if mode == "none" else ([G], [s.chunk_gate3()])
+    if given_P:
+        ins = [q] + gate[0] + [S0, R, P]
+        in_specs = [s.chunk_tok3(s.K)] + gate[1] + [s.chunk_state_v(BV), s.chunk_tok_v(BV),
+                                                    s.chunk_mat3(C, C)]
     else:
-        ins = [q, k] + ([] if mode == "none" else [G]) + [S0, R]
-        in_specs = [s.chunk_tok3(s.K)] * 2 + ([] if mode == "none" else [s.chunk_gate3()]) + [
-            s.chunk_state_v(BV), s.chunk_tok_v(BV)]
+        ins = [q, k] + gate[0] + [S0, R]
+        in_specs = [s.chunk_tok3(s.K)] * 2 + gate[1] + [s.chunk_state_v(BV), s.chunk_tok_v(BV)]
     return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
                  out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V, out_dtype),
                  interpret=interpret, num_warps=WARPS["output"], name="rewy_output", tile_axis=2)(*ins)
@@ -781,10 +822,10 @@ def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
 def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32):
     """Pᵀ dO per chunk, [B,Tp,H,V] in ``dtype``. Grid (N, B·H, V/BV); P as in ``output``."""
     C, prec, mode, BV = s.C, s.prec, s.mode, s.BV
-    vec = mode == "vector"
+    given_P = P is not None
 
     def kernel(*refs):
-        if vec:
+        if given_P:
             P_ref, dO_ref, out_ref = refs
             P = P_ref[...]
         else:
@@ -792,7 +833,7 @@ def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32):
             _, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)
         out_ref[...] = dot(P, dO_ref[...].astype(F32), prec, ta=True).astype(out_ref.dtype)
 
-    if vec:
+    if given_P:
         ins, in_specs = [P, dO], [s.chunk_mat3(C, C), s.chunk_tok_v(BV)]
     else:
         ins = [q, k] + ([] if mode == "none" else [G]) + [dO]
@@ -811,12 +852,13 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
                                                      seq, dtypes)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=WARPS["bwd_pass"], name="rewy_bwd_pass",
-                 num_stages=_pass_stages(s.K), tile_axis=1)(*ins)
+                 num_stages=_pass_stages(s), tile_axis=1)(*ins)
 
 
 def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):
     """``bwd_pass``'s (kernel, inputs, in_specs, outputs) on the grid (B·H, V/BVs)."""
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
+    one_seq = s.one_seq and setting("state_pass.one_seq_init")
     # K̄ dS and Wᵀ dR in the stored dtypes of dS and dR, or on fp32 values
     dS_dt, dR_dt = dtypes if _native_pass_dots(dtypes) else (None, None)
 
@@ -827,7 +869,9 @@ def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):
         def body(m, carry):
             c = N - 1 - m
             sq = seq_ref[c]
-            dS = carry + jnp.where(end_ref[c] != 0, dfin_ref[sq], 0.0)
+            dS = carry
+            if not one_seq:  # else dfin is the loop's initial carry
+                dS = dS + jnp.where(end_ref[c] != 0, dfin_ref[sq], 0.0)
             dSe_ref[c] = dS.astype(dSe_ref.dtype)
             base = c * C
             Gc, gl = _chunk_decay(mode, G_ref, base, C)
@@ -849,7 +893,7 @@ def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):
 
             return jnp.where(is_reset, 0.0, dS0)
 
-        lax.fori_loop(0, N, body, jnp.zeros((K, BV), F32))
+        lax.fori_loop(0, N, body, dfin_ref[0] if one_seq else jnp.zeros((K, BV), F32))
 
     ins = [q, k] + ([] if mode == "none" else [G]) + [W, dO, dRl, dfin, reset, end, seq]
     in_specs = [s.col_tok(K, False)] * 2 + ([] if mode == "none" else [s.col_gate()]) + [

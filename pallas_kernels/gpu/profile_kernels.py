@@ -138,6 +138,20 @@ VARIANTS = {
     "tilesik64": ({"launch.tiles_first": True, "rewy_intra.kslice": 64}, 64, None, None),
     # no gates: the leaf stores dq and de before dk's products (ptxas: 123 -> 90 registers)
     "early": ({"rewy_bwd_leaf.store_early": True}, 64, None, None),
+    # intra forms P = tril(Qγ K̄ᵀ) for no and scalar gates, read by the (fused) output instead
+    # of one [C, K]·[K, C] product per value tile; and with GDN's output fused again
+    "emitP": ({"rewy_intra.emit_P": ("none", "scalar")}, 64, None, None),
+    "emitPfused": ({"rewy_intra.emit_P": ("none", "scalar"), "fwd_pass.fused_output": True},
+                   64, None, None),
+    # intra's diagonal inverses on the blocks stacked as one [n, 16, 16] value (no layout
+    # conversion in the 15-step loop; ptxas, DeltaNet: bar.sync per step 17 -> 3, SASS 3399 ->
+    # 3118, unrolled 4912 -> 4633)
+    "stacked": ({"rewy_intra.stacked_diag": True}, 64, None, None),
+    # both forward candidates together
+    "fwdnew": ({"rewy_intra.emit_P": ("none", "scalar"), "rewy_intra.stacked_diag": True},
+               64, None, None),
+    # the state passes selecting h0 / adding dfin at every chunk (before the one_seq_init)
+    "perchunkh0": ({"state_pass.one_seq_init": False}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
@@ -205,7 +219,8 @@ def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, run
 def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     B, T, H, D = shape
     q, k, e, z, g, G, h0, reset, end, seq, dO = _inputs(mode, B, T, H, D)
-    cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4"))
+    cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4"),
+                     one_seq=True)  # one sequence per row: the metadata of _inputs
     s = api._shape(cfg, q, z, G, h0)
     it = interpret
     rows = {}
@@ -219,9 +234,14 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
         f = jax.jit(lambda q, k, G: kn.qk_gram(s, q, k, G, interpret=it))
         rows["qk_gram"] = _bench(f, q, k, G)
         P = f(q, k, G)
-    f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it))
-    rows["intra"] = _bench(f, k, e, z, G, Tg)
-    A, W, U = f(k, e, z, G, Tg)
+    if kn.intra_forms_P(mode):  # intra forms P too (no or scalar gates)
+        f = jax.jit(lambda k, e, z, G, q: kn.intra(s, k, e, z, G, q=q, interpret=it))
+        rows["intra"] = _bench(f, k, e, z, G, q)
+        A, W, U, P = f(k, e, z, G, q)
+    else:
+        f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it))
+        rows["intra"] = _bench(f, k, e, z, G, Tg)
+        A, W, U = f(k, e, z, G, Tg)
     sd = api._stored_dtypes(q.dtype)  # the backward's stored dtypes (backward.low_precision)
     f = jax.jit(lambda k, e, z, G, A: kn.intra(s, k, e, z, G, A=A, interpret=it,
                                                dtypes=(sd["W"], sd["U"])))
@@ -243,6 +263,7 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
         rows["fwd_pass_bwd"] = _bench(f, Wb, Ub, k, G, h0)
         S0, R, _ = f(Wb, Ub, k, G, h0)
         W = Wb
+    P = P if mode == "vector" else None  # the recompute backward keeps only vector gates' P
     f = jax.jit(lambda q, k, G, P, dO: kn.bwd_local(s, q, k, G, P, dO, interpret=it,
                                                      dtype=sd["dRl"]))
     rows["bwd_local"] = _bench(f, q, k, G, P, dO)

@@ -12,8 +12,9 @@ Two steps, because the lowering needs jax and the compile needs the Triton of th
 
 Step 2 reports per kernel: shared memory (must stay under ~227 KB on Hopper), registers per
 thread and spill bytes. Pass the same --warps/--stages the kernels use (kernels.WARPS,
-kernels._pass_stages): the Triton IR does not carry them. The GPU model is forced to H200 for the
-lowering (a lowering-only shortcut through jax internals; never used by the library).
+kernels._pass_stages — 2 at K ≤ 128 for the calls without cu_seqlens that the dump makes):
+the Triton IR does not carry them. The GPU model is forced to H200 for the lowering (a
+lowering-only shortcut through jax internals; never used by the library).
 """
 
 from __future__ import annotations
