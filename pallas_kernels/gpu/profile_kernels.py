@@ -150,6 +150,9 @@ VARIANTS = {
     # both forward candidates together
     "fwdnew": ({"rewy_intra.emit_P": ("none", "scalar"), "rewy_intra.stacked_diag": True},
                64, None, None),
+    # the forward's pass at 3 stages without the per-chunk h0 (three buffers per tile; ptxas:
+    # GDN's unfused pass 156 KB of shared memory — DeltaNet's fused pass would need 237 KB)
+    "fp3": ({"rewy_fwd_pass.stages": 3}, 64, None, None),
     # the state passes selecting h0 / adding dfin at every chunk (before the one_seq_init)
     "perchunkh0": ({"state_pass.one_seq_init": False}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
