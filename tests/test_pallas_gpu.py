@@ -507,13 +507,13 @@ def test_stacked_blocks_and_inverse():
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {}),
                                          ("gdn", "strong", {"backward": "wy"}),
                                          ("kda", "strong", {"policy": "save"})])
-def test_interpret_stacked_diagonal_inverse(op, decay, kw, monkeypatch):
-    """rewy_intra.stacked_diag: intra's diagonal inverses on the stacked blocks — every output
-    and gradient against the float64 recurrence (default chunk: four diagonal blocks), each gate
-    kind, strong decays."""
+def test_interpret_per_block_diagonal_inverse(op, decay, kw, monkeypatch):
+    """rewy_intra.stacked_diag off (the tuning alternative to the stacked inverse): intra's
+    joint diagonal loop on the [16, 16] blocks — every output and gradient against the float64
+    recurrence (default chunk: four diagonal blocks), each gate kind, strong decays."""
     from pallas_kernels.gpu import kernels
 
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.stacked_diag", True)
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.stacked_diag", False)
     inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay=decay, seed=15)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
                                    chunk_size=64, **kw))

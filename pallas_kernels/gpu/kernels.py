@@ -276,7 +276,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "backward.native_pass_dots": True,
             "backward.twin_pass": True, "launch.tiles_first": True,
             "rewy_bwd_leaf.store_early": False, "rewy_intra.emit_P": (),
-            "rewy_intra.stacked_diag": False, "state_pass.one_seq_init": True}
+            "rewy_intra.stacked_diag": True, "state_pass.one_seq_init": True}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed

@@ -145,8 +145,10 @@ VARIANTS = {
                    64, None, None),
     # intra's diagonal inverses on the blocks stacked as one [n, 16, 16] value (no layout
     # conversion in the 15-step loop; ptxas, DeltaNet: bar.sync per step 17 -> 3, SASS 3399 ->
-    # 3118, unrolled 4912 -> 4633)
+    # 3118, unrolled 4912 -> 4633): profile-16, intra 0.269 -> 0.220 ms, default since; and the
+    # per-block loop it replaced
     "stacked": ({"rewy_intra.stacked_diag": True}, 64, None, None),
+    "perblock": ({"rewy_intra.stacked_diag": False}, 64, None, None),
     # both forward candidates together
     "fwdnew": ({"rewy_intra.emit_P": ("none", "scalar"), "rewy_intra.stacked_diag": True},
                64, None, None),
