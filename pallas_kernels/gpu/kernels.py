@@ -120,8 +120,9 @@ def grid_id(axis):
 # with 4 (intra 0.55 -> 0.43 ms without gates and 2.39 -> 1.54 with vector gates, output
 # 0.27 -> 0.18); the two with the most live tiles (bwd_pass, bwd_leaf) keep 8 (bwd_leaf with
 # vector gates: 3.09 at 8, 3.23 at 4; ptxas showed the blocked kernels spilling at 4). The state
-# passes software-pipeline their per-chunk loads (num_stages = 3, ~210 KB of shared memory at
-# K = 128); at K = 256 that would need ~400 KB, so they drop to one stage there. qk_gram runs
+# passes software-pipeline their per-chunk loads (num_stages 3, or 2 without cu_seqlens — the
+# same two buffers per tile, _pass_stages —, up to ~200 KB of shared memory at K = 128); at
+# K = 256 that would need ~400 KB, so they drop to one stage there. qk_gram runs
 # 2 warps since it contracts in key slices (profile-10, below: [16, 16] output blocks keep
 # few warps busy, and at 2 warps its 153 registers leave room for more programs per SM).
 WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "bwd_pass": 8,
@@ -260,6 +261,29 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               tiles first) intra 3.45 -> 1.55 ms, op 20.9 -> 19.1. Gradients move within
 #               bf16 rounding (3.8e-3 relative at the anchor; run h200-12 passes rewy-math §8
 #               with it at every shape). Default 64 since profile-14.
+#   state_pass.one_seq_init  calls without cu_seqlens (one sequence per batch row, Shape.one_seq):
+#               the forward's state pass starts its loop from h0 and the backward's reverse
+#               pass from the final state's cotangent, instead of selecting h0 (adding dfin)
+#               at every chunk by the chunk's metadata — an indirect [K, BV] load and a select
+#               per chunk (ptxas, DeltaNet's fused pass: 64 shared loads and 32 selects of its
+#               1315-instruction step). Without that load Triton buffers deeper at 3 stages,
+#               too deep for shared memory, so these passes run 2 (_pass_stages). Bit-identical.
+#               Profile-16 (H200, commit 73e44ca, benchmarks/results/profile-16/), the anchor:
+#               DeltaNet fused pass 0.283 -> 0.261 ms, twin 0.376 -> 0.336, op 1.42 -> 1.36;
+#               GDN fwd_pass 0.239 -> 0.212, twin 0.463 -> 0.393, op 1.95 -> 1.87. Default.
+#   rewy_intra.stacked_diag  intra's joint diagonal inverse on its n [16, 16] blocks stacked
+#               into one [n, 16, 16] value (blocks.inv_diags_stacked): each step's two
+#               reductions then run within a block, with no layout conversion — ptxas
+#               (DeltaNet): bar.sync per step 17 -> 3, SASS 3399 -> 3118. Profile-16: intra
+#               0.269 -> 0.220 ms (DeltaNet), 0.282 -> 0.237 (GDN); op 1.36 -> 1.31 and 1.87 ->
+#               1.83; gradients move 1.8e-3 relative (bf16 storage rounding of A, W, U; every
+#               accuracy check of run h200-13 passes). Default.
+#   rewy_intra.emit_P  no or scalar gates: intra also forms P = tril(Qγ K̄ᵀ) (one [C, K]·[K, C]
+#               product per chunk) for the output to read instead of rebuilding it per value
+#               tile. ptxas: DeltaNet's fused pass loses its spills (84 B) and 8% of its SASS,
+#               GDN's output kernel 1240 -> 840 instructions; but intra gains the product.
+#               Profile-16: DeltaNet intra 0.269 -> 0.294, fused pass 0.261 -> 0.247, op 1.36 ->
+#               1.38; GDN op 1.87 -> 1.91 (1.85 with its output fused again). Off.
 #   rewy_qk_gram.exact_diag "outer"  (blocks.DIAG_METHODS) all pairs of a diagonal block at once:
 #               profile-9 with exp2, qk_gram 1.45 (loop) -> 1.53: slower, not the default.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
