@@ -558,11 +558,12 @@ def unstack_blocks(x):
 
 
 def inv_diags_stacked(Ts, unroll=False):
-    """``inv_diags`` on the blocks stacked as one [n, BS, BS] value, written so that every
-    per-step reduction runs within a block — no layout conversion and no cross-warp barrier
-    where the layout gives each block its warps (the [BS, BS] form takes two reductions, a
-    layout conversion and ~4 barriers per block and step: ptxas, sm_90). Row o of each T is
-    read as column o of Tᵀ, which lands in the layout that scales the rows of A."""
+    """``inv_diags`` on the blocks stacked as one [n, BS, BS] value: row o of each T is read as
+    column o of Tᵀ, which lands in the layout that scales the rows of A, so a step needs no
+    layout conversion. ptxas (sm_90, DeltaNet, n = 4): 3 barriers per step against the
+    per-block form's 17 (each [BS, BS] block's reductions crossed warps, plus a conversion);
+    the layout Triton picks still splits a block's rows over two warps, hence the 3.
+    Profile-16 (H200): intra 0.269 -> 0.220 ms at the anchor."""
     Tt = stack_blocks([jnp.transpose(T) for T in Ts])  # [n, j, r] = T[r, j]
     shape = Tt.shape
     r, c = iota(shape, 1), iota(shape, 2)
