@@ -483,6 +483,43 @@ def test_interpret_intra_forms_P(op, decay, kw, small_tiles, monkeypatch):
         kernels.intra_forms_P("none")
 
 
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
+                                         ("gdn", "strong", {}),
+                                         ("gdn", "normal", {"policy": "save"}),
+                                         ("deltanet", "none", {"_fuse": False})])
+def test_interpret_split_kr(op, decay, kw, small_tiles, monkeypatch):
+    """fwd_pass.split_kr: the forward's pass forms K̄ᵀ R as two native bf16 products (R split
+    into high and low parts) — the outputs and final state agree with the fp32 product to
+    R's ~16 bits, every output and gradient stays within the bf16 thresholds (packed sequences,
+    strong decays, both policies, the fused and the separate output), the split really ran,
+    and it is skipped for vector gates."""
+    from pallas_kernels.gpu import blocks, kernels
+
+    kw = dict(kw)
+    if not kw.pop("_fuse", True):
+        monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", False)
+    inp, cts, kw = _bf16_case(op, decay, 53, kw)
+    splits = []
+    split = blocks.dot_split
+    monkeypatch.setattr(kernels, "dot_split", lambda *a, **k: splits.append(1) or split(*a, **k))
+    runs = []
+    for on in (False, True):
+        monkeypatch.setitem(kernels.TUNE, "fwd_pass.split_kr", on)
+        jax.clear_caches()  # the setting is read when the kernels are traced
+        splits.clear()
+        runs.append(testing.run_op(op, inp, **kw))
+        assert bool(splits) == on
+    for x, y in zip(runs[1], runs[0], strict=True):
+        assert _rel(x, y) < 1e-3, (_rel(x, y), op)
+    _check(testing.accuracy_report(op, inp, **kw))
+    splits.clear()
+    kda, _, _ = _bf16_case("kda", "normal", 53, {})
+    jax.clear_caches()
+    testing.run_op("kda", kda, **kw)
+    assert not splits
+
+
 def test_stacked_blocks_and_inverse():
     """blocks.stack_blocks / unstack_blocks round-trip 1–8 blocks in order, and the stacked
     diagonal inverse equals the per-block one and inverts I + T (fp32, random strict T)."""

@@ -64,6 +64,18 @@ def dot_stored(a, b, prec, ta=False, tb=False):
     return dot(a.astype(F32), b.astype(F32), prec, ta, tb)
 
 
+def dot_split(a16, b, prec, ta=False, tb=False):
+    """``a16 @ b`` for a bf16 ``a16`` and an fp32 ``b`` as two native bf16 products: b = hi + lo,
+    hi = b rounded to bf16 and lo = the rest rounded again, so b keeps ~16 significant bits
+    (TF32 keeps 11) and a16 is used as stored, exact. The TF32 form converts a16 to fp32 element
+    by element (a transposed a16 is read from shared memory one 16-bit element at a time); this
+    one adds the split's few element-wise operations and issues as many tensor-core
+    instructions (two bf16 k16 steps for two TF32 k8 steps)."""
+    hi = b.astype(a16.dtype)
+    lo = (b - hi.astype(F32)).astype(a16.dtype)
+    return dot(a16, hi, prec, ta, tb) + dot(a16, lo, prec, ta, tb)
+
+
 def iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Gates, Rows, _sum, dot, dot_stored, exp,
+from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Gates, Rows, _sum, dot, dot_split, dot_stored, exp,
                                        inv_blocks, iota, load_rows)
 
 try:  # the Triton lowering's params; it warns that it is deprecated (design.md): silence here.
@@ -284,6 +284,15 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               GDN's output kernel 1240 -> 840 instructions; but intra gains the product.
 #               Profile-16: DeltaNet intra 0.269 -> 0.294, fused pass 0.261 -> 0.247, op 1.36 ->
 #               1.38; GDN op 1.87 -> 1.91 (1.85 with its output fused again). Off.
+#   fwd_pass.split_kr  the forward's state pass forms K̄ᵀ R as kᵀ (d ⊙ R) in two native bf16
+#               products, k as stored and R split into bf16 high and low parts (blocks.dot_split;
+#               no or scalar gates, bf16 k): R keeps ~16 significant bits instead of TF32's 11,
+#               and k is no longer converted to fp32 element by element. ptxas (sm_90, 4
+#               warps): GDN's pass at K = 128, loop 921 -> 750 SASS instructions per step, 231 ->
+#               197 registers; at K = 256 (one stage) DeltaNet's forward pass 1766 -> 1534 SASS
+#               with spills 536 -> 88 B, GDN's 1990 -> 1582 with 548 -> 84 B; DeltaNet's fused
+#               pass (K = 128) loop 1206 -> 1153. Untimed on the GPU (the session's device time
+#               was spent): off until profiled (``profile_kernels.py`` variant splitkr).
 #   rewy_qk_gram.exact_diag "outer"  (blocks.DIAG_METHODS) all pairs of a diagonal block at once:
 #               profile-9 with exp2, qk_gram 1.45 (loop) -> 1.53: slower, not the default.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
@@ -300,7 +309,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "backward.native_pass_dots": True,
             "backward.twin_pass": True, "launch.tiles_first": True,
             "rewy_bwd_leaf.store_early": False, "rewy_intra.emit_P": (),
-            "rewy_intra.stacked_diag": True, "state_pass.one_seq_init": True}
+            "rewy_intra.stacked_diag": True, "state_pass.one_seq_init": True,
+            "fwd_pass.split_kr": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -718,6 +728,11 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
     given_P = fused and out[1] is not None
     # the recurrence's two products in the stored dtypes of S0 and R, or on fp32 values
     S_dt, R_dt = dtypes if _native_pass_dots(dtypes) else (None, None)
+    # K̄ᵀ R as kᵀ (d ⊙ R) in two native bf16 products (DEFAULTS "fwd_pass.split_kr"): no or
+    # scalar gates — a vector gate's decay runs along K and cannot move onto R —, k stored in
+    # bf16, R not stored 16-bit (the backward's native passes already multiply in bf16)
+    split_kr = (setting("fwd_pass.split_kr") and mode != "vector" and R_dt is None
+                and k.dtype == jnp.bfloat16)
 
     def kernel(*refs):
         refs = list(refs)
@@ -753,8 +768,12 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
                 o_ref[pl.ds(base, C), :] = o.astype(o_ref.dtype)
             else:
                 R_ref[pl.ds(base, C), :] = R.astype(R_ref.dtype)
-            Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
-            S_new = _pass_dot(Kt, R, prec, R_dt, ta=True)
+            if split_kr:  # K̄ᵀ R = kᵀ (d ⊙ R), k as stored, R in two bf16 parts
+                Rd = R if mode == "none" else exp(gl - Gc)[:, None] * R
+                S_new = dot_split(load_rows(k_ref, base, C, None), Rd, prec, ta=True)
+            else:
+                Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
+                S_new = _pass_dot(Kt, R, prec, R_dt, ta=True)
             S_new = S_new + (S if mode == "none" else _col(exp(gl)) * S)
 
             @pl.when(end_ref[c] != 0)

@@ -155,6 +155,9 @@ VARIANTS = {
     # the forward's pass at 3 stages without the per-chunk h0 (three buffers per tile; ptxas:
     # GDN's unfused pass 156 KB of shared memory — DeltaNet's fused pass would need 237 KB)
     "fp3": ({"rewy_fwd_pass.stages": 3}, 64, None, None),
+    # the forward's pass forming K̄ᵀ R as two native bf16 products (no or scalar gates; ptxas:
+    # GDN's pass 921 -> 750 SASS per step, D = 256 spills 536 -> 88 B): untimed
+    "splitkr": ({"fwd_pass.split_kr": True}, 64, None, None),
     # the state passes selecting h0 / adding dfin at every chunk (before the one_seq_init)
     "perchunkh0": ({"state_pass.one_seq_init": False}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
