@@ -372,6 +372,12 @@ def test_interpret_native_pass_dots(op, decay, kw, small_tiles, monkeypatch):
     assert not kernels._native_pass_dots((jnp.float32, jnp.bfloat16))
 
 
+def _same_runs(a, b):
+    """Two runs' outputs and gradients (pytrees of arrays) agree bit for bit."""
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def _bf16_case(op, decay, seed, kw):
     """bf16 inputs (B = 1, T = 100, H = 2, K = V = 32; packed sequences when kw has "n_seqs"),
     fp32 cotangents for o and the final state, and the interpret-mode call's keywords (chunk
@@ -408,8 +414,7 @@ def test_interpret_twin_pass(op, decay, kw, small_tiles, monkeypatch):
     jax.clear_caches()  # the setting is read when the kernels are traced
     together = testing.loss_and_grads(op, inp, cts, **kw)
     assert len(calls) == (kw.get("policy", "recompute") == "recompute")
-    for x, y in zip(jax.tree_util.tree_leaves(together), jax.tree_util.tree_leaves(apart)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    _same_runs(together, apart)
     _check(testing.accuracy_report(op, inp, **kw))
 
 
@@ -439,13 +444,7 @@ def test_interpret_tiles_first(op, decay, kw, small_tiles, monkeypatch):
         assert bool(moved) == first, orders
     if kw.get("policy") == "save":  # the output kernel, bwd_local, bwd_leaf, both passes
         assert {(1, 0), (2, 0, 1)} <= set(moved)
-    for x, y in zip(jax.tree_util.tree_leaves(runs[1]), jax.tree_util.tree_leaves(runs[0])):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def _same_runs(a, b):
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    _same_runs(runs[1], runs[0])
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
