@@ -561,7 +561,8 @@ def test_interpret_per_block_diagonal_inverse(op, decay, kw, monkeypatch):
                                          ("kda", "normal", {"backward": "wy"})])
 def test_interpret_one_seq_init(op, decay, kw, small_tiles, monkeypatch):
     """state_pass.one_seq_init: without cu_seqlens the state passes start from h0 and dfin
-    instead of selecting them at every chunk — the outputs and every gradient (dh0 and the
+    instead of selecting them at every chunk, and (state_pass.end_after_loop) store the final
+    state and dh0 after their loop instead of under a per-chunk branch — the outputs and every gradient (dh0 and the
     final state's cotangent included) bit for bit as the per-chunk select, both policies, the
     twin pass and the separate passes; a varlen call keeps the per-chunk select."""
     from pallas_kernels.gpu import api, kernels
@@ -571,11 +572,13 @@ def test_interpret_one_seq_init(op, decay, kw, small_tiles, monkeypatch):
     shape = api._shape
     monkeypatch.setattr(api, "_shape", lambda *a: shapes.append(shape(*a)) or shapes[-1])
     runs = []
-    for init in (False, True):
+    for init, end_after in ((False, False), (True, False), (True, True)):
         monkeypatch.setitem(kernels.TUNE, "state_pass.one_seq_init", init)
-        jax.clear_caches()  # the setting is read when the kernels are traced
+        monkeypatch.setitem(kernels.TUNE, "state_pass.end_after_loop", end_after)
+        jax.clear_caches()  # the settings are read when the kernels are traced
         runs.append(testing.loss_and_grads(op, inp, cts, **kw))
     _same_runs(runs[1], runs[0])
+    _same_runs(runs[2], runs[0])
     assert shapes and all(s.one_seq for s in shapes)
     shapes.clear()
     varlen, _, _ = _bf16_case(op, decay, 47, dict(kw, n_seqs=2))

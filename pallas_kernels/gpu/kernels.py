@@ -271,6 +271,11 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               Profile-16 (H200, commit 73e44ca, benchmarks/results/profile-16/), the anchor:
 #               DeltaNet fused pass 0.283 -> 0.261 ms, twin 0.376 -> 0.336, op 1.42 -> 1.36;
 #               GDN fwd_pass 0.239 -> 0.212, twin 0.463 -> 0.393, op 1.95 -> 1.87. Default.
+#   state_pass.end_after_loop  with one_seq_init: the passes store the final state (dh0) once
+#               after their loop instead of under a per-chunk branch on the chunk's end
+#               (reset) flag, and read no metadata in the loop. SASS (sm_90, DeltaNet's
+#               backward fwd_pass at 2 stages): the loop's scalar LDG of the flag sat on the
+#               critical path before a branch at every step. Bit-identical.
 #   rewy_intra.stacked_diag  intra's joint diagonal inverse on its n [16, 16] blocks stacked
 #               into one [n, 16, 16] value (blocks.inv_diags_stacked): each step's two
 #               reductions then run within a block, with no layout conversion — ptxas
@@ -310,7 +315,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "backward.twin_pass": True, "launch.tiles_first": True,
             "rewy_bwd_leaf.store_early": False, "rewy_intra.emit_P": (),
             "rewy_intra.stacked_diag": True, "state_pass.one_seq_init": True,
-            "fwd_pass.split_kr": False}
+            "fwd_pass.split_kr": False, "state_pass.end_after_loop": True,
+            "state_pass.stages": {"fwd": 2, "fused": 2, "bwd": 2}}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -372,16 +378,22 @@ def parse_tune(text):
     return key, {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
 
 
-def _pass_stages(s):
-    """Software-pipeline stages of the two state passes. Reading h0 / dfin at every chunk (the
-    per-sequence select of varlen calls) is an indirect load, and with it Triton keeps two
-    buffers per per-chunk tile at 3 stages; without it (``one_seq``) 3 stages take three and
-    overflow shared memory (ptxas, sm_90, K = 128: DeltaNet's fused pass 237 KB, KDA's 255 KB
-    of 227), while 2 stages give the buffers the 3 gave before — so the one-sequence passes
-    ask for 2."""
+def _pass_stages(s, which):
+    """Software-pipeline stages of a state pass: ``which`` is "fwd" (the forward's unfused pass
+    and the backward's recomputing one), "fused" (the forward's pass with the output) or "bwd".
+    Triton's pipeliner issues step c + stages − 1's loads during step c and waits for step c's
+    at its start, so 2 stages leave each step's load latency exposed after the short tail of
+    the step before (SASS: ``DEPBAR.LE SB0, 0x0`` before the first product). Reading h0 / dfin
+    at every chunk (the per-sequence select of varlen calls) is an indirect load, and with it
+    Triton keeps two buffers per per-chunk tile at 3 stages, so those passes keep 3; the
+    one-sequence passes take DEFAULTS "state_pass.stages" — as many as shared memory holds
+    (ptxas, sm_90, K = 128, DeltaNet: the fused pass 164 KB at 2 stages, 237 KB at 3, over the
+    227 KB limit; the recompute pass 82 / 119 / 156 KB at 2 / 3 / 4; bwd_pass 127 / 184)."""
     if s.K > 128:
         return 1
-    return 2 if s.one_seq and setting("state_pass.one_seq_init") else 3
+    if not (s.one_seq and setting("state_pass.one_seq_init")):
+        return 3
+    return setting("state_pass.stages")[which]
 
 
 class Shape:
@@ -717,13 +729,15 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
                                                      dtypes, out)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
-                 num_stages=_pass_stages(s), tile_axis=1)(*ins)
+                 num_stages=_pass_stages(s, "fwd" if out is None else "fused"),
+                 tile_axis=1)(*ins)
 
 
 def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
     """``fwd_pass``'s (kernel, inputs, in_specs, outputs) on the grid (B·H, V/BVs)."""
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
     one_seq = s.one_seq and setting("state_pass.one_seq_init")
+    end_after = one_seq and setting("state_pass.end_after_loop")
     fused = out is not None
     given_P = fused and out[1] is not None
     # the recurrence's two products in the stored dtypes of S0 and R, or on fp32 values
@@ -750,7 +764,7 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
             S0_ref, R_ref, fin_ref = outs
 
         def body(c, S):
-            sq = seq_ref[c]
+            sq = 0 if one_seq else seq_ref[c]  # one sequence: seq is 0 (api.Config.one_seq)
             if not one_seq:  # else h0 is the loop's initial state
                 S = jnp.where(reset_ref[c] != 0, h0_ref[sq], S)
             base = c * C
@@ -775,14 +789,17 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
                 Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
                 S_new = _pass_dot(Kt, R, prec, R_dt, ta=True)
             S_new = S_new + (S if mode == "none" else _col(exp(gl)) * S)
+            if not end_after:
 
-            @pl.when(end_ref[c] != 0)
-            def _():
-                fin_ref[sq] = S_new
+                @pl.when(end_ref[c] != 0)
+                def _():
+                    fin_ref[sq] = S_new
 
             return S_new
 
-        lax.fori_loop(0, N, body, h0_ref[0] if one_seq else jnp.zeros((K, BV), F32))
+        S_end = lax.fori_loop(0, N, body, h0_ref[0] if one_seq else jnp.zeros((K, BV), F32))
+        if end_after:
+            fin_ref[0] = S_end
 
     ins = [W, U, k] + ([] if mode == "none" else [G]) + [h0, reset, end, seq]
     in_specs = [s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(K, False)] + (
@@ -895,13 +912,14 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
                                                      seq, dtypes)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=WARPS["bwd_pass"], name="rewy_bwd_pass",
-                 num_stages=_pass_stages(s), tile_axis=1)(*ins)
+                 num_stages=_pass_stages(s, "bwd"), tile_axis=1)(*ins)
 
 
 def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):
     """``bwd_pass``'s (kernel, inputs, in_specs, outputs) on the grid (B·H, V/BVs)."""
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
     one_seq = s.one_seq and setting("state_pass.one_seq_init")
+    end_after = one_seq and setting("state_pass.end_after_loop")
     # K̄ dS and Wᵀ dR in the stored dtypes of dS and dR, or on fp32 values
     dS_dt, dR_dt = dtypes if _native_pass_dots(dtypes) else (None, None)
 
@@ -911,7 +929,7 @@ def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):
 
         def body(m, carry):
             c = N - 1 - m
-            sq = seq_ref[c]
+            sq = 0 if one_seq else seq_ref[c]  # one sequence: seq is 0 (api.Config.one_seq)
             dS = carry
             if not one_seq:  # else dfin is the loop's initial carry
                 dS = dS + jnp.where(end_ref[c] != 0, dfin_ref[sq], 0.0)
@@ -928,6 +946,8 @@ def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):
             dS0 = (dot_stored(Qg, dOc, prec, ta=True) - _pass_dot(  # W as stored when native
                 load_rows(W_ref, base, C, None if dR_dt else F32), dR, prec, dR_dt, ta=True))
             dS0 = dS0 + (dS if mode == "none" else _col(exp(gl)) * dS)
+            if end_after:  # chunk 0 starts the only sequence: the loop's last step
+                return dS0
             is_reset = reset_ref[c] != 0
 
             @pl.when(is_reset)
@@ -936,7 +956,9 @@ def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):
 
             return jnp.where(is_reset, 0.0, dS0)
 
-        lax.fori_loop(0, N, body, dfin_ref[0] if one_seq else jnp.zeros((K, BV), F32))
+        dS_start = lax.fori_loop(0, N, body, dfin_ref[0] if one_seq else jnp.zeros((K, BV), F32))
+        if end_after:
+            dh0_ref[0] = dS_start
 
     ins = [q, k] + ([] if mode == "none" else [G]) + [W, dO, dRl, dfin, reset, end, seq]
     in_specs = [s.col_tok(K, False)] * 2 + ([] if mode == "none" else [s.col_gate()]) + [

@@ -160,6 +160,20 @@ VARIANTS = {
     "splitkr": ({"fwd_pass.split_kr": True}, 64, None, None),
     # the state passes selecting h0 / adding dfin at every chunk (before the one_seq_init)
     "perchunkh0": ({"state_pass.one_seq_init": False}, 64, None, None),
+    # the one-sequence passes storing the final state under a per-chunk branch on the end flag
+    # (before state_pass.end_after_loop)
+    "endin": ({"state_pass.end_after_loop": False}, 64, None, None),
+    # pipeline depth of the state passes (state_pass.stages; twin_pass: its own launch
+    # setting): 2 stages leave each step's load latency exposed (SASS: DEPBAR.LE SB0, 0x0
+    # before the step's first product)
+    "twin2": ({"rewy_twin_pass.stages": 2}, 64, None, None),
+    "apart3": ({"backward.twin_pass": False,
+                "state_pass.stages": {"fwd": 3, "fused": 2, "bwd": 3}}, 64, None, None),
+    "apart4": ({"backward.twin_pass": False,
+                "state_pass.stages": {"fwd": 4, "fused": 2, "bwd": 3}}, 64, None, None),
+    "fwd3": ({"state_pass.stages": {"fwd": 3, "fused": 2, "bwd": 2}}, 64, None, None),
+    "twin3fwd3": ({"rewy_twin_pass.stages": 3,
+                   "state_pass.stages": {"fwd": 3, "fused": 2, "bwd": 2}}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
