@@ -174,6 +174,8 @@ VARIANTS = {
     "fwd3": ({"state_pass.stages": {"fwd": 3, "fused": 2, "bwd": 2}}, 64, None, None),
     "twin3fwd3": ({"rewy_twin_pass.stages": 3,
                    "state_pass.stages": {"fwd": 3, "fused": 2, "bwd": 2}}, 64, None, None),
+    "twin2fwd3": ({"rewy_twin_pass.stages": 2,
+                   "state_pass.stages": {"fwd": 3, "fused": 2, "bwd": 2}}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
