@@ -120,8 +120,8 @@ def grid_id(axis):
 # with 4 (intra 0.55 -> 0.43 ms without gates and 2.39 -> 1.54 with vector gates, output
 # 0.27 -> 0.18); the two with the most live tiles (bwd_pass, bwd_leaf) keep 8 (bwd_leaf with
 # vector gates: 3.09 at 8, 3.23 at 4; ptxas showed the blocked kernels spilling at 4). The state
-# passes software-pipeline their per-chunk loads (num_stages 3, or 2 without cu_seqlens — the
-# same two buffers per tile, _pass_stages —, up to ~200 KB of shared memory at K = 128); at
+# passes software-pipeline their per-chunk loads (num_stages: _pass_stages, up to ~200 KB of
+# shared memory at K = 128); at
 # K = 256 that would need ~400 KB, so they drop to one stage there. qk_gram runs
 # 2 warps since it contracts in key slices (profile-10, below: [16, 16] output blocks keep
 # few warps busy, and at 2 warps its 153 registers leave room for more programs per SM).
@@ -267,15 +267,27 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               at every chunk by the chunk's metadata — an indirect [K, BV] load and a select
 #               per chunk (ptxas, DeltaNet's fused pass: 64 shared loads and 32 selects of its
 #               1315-instruction step). Without that load Triton buffers deeper at 3 stages,
-#               too deep for shared memory, so these passes run 2 (_pass_stages). Bit-identical.
+#               too deep for shared memory for the fused pass: stages per pass below.
+#               Bit-identical.
 #               Profile-16 (H200, commit 73e44ca, benchmarks/results/profile-16/), the anchor:
 #               DeltaNet fused pass 0.283 -> 0.261 ms, twin 0.376 -> 0.336, op 1.42 -> 1.36;
 #               GDN fwd_pass 0.239 -> 0.212, twin 0.463 -> 0.393, op 1.95 -> 1.87. Default.
 #   state_pass.end_after_loop  with one_seq_init: the passes store the final state (dh0) once
 #               after their loop instead of under a per-chunk branch on the chunk's end
 #               (reset) flag, and read no metadata in the loop. SASS (sm_90, DeltaNet's
-#               backward fwd_pass at 2 stages): the loop's scalar LDG of the flag sat on the
-#               critical path before a branch at every step. Bit-identical.
+#               backward fwd_pass at 2 stages): the loop 392 -> 303 instructions, no scalar
+#               LDG of the flag before a branch at every step. Profile-17 (H200, anchor): no
+#               measurable change (DeltaNet op 1.30 either way). Bit-identical; default, as the
+#               simpler loop.
+#   state_pass.stages  pipeline stages of the one-sequence passes per pass (_pass_stages): at
+#               2 stages each step waits for its own loads, issued at the end of the step
+#               before. Profile-17 (H200, benchmarks/results/profile-17/), anchor: the twin
+#               pass 1 -> 2 stages DeltaNet 0.319 -> 0.240 ms (3: 0.275), GDN 0.394 -> 0.288,
+#               KDA 0.583 -> 0.418, DeltaNet at (4,4096,64,128) 2.26 -> 1.65; GDN's unfused
+#               forward pass 2 -> 3 stages 0.234 -> 0.174 (4: no faster for the recompute pass,
+#               0.116 -> 0.163). Op fwd+bwd: DeltaNet 1.30 -> 1.22, GDN 1.84 -> 1.70, KDA 4.23
+#               -> 4.05, DeltaNet (4,4096,64,128) 9.53 -> 8.92. Default {fwd 3, fused 2, bwd 2,
+#               twin 2}; the fused pass stays at 2 (3 would need 237 KB).
 #   rewy_intra.stacked_diag  intra's joint diagonal inverse on its n [16, 16] blocks stacked
 #               into one [n, 16, 16] value (blocks.inv_diags_stacked): each step's two
 #               reductions then run within a block, with no layout conversion — ptxas
@@ -316,7 +328,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_bwd_leaf.store_early": False, "rewy_intra.emit_P": (),
             "rewy_intra.stacked_diag": True, "state_pass.one_seq_init": True,
             "fwd_pass.split_kr": False, "state_pass.end_after_loop": True,
-            "state_pass.stages": {"fwd": 2, "fused": 2, "bwd": 2}}
+            "state_pass.stages": {"fwd": 3, "fused": 2, "bwd": 2, "twin": 2}}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -380,19 +392,22 @@ def parse_tune(text):
 
 def _pass_stages(s, which):
     """Software-pipeline stages of a state pass: ``which`` is "fwd" (the forward's unfused pass
-    and the backward's recomputing one), "fused" (the forward's pass with the output) or "bwd".
-    Triton's pipeliner issues step c + stages − 1's loads during step c and waits for step c's
-    at its start, so 2 stages leave each step's load latency exposed after the short tail of
-    the step before (SASS: ``DEPBAR.LE SB0, 0x0`` before the first product). Reading h0 / dfin
-    at every chunk (the per-sequence select of varlen calls) is an indirect load, and with it
-    Triton keeps two buffers per per-chunk tile at 3 stages, so those passes keep 3; the
-    one-sequence passes take DEFAULTS "state_pass.stages" — as many as shared memory holds
-    (ptxas, sm_90, K = 128, DeltaNet: the fused pass 164 KB at 2 stages, 237 KB at 3, over the
-    227 KB limit; the recompute pass 82 / 119 / 156 KB at 2 / 3 / 4; bwd_pass 127 / 184)."""
+    and the backward's recomputing one), "fused" (the forward's pass with the output), "bwd" or
+    "twin" (``twin_pass``). Triton's pipeliner issues step c + stages − 1's loads at the end of
+    step c and waits for step c's at its start, so at 2 stages each step's load latency is
+    exposed after only the short tail of the step before (SASS: ``DEPBAR.LE SB0, 0x0`` before
+    the first product; 0x3 at 3 stages). Reading h0 / dfin at every chunk (the per-sequence
+    select of varlen calls) is an indirect load, and with it Triton keeps two buffers per
+    per-chunk tile at 3 stages, so those passes keep 3 (the twin pass 1). The one-sequence
+    passes take DEFAULTS "state_pass.stages": as many as shared memory holds (ptxas, sm_90,
+    K = 128, DeltaNet: the fused pass 164 KB at 2 stages, 237 KB at 3 — over the 227 KB
+    limit; the recompute pass 82 / 119 / 156 KB at 2 / 3 / 4, bwd_pass 127 / 184 at 2 / 3, the
+    twin pass 29 / 123 / 180 KB at 1 / 2 / 3; GDN's unfused forward pass 115 / 156 at 2 / 3).
+    At K = 256 the buffers would need ~400 KB: one stage."""
     if s.K > 128:
         return 1
     if not (s.one_seq and setting("state_pass.one_seq_init")):
-        return 3
+        return 1 if which == "twin" else 3
     return setting("state_pass.stages")[which]
 
 
@@ -995,14 +1010,17 @@ def twin_pass(s: Shape, fwd_args, bwd_args, *, interpret, fwd_dtypes, bwd_dtypes
     def on_twin_grid(spec):  # (bh, v) -> (bh, v, which): both passes see their own blocks
         return pl.BlockSpec(spec.block_shape, lambda bh, v, which: spec.index_map(bh, v))
 
-    # One stage: two programs share an SM only if each keeps ≤ ~113 KB of shared memory, and
-    # the pipelined loads take 143 KB at K = 128 (ptxas, DeltaNet; 28 KB at one stage, 208
-    # registers at 4 warps: two programs fit). The other program hides the load latency.
+    # Stages (_pass_stages "twin"): at one (28 KB of shared memory, DeltaNet) two programs
+    # share an SM and each hides the other's load latency; one-sequence calls pipeline 2 deep
+    # instead (123 KB, one program per SM) — profile-17, DeltaNet at the anchor: twin_pass
+    # 0.319 -> 0.240 ms (3 stages: 0.275), at (4,4096,64,128) 2.26 -> 1.65; GDN 0.394 -> 0.288;
+    # KDA 0.583 -> 0.418.
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs, 2),
                  in_specs=[on_twin_grid(x) for x in specs_f + specs_b],
                  out_specs=[on_twin_grid(x) for x in out_f["out_specs"] + out_b["out_specs"]],
                  out_shape=out_f["out_shape"] + out_b["out_shape"], interpret=interpret,
-                 num_warps=WARPS["twin_pass"], name="rewy_twin_pass", num_stages=1,
+                 num_warps=WARPS["twin_pass"], name="rewy_twin_pass",
+                 num_stages=_pass_stages(s, "twin"),
                  tile_axis=1)(*ins_f, *ins_b)
 
 
