@@ -519,6 +519,36 @@ def test_interpret_split_kr(op, decay, kw, small_tiles, monkeypatch):
     assert not splits
 
 
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
+                                         ("gdn", "strong", {"policy": "save"}),
+                                         ("kda", "normal", {})])
+def test_interpret_forward_low_precision(op, decay, kw, small_tiles, monkeypatch):
+    """forward.low_precision ("W"): intra stores the forward's W in bf16 for the state pass —
+    W really is bf16 there, and with W S as one upcast product or split (fwd_pass.split_w) the
+    outputs agree with the fp32 W to bf16 rounding, and every output and gradient stays within
+    the bf16 thresholds (packed sequences, strong decays, both policies, all gate modes)."""
+    from pallas_kernels.gpu import kernels
+
+    inp, cts, kw = _bf16_case(op, decay, 59, kw)
+    w_dtypes = []
+    fwd_pass = kernels.fwd_pass
+    monkeypatch.setattr(kernels, "fwd_pass",
+                        lambda s, W, *a, **k: w_dtypes.append(W.dtype) or fwd_pass(s, W, *a, **k))
+    base = testing.run_op(op, inp, **kw)
+    assert w_dtypes[0] == jnp.float32
+    monkeypatch.setitem(kernels.TUNE, "forward.low_precision", ("W",))
+    for split in (False, True):
+        monkeypatch.setitem(kernels.TUNE, "fwd_pass.split_w", split)
+        jax.clear_caches()  # the settings are read when the kernels are traced
+        w_dtypes.clear()
+        run = testing.run_op(op, inp, **kw)
+        assert w_dtypes[0] == jnp.bfloat16, w_dtypes
+        for x, y in zip(run, base, strict=True):
+            assert _rel(x, y) < 1e-2, (_rel(x, y), op, split)
+        _check(testing.accuracy_report(op, inp, **kw))
+
+
 def test_stacked_blocks_and_inverse():
     """blocks.stack_blocks / unstack_blocks round-trip 1–8 blocks in order, and the stacked
     diagonal inverse equals the per-block one and inverts I + T (fp32, random strict T)."""

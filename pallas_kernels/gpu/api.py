@@ -113,7 +113,9 @@ def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True):
     output may be fused into the state pass (DEFAULTS "fwd_pass.fused_output", K ≤ 128), and
     W, S0, R then come back as None."""
     s = _shape(cfg, q, z, G, h0)
-    A, W, U, P = _intra(s, q, k, e, z, G, cfg.interpret)
+    low = kn.setting("forward.low_precision") if q.dtype in (jnp.bfloat16, jnp.float16) else ()
+    A, W, U, P = _intra(s, q, k, e, z, G, cfg.interpret,
+                        dtypes=tuple(q.dtype if n in low else F32 for n in ("W", "U")))
     # K = 256: the pass holds one pipeline stage there (kernels._pass_stages) and the fused form
     # measured slower (run h200-7: DeltaNet (8,2048,32,256) forward 12.2 -> 13.9 ms).
     if not keep_states and kn.fused_output(s.mode) and s.K <= 128:

@@ -310,6 +310,17 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               with spills 536 -> 88 B, GDN's 1990 -> 1582 with 548 -> 84 B; DeltaNet's fused
 #               pass (K = 128) loop 1206 -> 1153. Untimed on the GPU (the session's device time
 #               was spent): off until profiled (``profile_kernels.py`` variant splitkr).
+#   forward.low_precision  16-bit inputs: which of the forward's W, U (intra's outputs, read by
+#               its state pass) are stored in the input dtype instead of fp32, so that the
+#               fused pass holds 16 instead of 32 KB per pipeline stage for W at K = 128 and
+#               fits 3 stages: ptxas (sm_90, 4 warps, DeltaNet) 172 KB, 128 B of spills, loop
+#               1242 SASS, against 164 KB, 40 B, 1089 at 2 stages with fp32 W (237 KB at 3).
+#               Accuracy (benchmarks.interpret_accuracy, CPU, DeltaNet (1,512,16,128)): o
+#               3.39e-3 -> 3.76e-3 of 5e-3 with W in bf16, 3.94e-3 with U, 4.27e-3 with both;
+#               the final state 2.68e-3 -> 3.38e-3 (W). Off, untimed (profile variant fw16s3).
+#   fwd_pass.split_w  with a bf16 W in the forward: W S as W (S_hi + S_lo), two native bf16
+#               products (blocks.dot_split), instead of W upcast for a TF32 product. ptxas: the
+#               fused pass spills 456 B at 3 stages (244 at 2): off.
 #   rewy_qk_gram.exact_diag "outer"  (blocks.DIAG_METHODS) all pairs of a diagonal block at once:
 #               profile-9 with exp2, qk_gram 1.45 (loop) -> 1.53: slower, not the default.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
@@ -328,7 +339,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_bwd_leaf.store_early": False, "rewy_intra.emit_P": (),
             "rewy_intra.stacked_diag": True, "state_pass.one_seq_init": True,
             "fwd_pass.split_kr": False, "state_pass.end_after_loop": True,
-            "state_pass.stages": {"fwd": 3, "fused": 2, "bwd": 2, "twin": 2}}
+            "state_pass.stages": {"fwd": 3, "fused": 2, "bwd": 2, "twin": 2},
+            "forward.low_precision": (), "fwd_pass.split_w": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -762,6 +774,9 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
     # bf16, R not stored 16-bit (the backward's native passes already multiply in bf16)
     split_kr = (setting("fwd_pass.split_kr") and mode != "vector" and R_dt is None
                 and k.dtype == jnp.bfloat16)
+    # the forward's W stored in bf16 (DEFAULTS "forward.low_precision"): W S as W ⋅ (S_hi + S_lo)
+    # in two native products (DEFAULTS "fwd_pass.split_w"), else W upcast for one TF32 product
+    split_w = setting("fwd_pass.split_w") and S_dt is None and W.dtype == jnp.bfloat16
 
     def kernel(*refs):
         refs = list(refs)
@@ -785,8 +800,11 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
             base = c * C
             if not fused:
                 S0_ref[c] = S.astype(S0_ref.dtype)
-            R = load_rows(U_ref, base, C) - _pass_dot(  # W as stored when native
-                load_rows(W_ref, base, C, None if S_dt else F32), S, prec, S_dt)
+            if split_w:  # W as stored (16-bit), S in two bf16 parts: two native products
+                WS = dot_split(load_rows(W_ref, base, C, None), S, prec)
+            else:  # W as stored when native
+                WS = _pass_dot(load_rows(W_ref, base, C, None if S_dt else F32), S, prec, S_dt)
+            R = load_rows(U_ref, base, C) - WS
             Gc, gl = _chunk_decay(mode, G_ref, base, C)
             if fused:  # O = Qγ S0 + P R: off the recurrence's critical path
                 if given_P:
