@@ -845,6 +845,28 @@ def test_profile_script_runs_its_variants():
     assert profile_kernels.grad_gap(jax.tree_util.tree_map(lambda g: 2 * g, grads), grads) > 0.9
 
 
+def test_pass_stages():
+    """kernels._pass_stages: the one-sequence passes take DEFAULTS "state_pass.stages" (vector
+    gates' unfused forward pass its own entry), varlen calls 3 (the twin pass 1), K = 256 one;
+    and every profile variant that sets the stages names every pass."""
+    from pallas_kernels.gpu import kernels, profile_kernels
+
+    def stages(K, mode, one_seq, which):
+        return kernels._pass_stages(
+            kernels.Shape(1, 64, 1, K, K, 64, 2, mode, None, 64, one_seq=one_seq), which)
+
+    want = kernels.DEFAULTS["state_pass.stages"]
+    for which in ("fwd", "fused", "bwd", "twin"):
+        assert stages(128, "none", True, which) == want[which]
+        assert stages(128, "none", False, which) == (1 if which == "twin" else 3)
+        assert stages(256, "none", True, which) == 1
+    assert stages(128, "vector", True, "fwd") == want["fwd_vector"]
+    assert stages(128, "scalar", True, "fwd") == want["fwd"]
+    for name, (tune, *_) in profile_kernels.VARIANTS.items():
+        if "state_pass.stages" in tune:
+            assert set(tune["state_pass.stages"]) == set(want), name
+
+
 def test_parse_tune():
     """kernels.parse_tune: the tooling's key=value settings, and clear errors."""
     from pallas_kernels.gpu import kernels

@@ -287,7 +287,10 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               forward pass 2 -> 3 stages 0.234 -> 0.174 (4: no faster for the recompute pass,
 #               0.116 -> 0.163). Op fwd+bwd: DeltaNet 1.30 -> 1.22, GDN 1.84 -> 1.70, KDA 4.23
 #               -> 4.05, DeltaNet (4,4096,64,128) 9.53 -> 8.92. Default {fwd 3, fused 2, bwd 2,
-#               twin 2}; the fused pass stays at 2 (3 would need 237 KB).
+#               twin 2}; the fused pass stays at 2 (3 would need 237 KB), and so does the
+#               vector gates' unfused forward pass (policy save: 148 KB at 2, 222 KB with
+#               spills at 3 — untimed). fp32 inputs fit too (ptxas, DeltaNet: twin 131 KB,
+#               fused pass 164 KB at 2 stages).
 #   rewy_intra.stacked_diag  intra's joint diagonal inverse on its n [16, 16] blocks stacked
 #               into one [n, 16, 16] value (blocks.inv_diags_stacked): each step's two
 #               reductions then run within a block, with no layout conversion — ptxas
@@ -339,7 +342,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_bwd_leaf.store_early": False, "rewy_intra.emit_P": (),
             "rewy_intra.stacked_diag": True, "state_pass.one_seq_init": True,
             "fwd_pass.split_kr": False, "state_pass.end_after_loop": True,
-            "state_pass.stages": {"fwd": 3, "fused": 2, "bwd": 2, "twin": 2},
+            "state_pass.stages": {"fwd": 3, "fwd_vector": 2, "fused": 2, "bwd": 2,
+                                  "twin": 2},
             "forward.low_precision": (), "fwd_pass.split_w": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
@@ -420,6 +424,8 @@ def _pass_stages(s, which):
         return 1
     if not (s.one_seq and setting("state_pass.one_seq_init")):
         return 1 if which == "twin" else 3
+    if which == "fwd" and s.mode == "vector":  # its [C, K] gate rows: 222 KB at 3 (KDA, save)
+        which = "fwd_vector"
     return setting("state_pass.stages")[which]
 
 

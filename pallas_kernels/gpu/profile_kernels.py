@@ -26,6 +26,13 @@ from rewy_jax import testing
 
 F32 = jnp.float32
 
+
+
+def _stages(**kw):
+    """kernels.DEFAULTS "state_pass.stages" with some passes' stages replaced."""
+    return dict(kn.DEFAULTS["state_pass.stages"], **kw)
+
+
 # name -> (kernels.TUNE, api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK)
 VARIANTS = {
     "base": ({}, 64, None, None),
@@ -168,18 +175,24 @@ VARIANTS = {
     # before the step's first product)
     "twin2": ({"rewy_twin_pass.stages": 2}, 64, None, None),
     "apart3": ({"backward.twin_pass": False,
-                "state_pass.stages": {"fwd": 3, "fused": 2, "bwd": 3}}, 64, None, None),
+                "state_pass.stages": _stages(fwd=3, fwd_vector=2, fused=2, bwd=3)}, 64, None,
+               None),
     "apart4": ({"backward.twin_pass": False,
-                "state_pass.stages": {"fwd": 4, "fused": 2, "bwd": 3}}, 64, None, None),
-    "fwd3": ({"state_pass.stages": {"fwd": 3, "fused": 2, "bwd": 2}}, 64, None, None),
+                "state_pass.stages": _stages(fwd=4, fwd_vector=2, fused=2, bwd=3)}, 64, None,
+               None),
+    "fwd3": ({"state_pass.stages": _stages(fwd=3, fwd_vector=2, fused=2, bwd=2)}, 64, None,
+             None),
     "twin3fwd3": ({"rewy_twin_pass.stages": 3,
-                   "state_pass.stages": {"fwd": 3, "fused": 2, "bwd": 2}}, 64, None, None),
+                   "state_pass.stages": _stages(fwd=3, fwd_vector=2, fused=2, bwd=2)},
+                  64, None, None),
     "twin2fwd3": ({"rewy_twin_pass.stages": 2,
-                   "state_pass.stages": {"fwd": 3, "fused": 2, "bwd": 2}}, 64, None, None),
+                   "state_pass.stages": _stages(fwd=3, fwd_vector=2, fused=2, bwd=2)},
+                  64, None, None),
     # the forward's W in bf16 (forward.low_precision) so that its fused pass fits 3 stages
     # (ptxas, DeltaNet: 172 KB, 128 B spills; CPU accuracy o 3.39e-3 -> 3.76e-3 of 5e-3)
     "fw16s3": ({"forward.low_precision": ("W",),
-                "state_pass.stages": {"fwd": 3, "fused": 3, "bwd": 2, "twin": 2}}, 64, None, None),
+                "state_pass.stages": _stages(fwd=3, fwd_vector=2, fused=3, bwd=2, twin=2)},
+               64, None, None),
     "fw16": ({"forward.low_precision": ("W",)}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),

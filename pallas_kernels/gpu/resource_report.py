@@ -4,7 +4,7 @@ Two steps, because the lowering needs jax and the compile needs the Triton of th
 (triton 3.6, for Python 3.12 — the lent H200's version):
 
     # 1. lower the kernels of one op (fwd + bwd, bf16, B=2 T=4096 H=16) to Triton IR files
-    JAX_PLATFORMS=cpu PYTHONPATH=$PWD python pallas_kernels/gpu/resource_report.py dump kda /tmp/ttir [K=128] [backward=wy]
+    JAX_PLATFORMS=cpu PYTHONPATH=$PWD python pallas_kernels/gpu/resource_report.py dump kda /tmp/ttir [K=128] [backward=wy] [dtype=float32] [policy=save]
         [gate_lower_bound=-5] [tune.rewy_bwd_leaf.exact_diag=loop] [tune.rewy_bwd_leaf.rowgrid=false]
         [tune.backward.low_precision=S0,R,dS,dR,dRl,lam]
     # 2. compile them for sm_90 and print ptxas's report (in a venv with `pip install triton==3.6.0`)
@@ -61,7 +61,8 @@ def dump(op, outdir, *opts):
     if "gate_lower_bound" in kw:
         kw["gate_lower_bound"] = float(kw["gate_lower_bound"])
     os.makedirs(outdir, exist_ok=True)
-    inp = testing.make_inputs(op, 2, 4096, 16, K, K, dtype=jnp.bfloat16, initial_state=False)
+    dtype = jnp.dtype(kw.pop("dtype", "bfloat16"))  # dtype=float32: the fp32-input kernels
+    inp = testing.make_inputs(op, 2, 4096, 16, K, K, dtype=dtype, initial_state=False)
     names = list(inp)
     args = [inp[n] for n in names]
 
