@@ -549,6 +549,50 @@ def test_interpret_forward_low_precision(op, decay, kw, small_tiles, monkeypatch
         _check(testing.accuracy_report(op, inp, **kw))
 
 
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("mode", ["none", "scalar", "vector"])
+def test_interpret_wu_whole_chunk(mode, monkeypatch):
+    """rewy_wu.whole_chunk: the backward's W, U re-formed from the kept inverse as two
+    whole-chunk products agree with the row-block sums to fp32 rounding (strong decays: the
+    factors e^{G} stay ≤ 1), with A kept in fp32 or bf16, and the op's gradients stay within the
+    bf16 thresholds."""
+    from pallas_kernels.gpu import api, kernels
+
+    B, T, H, D, C = 1, 128, 2, 32, 64
+    ks = jax.random.split(jax.random.PRNGKey(5), 3)
+    k = (jax.random.normal(ks[0], (B, T, H, D)) / D ** 0.5).astype(jnp.bfloat16)
+    e = (0.7 * k.astype(jnp.float32)).astype(jnp.bfloat16)
+    z = jax.random.normal(ks[1], (B, T, H, D)).astype(jnp.bfloat16)
+    G = None
+    if mode != "none":
+        g = -jax.random.uniform(ks[2], (B, T, H) if mode == "scalar" else (B, T, H, D),
+                                jnp.float32, 0.01, 3.0)
+        G = api._cum_gates(g, C)
+    h0 = jnp.zeros((B, H, 2, D, D), jnp.float32)
+    s = api._shape(api.Config(C, "recompute", "rewy", True, 64, one_seq=True), k, z, G, h0)
+    calls = []
+    dot_stored = kernels.dot_stored
+    monkeypatch.setattr(kernels, "dot_stored",
+                        lambda *a, **kw: calls.append(a[0].shape) or dot_stored(*a, **kw))
+    for a_dtype in (jnp.float32, jnp.bfloat16):
+        A, W, U = kernels.intra(s, k, e, z, G, interpret=True, a_dtype=a_dtype)
+        runs = []
+        for whole in (False, True):
+            monkeypatch.setitem(kernels.TUNE, "rewy_wu.whole_chunk", whole)
+            calls.clear()
+            runs.append(kernels.intra(s, k, e, z, G, A=A, interpret=True))
+            assert ((C, C) in calls) == whole, calls  # the [C, C]·[C, ·] products ran
+        for x, y in zip(runs[1], runs[0], strict=True):
+            assert x.shape == y.shape and x.dtype == y.dtype
+            assert _rel(x, y) < 1e-6, (_rel(x, y), mode, a_dtype)
+        if a_dtype == jnp.float32:  # the forward's own W, U from the same inverse
+            assert _rel(runs[1][0], W) < 1e-6 and _rel(runs[1][1], U) < 1e-6
+    op = {"none": "deltanet", "scalar": "gdn", "vector": "kda"}[mode]
+    inp, _, kw = _bf16_case(op, "strong" if mode != "none" else "none", 61, {})
+    jax.clear_caches()
+    _check(testing.accuracy_report(op, inp, **kw))
+
+
 def test_stacked_blocks_and_inverse():
     """blocks.stack_blocks / unstack_blocks round-trip 1–8 blocks in order, and the stacked
     diagonal inverse equals the per-block one and inverts I + T (fp32, random strict T)."""

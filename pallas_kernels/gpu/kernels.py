@@ -324,6 +324,14 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #   fwd_pass.split_w  with a bf16 W in the forward: W S as W (S_hi + S_lo), two native bf16
 #               products (blocks.dot_split), instead of W upcast for a TF32 product. ptxas: the
 #               fused pass spills 456 B at 3 stages (244 at 2): off.
+#   rewy_wu.whole_chunk  the backward's W, U from the kept inverse (``intra`` given A) as two
+#               [C, C]·[C, ·] products — A's upper blocks are stored as zeros, and Ēγ = e^{G} ⊙ Ē
+#               with G from the chunk's start stays ≤ 1 — instead of 2·n(n+1)/2 [16, 16]·[16, ·]
+#               row-block products (FLA's recompute_w_u does the same: 0.040 ms against our
+#               wu's 0.10 at the anchor). ptxas (sm_90, 4 warps, K = 128): DeltaNet 1616 -> 312
+#               SASS (mma 160 -> 8 wgmma), 96 -> 128 registers, 4 -> 24 KB shared; GDN 2008 ->
+#               712; KDA 2432 -> 832 (140 -> 124 registers). Agrees with the row-block sums to
+#               fp32 rounding. Off, untimed (profile variant wuwhole).
 #   rewy_qk_gram.exact_diag "outer"  (blocks.DIAG_METHODS) all pairs of a diagonal block at once:
 #               profile-9 with exp2, qk_gram 1.45 (loop) -> 1.53: slower, not the default.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
@@ -344,7 +352,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "fwd_pass.split_kr": False, "state_pass.end_after_loop": True,
             "state_pass.stages": {"fwd": 3, "fwd_vector": 2, "fused": 2, "bwd": 2,
                                   "twin": 2},
-            "forward.low_precision": (), "fwd_pass.split_w": False}
+            "forward.low_precision": (), "fwd_pass.split_w": False,
+            "rewy_wu.whole_chunk": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -613,7 +622,16 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
                 A_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
                     A[i, j] if j <= i else jnp.zeros((BS, BS), F32)).astype(A_ref.dtype)
 
-        if given_A:
+        if given_A and setting("rewy_wu.whole_chunk"):
+            # (W, U) = (A·Ēγ, A·Z) as two [C, C]·[C, ·] products (A's upper blocks are stored
+            # as zeros); γ = e^{G} ≤ 1 with G from the chunk's start, so no factor overflows
+            e = e_ref[...]
+            if mode != "none":
+                d = exp(G_ref[...].astype(F32))
+                e = (d[:, None] if mode == "scalar" else d) * e.astype(F32)
+            W_ref[...] = dot_stored(M_ref[...], e, prec).astype(W_ref.dtype)
+            U_ref[...] = dot_stored(M_ref[...], z_ref[...], prec).astype(U_ref.dtype)
+        elif given_A:
             for i in range(n):
                 on_row(i, Blocks(M_ref))
         else:

@@ -194,6 +194,9 @@ VARIANTS = {
                 "state_pass.stages": _stages(fwd=3, fwd_vector=2, fused=3, bwd=2, twin=2)},
                64, None, None),
     "fw16": ({"forward.low_precision": ("W",)}, 64, None, None),
+    # the backward's W, U from the kept inverse as two whole-chunk products (ptxas, DeltaNet:
+    # 1616 -> 312 SASS, 160 mma -> 8 wgmma)
+    "wuwhole": ({"rewy_wu.whole_chunk": True}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
