@@ -593,6 +593,35 @@ def test_interpret_wu_whole_chunk(mode, monkeypatch):
     _check(testing.accuracy_report(op, inp, **kw))
 
 
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
+                                         ("gdn", "strong", {"policy": "save"}),
+                                         ("kda", "normal", {})])
+def test_interpret_split_wu(op, decay, kw, small_tiles, monkeypatch):
+    """rewy_intra.split_wu: the forward's intra forms only the inverse and a second launch W, U
+    (and the backward's bf16 copy of A) — the launches really split, the outputs and every
+    gradient agree with the one-launch intra to rounding and stay within the bf16 thresholds
+    (packed sequences, strong decays, both policies, all gate modes)."""
+    from pallas_kernels.gpu import kernels
+
+    inp, cts, kw = _bf16_case(op, decay, 67, kw)
+    launches = []
+    intra = kernels.intra
+    monkeypatch.setattr(kernels, "intra", lambda *a, **k: launches.append(
+        (k.get("wu", True), k.get("A") is not None)) or intra(*a, **k))
+    runs = []
+    for split in (False, True):
+        monkeypatch.setitem(kernels.TUNE, "rewy_intra.split_wu", split)
+        jax.clear_caches()  # the setting is read when the kernels are traced
+        launches.clear()
+        runs.append(testing.loss_and_grads(op, inp, cts, **kw))
+        assert ((False, False) in launches) == split, launches
+    for x, y in zip(jax.tree_util.tree_leaves(runs[1]), jax.tree_util.tree_leaves(runs[0]),
+                    strict=True):
+        assert _rel(x, y) < 1e-3, (_rel(x, y), op)
+    _check(testing.accuracy_report(op, inp, **kw))
+
+
 def test_stacked_blocks_and_inverse():
     """blocks.stack_blocks / unstack_blocks round-trip 1–8 blocks in order, and the stacked
     diagonal inverse equals the per-block one and inverts I + T (fp32, random strict T)."""

@@ -96,15 +96,24 @@ def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32)):
     gates where ``intra`` forms it — kernels.intra_forms_P —, else None); W, U stored in
     ``dtypes``; A (kept only for the backward) as ``_stored_dtypes`` says."""
     a_dtype = _stored_dtypes(q.dtype)["A"]
+    P = T = None
     if s.mode == "vector" and kn.setting("rewy_intra.gram_from_qk"):
         P, T = kn.qk_gram(s, q, k, G, e=e, interpret=interpret)
+    elif s.mode == "vector":
+        P = kn.qk_gram(s, q, k, G, interpret=interpret)
+    if kn.setting("rewy_intra.split_wu") and not kn.intra_forms_P(s.mode):
+        # the inverse alone (fp32, transient), then W, U and the kept copy of A from it
+        (A,) = kn.intra(s, k, e, z, G, T=T, interpret=interpret, wu=False)
+        W, U, A = kn.intra(s, k, e, z, G, A=A, interpret=interpret, dtypes=dtypes,
+                           a_copy=a_dtype, whole_chunk=True)
+        return A, W, U, P
+    if T is not None:
         return (*kn.intra(s, k, e, z, G, T=T, interpret=interpret, dtypes=dtypes,
                           a_dtype=a_dtype), P)
     if kn.intra_forms_P(s.mode):
         return tuple(kn.intra(s, k, e, z, G, interpret=interpret, dtypes=dtypes,
                               a_dtype=a_dtype, q=q))
     A, W, U = kn.intra(s, k, e, z, G, interpret=interpret, dtypes=dtypes, a_dtype=a_dtype)
-    P = kn.qk_gram(s, q, k, G, interpret=interpret) if s.mode == "vector" else None
     return A, W, U, P
 
 

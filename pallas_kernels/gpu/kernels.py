@@ -332,6 +332,14 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               SASS (mma 160 -> 8 wgmma), 96 -> 128 registers, 4 -> 24 KB shared; GDN 2008 ->
 #               712; KDA 2432 -> 832 (140 -> 124 registers). Agrees with the row-block sums to
 #               fp32 rounding. Off, untimed (profile variant wuwhole).
+#   rewy_intra.split_wu  the forward's intra forms only the inverse (in fp32, a transient of
+#               B·H·N·C² floats) and W, U come from a second launch of two whole-chunk products,
+#               which also casts A to the dtype the backward keeps. ptxas (sm_90, 4 warps,
+#               DeltaNet K = 128): intra without its 20 row-block W, U products 3118 -> 1526
+#               SASS (mma 272 -> 144), 178 -> 136 registers; the W, U launch (fp32 A, TF32
+#               products, and the bf16 copy of A) 832 SASS, 127 registers, 48 KB shared.
+#               Gradients agree to 1.1e-4 relative (interpret, bf16). Off, untimed (profile
+#               variant splitwu, which also times the two launches as intra_A and wu_fwd).
 #   rewy_qk_gram.exact_diag "outer"  (blocks.DIAG_METHODS) all pairs of a diagonal block at once:
 #               profile-9 with exp2, qk_gram 1.45 (loop) -> 1.53: slower, not the default.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
@@ -353,7 +361,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "state_pass.stages": {"fwd": 3, "fwd_vector": 2, "fused": 2, "bwd": 2,
                                   "twin": 2},
             "forward.low_precision": (), "fwd_pass.split_w": False,
-            "rewy_wu.whole_chunk": False}
+            "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -568,7 +576,7 @@ def _split(refs, mode, n_in):
 
 
 def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32), a_dtype=F32,
-          q=None):
+          q=None, wu=True, a_copy=None, whole_chunk=None):
     """A [B,H,N,C,C] (stored in ``a_dtype``), W [B,Tp,H,K], U [B,Tp,H,V] (in ``dtypes``), and
     with ``q`` given (no or scalar gates, DEFAULTS "rewy_intra.emit_P") P = tril(Qγ K̄ᵀ)
     [B,H,N,C,C] fp32: one [C, K]·[K, C] product per chunk here instead of one per value tile in
@@ -581,18 +589,28 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
     (vector gates, DEFAULTS "rewy_intra.gram_from_qk"); otherwise built here block by block.
     A: the inverse itself, saved by the forward (the ``recompute`` policy keeps the chunk
     matrices): then only (W, U) = (A·Ēγ, A·Z) are formed and returned — the backward's
-    recomputation without the Gram and the block substitution.
+    recomputation without the Gram and the block substitution — as row-block products or two
+    whole-chunk ones (``whole_chunk``; None: DEFAULTS "rewy_wu.whole_chunk"), and with
+    ``a_copy`` (a dtype; whole-chunk products only) also A cast to it, (W, U, A').
+    wu=False: the inverse only, (A,) — W, U left to a second call given A (DEFAULTS
+    "rewy_intra.split_wu").
     """
     n, C, prec, mode = s.n, s.C, s.prec, s.mode
     given_T, given_A, with_P = T is not None, A is not None, q is not None
     assert not (given_T and given_A), "intra takes T (to invert) or A (inverted), not both"
     assert not with_P or (mode != "vector" and not given_A), "P: no or scalar gates, forward"
+    whole = given_A and (setting("rewy_wu.whole_chunk") if whole_chunk is None else whole_chunk)
+    assert a_copy is None or whole, "a_copy: the whole-chunk W, U products (given A) only"
+    assert wu or not (given_A or with_P), "wu=False: the inverse alone"
 
     def kernel(*refs):
         refs = list(refs)
         M_ref = refs.pop(4 if mode != "none" else 3) if (given_T or given_A) else None
         q_ref = refs.pop(4 if mode != "none" else 3) if with_P else None
         P_ref = refs.pop() if with_P else None
+        Ac_ref = refs.pop() if a_copy is not None else None
+        if not wu:
+            refs += [None, None]  # W, U
         if given_A:
             k_ref, e_ref, z_ref, G_ref, W_ref, U_ref = _split(refs, mode, 4)
             A_ref = None
@@ -612,17 +630,18 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
                            x_ref=e_ref if gt.kslice else None)  # key slices need the ref
 
         def on_row(i, A):  # row block i of A is final: emit W_i, U_i (and A's row)
-            W_ref[pl.ds(i * BS, BS), :] = _sum(
-                dot(A[i, j], gt.head(j, es[j]), prec) for j in range(i + 1)).astype(W_ref.dtype)
-            U_ref[pl.ds(i * BS, BS), :] = _sum(
-                dot(A[i, j], zs[j], prec) for j in range(i + 1)).astype(U_ref.dtype)
+            if wu:
+                W_ref[pl.ds(i * BS, BS), :] = _sum(dot(A[i, j], gt.head(j, es[j]), prec)
+                                                   for j in range(i + 1)).astype(W_ref.dtype)
+                U_ref[pl.ds(i * BS, BS), :] = _sum(
+                    dot(A[i, j], zs[j], prec) for j in range(i + 1)).astype(U_ref.dtype)
             if A_ref is None:
                 return
             for j in range(n):
                 A_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
                     A[i, j] if j <= i else jnp.zeros((BS, BS), F32)).astype(A_ref.dtype)
 
-        if given_A and setting("rewy_wu.whole_chunk"):
+        if whole:
             # (W, U) = (A·Ēγ, A·Z) as two [C, C]·[C, ·] products (A's upper blocks are stored
             # as zeros); γ = e^{G} ≤ 1 with G from the chunk's start, so no factor overflows
             e = e_ref[...]
@@ -631,6 +650,8 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
                 e = (d[:, None] if mode == "scalar" else d) * e.astype(F32)
             W_ref[...] = dot_stored(M_ref[...], e, prec).astype(W_ref.dtype)
             U_ref[...] = dot_stored(M_ref[...], z_ref[...], prec).astype(U_ref.dtype)
+            if Ac_ref is not None:
+                Ac_ref[...] = M_ref[...].astype(Ac_ref.dtype)
         elif given_A:
             for i in range(n):
                 on_row(i, Blocks(M_ref))
@@ -649,11 +670,14 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
         [s.chunk_tok(s.K)] if with_P else [])
     mat = jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), a_dtype)
     mats, sds = ([], []) if given_A else ([s.chunk_mat(C, C)], [mat])
+    if wu:
+        mats, sds = mats + [s.chunk_tok(s.K), s.chunk_tok(s.V)], sds + [
+            s.sds_tok(s.K, dtypes[0]), s.sds_tok(s.V, dtypes[1])]
     P_out = ([s.chunk_mat(C, C)], [mat.update(dtype=F32)]) if with_P else ([], [])
+    if a_copy is not None:
+        P_out = ([s.chunk_mat(C, C)], [mat.update(dtype=a_copy)])
     out = _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
-                out_specs=mats + [s.chunk_tok(s.K), s.chunk_tok(s.V)] + P_out[0],
-                out_shape=sds + [s.sds_tok(s.K, dtypes[0]), s.sds_tok(s.V, dtypes[1])] + P_out[1],
-                interpret=interpret,
+                out_specs=mats + P_out[0], out_shape=sds + P_out[1], interpret=interpret,
                 num_warps=WARPS["intra"], name="rewy_wu" if given_A else "rewy_intra")(*ins)
     return tuple(out)
 

@@ -197,6 +197,9 @@ VARIANTS = {
     # the backward's W, U from the kept inverse as two whole-chunk products (ptxas, DeltaNet:
     # 1616 -> 312 SASS, 160 mma -> 8 wgmma)
     "wuwhole": ({"rewy_wu.whole_chunk": True}, 64, None, None),
+    # and the forward's intra split the same way: the inverse alone (fp32), then W, U (ptxas,
+    # DeltaNet: intra 3118 -> 1639 SASS)
+    "splitwu": ({"rewy_intra.split_wu": True, "rewy_wu.whole_chunk": True}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
@@ -287,6 +290,13 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
         f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it))
         rows["intra"] = _bench(f, k, e, z, G, Tg)
         A, W, U = f(k, e, z, G, Tg)
+    if kn.setting("rewy_intra.split_wu"):  # the forward's intra as the inverse + W, U launch
+        f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it, wu=False))
+        rows["intra_A"] = _bench(f, k, e, z, G, Tg)
+        (A32,) = f(k, e, z, G, Tg)
+        f = jax.jit(lambda k, e, z, G, A: kn.intra(s, k, e, z, G, A=A, interpret=it,
+                                                   a_copy=A.dtype, whole_chunk=True))
+        rows["wu_fwd"] = _bench(f, k, e, z, G, A32)
     sd = api._stored_dtypes(q.dtype)  # the backward's stored dtypes (backward.low_precision)
     f = jax.jit(lambda k, e, z, G, A: kn.intra(s, k, e, z, G, A=A, interpret=it,
                                                dtypes=(sd["W"], sd["U"])))
