@@ -552,10 +552,11 @@ def test_interpret_forward_low_precision(op, decay, kw, small_tiles, monkeypatch
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("mode", ["none", "scalar", "vector"])
 def test_interpret_wu_whole_chunk(mode, monkeypatch):
-    """rewy_wu.whole_chunk: the backward's W, U re-formed from the kept inverse as two
-    whole-chunk products agree with the row-block sums to fp32 rounding (strong decays: the
-    factors e^{G} stay ≤ 1), with A kept in fp32 or bf16, and the op's gradients stay within the
-    bf16 thresholds."""
+    """kernels.wu (DEFAULTS "rewy_wu.whole_chunk"): W, U re-formed from the kept inverse as two
+    whole-chunk products agree with intra's row-block sums to fp32 rounding (strong decays: the
+    factors e^{G} stay ≤ 1), with A kept in fp32 or bf16, its copy in another dtype is A cast;
+    the backward takes it under the setting, and the op's gradients stay within the bf16
+    thresholds."""
     from pallas_kernels.gpu import api, kernels
 
     B, T, H, D, C = 1, 128, 2, 32, 64
@@ -570,27 +571,26 @@ def test_interpret_wu_whole_chunk(mode, monkeypatch):
         G = api._cum_gates(g, C)
     h0 = jnp.zeros((B, H, 2, D, D), jnp.float32)
     s = api._shape(api.Config(C, "recompute", "rewy", True, 64, one_seq=True), k, z, G, h0)
-    calls = []
-    dot_stored = kernels.dot_stored
-    monkeypatch.setattr(kernels, "dot_stored",
-                        lambda *a, **kw: calls.append(a[0].shape) or dot_stored(*a, **kw))
     for a_dtype in (jnp.float32, jnp.bfloat16):
         A, W, U = kernels.intra(s, k, e, z, G, interpret=True, a_dtype=a_dtype)
-        runs = []
-        for whole in (False, True):
-            monkeypatch.setitem(kernels.TUNE, "rewy_wu.whole_chunk", whole)
-            calls.clear()
-            runs.append(kernels.intra(s, k, e, z, G, A=A, interpret=True))
-            assert ((C, C) in calls) == whole, calls  # the [C, C]·[C, ·] products ran
-        for x, y in zip(runs[1], runs[0], strict=True):
+        rows = kernels.intra(s, k, e, z, G, A=A, interpret=True)
+        whole = kernels.wu(s, k, e, z, G, A, interpret=True, a_copy=jnp.float16)
+        for x, y in zip(whole[:2], rows, strict=True):
             assert x.shape == y.shape and x.dtype == y.dtype
             assert _rel(x, y) < 1e-6, (_rel(x, y), mode, a_dtype)
+        assert whole[2].dtype == jnp.float16
+        np.testing.assert_array_equal(np.asarray(whole[2]), np.asarray(A.astype(jnp.float16)))
         if a_dtype == jnp.float32:  # the forward's own W, U from the same inverse
-            assert _rel(runs[1][0], W) < 1e-6 and _rel(runs[1][1], U) < 1e-6
+            assert _rel(whole[0], W) < 1e-6 and _rel(whole[1], U) < 1e-6
+    calls = []
+    wu = kernels.wu
+    monkeypatch.setattr(kernels, "wu", lambda *a, **kw: calls.append(1) or wu(*a, **kw))
+    monkeypatch.setitem(kernels.TUNE, "rewy_wu.whole_chunk", True)
     op = {"none": "deltanet", "scalar": "gdn", "vector": "kda"}[mode]
     inp, _, kw = _bf16_case(op, "strong" if mode != "none" else "none", 61, {})
     jax.clear_caches()
     _check(testing.accuracy_report(op, inp, **kw))
+    assert calls  # the backward's W, U came from kernels.wu
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
@@ -606,16 +606,20 @@ def test_interpret_split_wu(op, decay, kw, small_tiles, monkeypatch):
 
     inp, cts, kw = _bf16_case(op, decay, 67, kw)
     launches = []
-    intra = kernels.intra
+    intra, wu = kernels.intra, kernels.wu
     monkeypatch.setattr(kernels, "intra", lambda *a, **k: launches.append(
-        (k.get("wu", True), k.get("A") is not None)) or intra(*a, **k))
+        "A" if k.get("wu", True) is False else "rows" if k.get("A") is not None else "intra")
+        or intra(*a, **k))
+    monkeypatch.setattr(kernels, "wu", lambda *a, **k: launches.append(
+        "wu" if k.get("a_copy") is None else "wu+A") or wu(*a, **k))
     runs = []
     for split in (False, True):
         monkeypatch.setitem(kernels.TUNE, "rewy_intra.split_wu", split)
         jax.clear_caches()  # the setting is read when the kernels are traced
         launches.clear()
         runs.append(testing.loss_and_grads(op, inp, cts, **kw))
-        assert ((False, False) in launches) == split, launches
+        assert ({"A", "wu+A"} <= set(launches)) == split, launches
+        assert ("intra" in launches) != split, launches
     for x, y in zip(jax.tree_util.tree_leaves(runs[1]), jax.tree_util.tree_leaves(runs[0]),
                     strict=True):
         assert _rel(x, y) < 1e-3, (_rel(x, y), op)

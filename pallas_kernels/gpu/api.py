@@ -104,8 +104,7 @@ def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32)):
     if kn.setting("rewy_intra.split_wu") and not kn.intra_forms_P(s.mode):
         # the inverse alone (fp32, transient), then W, U and the kept copy of A from it
         (A,) = kn.intra(s, k, e, z, G, T=T, interpret=interpret, wu=False)
-        W, U, A = kn.intra(s, k, e, z, G, A=A, interpret=interpret, dtypes=dtypes,
-                           a_copy=a_dtype, whole_chunk=True)
+        W, U, A = kn.wu(s, k, e, z, G, A, interpret=interpret, dtypes=dtypes, a_copy=a_dtype)
         return A, W, U, P
     if T is not None:
         return (*kn.intra(s, k, e, z, G, T=T, interpret=interpret, dtypes=dtypes,
@@ -115,6 +114,14 @@ def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32)):
                               a_dtype=a_dtype, q=q))
     A, W, U = kn.intra(s, k, e, z, G, interpret=interpret, dtypes=dtypes, a_dtype=a_dtype)
     return A, W, U, P
+
+
+def _wu(s, k, e, z, G, A, interpret, dtypes):
+    """(W, U) from the kept inverse A: whole-chunk products (DEFAULTS "rewy_wu.whole_chunk") or
+    intra's row blocks."""
+    if kn.setting("rewy_wu.whole_chunk"):
+        return kn.wu(s, k, e, z, G, A, interpret=interpret, dtypes=dtypes)
+    return kn.intra(s, k, e, z, G, A=A, interpret=interpret, dtypes=dtypes)
 
 
 def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True):
@@ -186,7 +193,7 @@ def _bwd(cfg, res, cts):
             A, W, U, P = _intra(s, q, k, e, z, G, it, dtypes=(sd["W"], sd["U"]))
         else:
             A, P = saved
-            W, U = kn.intra(s, k, e, z, G, A=A, interpret=it, dtypes=(sd["W"], sd["U"]))
+            W, U = _wu(s, k, e, z, G, A, it, (sd["W"], sd["U"]))
         fwd_args = (W, U, k, G, h0, reset, end, seq)
         if not twin:
             S0, R, _ = kn.fwd_pass(s, *fwd_args, interpret=it, dtypes=(sd["S0"], sd["R"]))

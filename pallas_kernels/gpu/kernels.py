@@ -7,6 +7,8 @@ cumsum, ``[B, Tp, H]`` (scalar), ``[B, Tp, H, K]`` (vector) or None.
 
     intra      grid (N, B·H)      T (decay-gram), A = (I+T)⁻¹, W = AĒ, U = AZ; given a kept A
                                   (policy "recompute", in the backward): W, U only ("rewy_wu")
+    wu         grid (N, B·H)      W = AĒγ, U = AZ from A as two whole-chunk products ("rewy_wu";
+                                  DEFAULTS "rewy_wu.whole_chunk", "rewy_intra.split_wu")
     qk_gram    grid (N, B·H)      vector gates only: P = tril(Qγ K̄ᵀ) (output, bwd_local read it)
     fwd_pass   grid (B·H, V/BV)   loop over chunks: S0, R = U − W S0, S ← γ_C S0 + K_tailᵀ R
     output     grid (N, B·H)      O = Qγ S0 + P R
@@ -324,11 +326,11 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #   fwd_pass.split_w  with a bf16 W in the forward: W S as W (S_hi + S_lo), two native bf16
 #               products (blocks.dot_split), instead of W upcast for a TF32 product. ptxas: the
 #               fused pass spills 456 B at 3 stages (244 at 2): off.
-#   rewy_wu.whole_chunk  the backward's W, U from the kept inverse (``intra`` given A) as two
-#               [C, C]·[C, ·] products — A's upper blocks are stored as zeros, and Ēγ = e^{G} ⊙ Ē
-#               with G from the chunk's start stays ≤ 1 — instead of 2·n(n+1)/2 [16, 16]·[16, ·]
-#               row-block products (FLA's recompute_w_u does the same: 0.040 ms against our
-#               wu's 0.10 at the anchor). ptxas (sm_90, 4 warps, K = 128): DeltaNet 1616 -> 312
+#   rewy_wu.whole_chunk  the backward's W, U from the kept inverse by ``wu``: two [C, C]·[C, ·]
+#               products — A's upper blocks are stored as zeros, and Ēγ = e^{G} ⊙ Ē with G from
+#               the chunk's start stays ≤ 1 — instead of ``intra`` given A, 2·n(n+1)/2
+#               [16, 16]·[16, ·] row-block products (FLA's recompute_w_u does the same: 0.040
+#               ms against our wu's 0.10 at the anchor). ptxas (sm_90, 4 warps, K = 128): DeltaNet 1616 -> 312
 #               SASS (mma 160 -> 8 wgmma), 96 -> 128 registers, 4 -> 24 KB shared; GDN 2008 ->
 #               712; KDA 2432 -> 832 (140 -> 124 registers). Agrees with the row-block sums to
 #               fp32 rounding. Off, untimed (profile variant wuwhole).
@@ -576,7 +578,7 @@ def _split(refs, mode, n_in):
 
 
 def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32), a_dtype=F32,
-          q=None, wu=True, a_copy=None, whole_chunk=None):
+          q=None, wu=True):
     """A [B,H,N,C,C] (stored in ``a_dtype``), W [B,Tp,H,K], U [B,Tp,H,V] (in ``dtypes``), and
     with ``q`` given (no or scalar gates, DEFAULTS "rewy_intra.emit_P") P = tril(Qγ K̄ᵀ)
     [B,H,N,C,C] fp32: one [C, K]·[K, C] product per chunk here instead of one per value tile in
@@ -589,18 +591,14 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
     (vector gates, DEFAULTS "rewy_intra.gram_from_qk"); otherwise built here block by block.
     A: the inverse itself, saved by the forward (the ``recompute`` policy keeps the chunk
     matrices): then only (W, U) = (A·Ēγ, A·Z) are formed and returned — the backward's
-    recomputation without the Gram and the block substitution — as row-block products or two
-    whole-chunk ones (``whole_chunk``; None: DEFAULTS "rewy_wu.whole_chunk"), and with
-    ``a_copy`` (a dtype; whole-chunk products only) also A cast to it, (W, U, A').
-    wu=False: the inverse only, (A,) — W, U left to a second call given A (DEFAULTS
-    "rewy_intra.split_wu").
+    recomputation without the Gram and the block substitution, as row-block products (``wu``
+    below forms them as two whole-chunk products instead).
+    wu=False: the inverse only, (A,) — W, U left to ``wu`` (DEFAULTS "rewy_intra.split_wu").
     """
     n, C, prec, mode = s.n, s.C, s.prec, s.mode
     given_T, given_A, with_P = T is not None, A is not None, q is not None
     assert not (given_T and given_A), "intra takes T (to invert) or A (inverted), not both"
     assert not with_P or (mode != "vector" and not given_A), "P: no or scalar gates, forward"
-    whole = given_A and (setting("rewy_wu.whole_chunk") if whole_chunk is None else whole_chunk)
-    assert a_copy is None or whole, "a_copy: the whole-chunk W, U products (given A) only"
     assert wu or not (given_A or with_P), "wu=False: the inverse alone"
 
     def kernel(*refs):
@@ -608,7 +606,6 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
         M_ref = refs.pop(4 if mode != "none" else 3) if (given_T or given_A) else None
         q_ref = refs.pop(4 if mode != "none" else 3) if with_P else None
         P_ref = refs.pop() if with_P else None
-        Ac_ref = refs.pop() if a_copy is not None else None
         if not wu:
             refs += [None, None]  # W, U
         if given_A:
@@ -641,18 +638,7 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
                 A_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)] = (
                     A[i, j] if j <= i else jnp.zeros((BS, BS), F32)).astype(A_ref.dtype)
 
-        if whole:
-            # (W, U) = (A·Ēγ, A·Z) as two [C, C]·[C, ·] products (A's upper blocks are stored
-            # as zeros); γ = e^{G} ≤ 1 with G from the chunk's start, so no factor overflows
-            e = e_ref[...]
-            if mode != "none":
-                d = exp(G_ref[...].astype(F32))
-                e = (d[:, None] if mode == "scalar" else d) * e.astype(F32)
-            W_ref[...] = dot_stored(M_ref[...], e, prec).astype(W_ref.dtype)
-            U_ref[...] = dot_stored(M_ref[...], z_ref[...], prec).astype(U_ref.dtype)
-            if Ac_ref is not None:
-                Ac_ref[...] = M_ref[...].astype(Ac_ref.dtype)
-        elif given_A:
+        if given_A:
             for i in range(n):
                 on_row(i, Blocks(M_ref))
         else:
@@ -674,12 +660,44 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
         mats, sds = mats + [s.chunk_tok(s.K), s.chunk_tok(s.V)], sds + [
             s.sds_tok(s.K, dtypes[0]), s.sds_tok(s.V, dtypes[1])]
     P_out = ([s.chunk_mat(C, C)], [mat.update(dtype=F32)]) if with_P else ([], [])
-    if a_copy is not None:
-        P_out = ([s.chunk_mat(C, C)], [mat.update(dtype=a_copy)])
     out = _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
                 out_specs=mats + P_out[0], out_shape=sds + P_out[1], interpret=interpret,
                 num_warps=WARPS["intra"], name="rewy_wu" if given_A else "rewy_intra")(*ins)
     return tuple(out)
+
+
+def wu(s: Shape, k, e, z, G, A, *, interpret, dtypes=(F32, F32), a_copy=None):
+    """(W, U) = (A·Ēγ, A·Z), [B,Tp,H,K] and [B,Tp,H,V] in ``dtypes``, from the inverse A
+    [B,H,N,C,C] as two [C, C]·[C, ·] products per chunk (grid (N, B·H)) — A's upper blocks are
+    stored as zeros, and γ = e^{G} with G from the chunk's start stays ≤ 1, so no factor
+    overflows. With ``a_copy`` (a dtype) also A cast to it: (W, U, A').
+
+    The whole-chunk form of ``intra`` given A (20 row-block products at C = 64): DEFAULTS
+    "rewy_wu.whole_chunk" for the backward's W, U, and "rewy_intra.split_wu" for the forward's.
+    """
+    C, prec, mode = s.C, s.prec, s.mode
+
+    def kernel(*refs):
+        k_ref, e_ref, z_ref, G_ref, A_ref, W_ref, U_ref, *Ac_ref = _split(refs, mode, 4)
+        A = A_ref[...]
+        e = e_ref[...]
+        if mode != "none":
+            d = exp(G_ref[...].astype(F32))
+            e = (d[:, None] if mode == "scalar" else d) * e.astype(F32)
+        W_ref[...] = dot_stored(A, e, prec).astype(W_ref.dtype)
+        U_ref[...] = dot_stored(A, z_ref[...], prec).astype(U_ref.dtype)
+        if Ac_ref:
+            Ac_ref[0][...] = A.astype(Ac_ref[0].dtype)
+
+    copy = ([s.chunk_mat(C, C)], [jax.ShapeDtypeStruct(A.shape, a_copy)]) if a_copy else ([], [])
+    return tuple(_call(
+        kernel, grid=(s.N, s.B * s.H),
+        in_specs=[s.chunk_tok(s.K), s.chunk_tok(s.K), s.chunk_tok(s.V)] + (
+            [] if mode == "none" else [s.chunk_gate()]) + [s.chunk_mat(C, C)],
+        out_specs=[s.chunk_tok(s.K), s.chunk_tok(s.V)] + copy[0],
+        out_shape=[s.sds_tok(s.K, dtypes[0]), s.sds_tok(s.V, dtypes[1])] + copy[1],
+        interpret=interpret, num_warps=WARPS["intra"], name="rewy_wu")(
+            k, e, z, *([] if mode == "none" else [G]), A))
 
 
 def qk_gram(s: Shape, q, k, G, *, interpret, e=None):

@@ -294,12 +294,11 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
         f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it, wu=False))
         rows["intra_A"] = _bench(f, k, e, z, G, Tg)
         (A32,) = f(k, e, z, G, Tg)
-        f = jax.jit(lambda k, e, z, G, A: kn.intra(s, k, e, z, G, A=A, interpret=it,
-                                                   a_copy=A.dtype, whole_chunk=True))
+        f = jax.jit(lambda k, e, z, G, A: kn.wu(s, k, e, z, G, A, interpret=it,
+                                                a_copy=jnp.bfloat16))
         rows["wu_fwd"] = _bench(f, k, e, z, G, A32)
     sd = api._stored_dtypes(q.dtype)  # the backward's stored dtypes (backward.low_precision)
-    f = jax.jit(lambda k, e, z, G, A: kn.intra(s, k, e, z, G, A=A, interpret=it,
-                                               dtypes=(sd["W"], sd["U"])))
+    f = jax.jit(lambda k, e, z, G, A: api._wu(s, k, e, z, G, A, it, (sd["W"], sd["U"])))
     rows["wu"] = _bench(f, k, e, z, G, A)  # the backward's W, U from the kept A
     Wb, Ub = f(k, e, z, G, A)
     f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=it))
