@@ -330,16 +330,16 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               products — A's upper blocks are stored as zeros, and Ēγ = e^{G} ⊙ Ē with G from
 #               the chunk's start stays ≤ 1 — instead of ``intra`` given A, 2·n(n+1)/2
 #               [16, 16]·[16, ·] row-block products (FLA's recompute_w_u does the same: 0.040
-#               ms against our wu's 0.10 at the anchor). ptxas (sm_90, 4 warps, K = 128): DeltaNet 1616 -> 312
-#               SASS (mma 160 -> 8 wgmma), 96 -> 128 registers, 4 -> 24 KB shared; GDN 2008 ->
-#               712; KDA 2432 -> 832 (140 -> 124 registers). Agrees with the row-block sums to
+#               ms against our wu's 0.10 at the anchor). ptxas (sm_90, 4 warps, K = 128): DeltaNet 1616 -> 304
+#               SASS (mma 160 -> 8 wgmma), 96 -> 114 registers, 4 -> 24 KB shared; GDN 2008 ->
+#               712; KDA 2432 -> 832 (140 -> 122 registers). Agrees with the row-block sums to
 #               fp32 rounding. Off, untimed (profile variant wuwhole).
 #   rewy_intra.split_wu  the forward's intra forms only the inverse (in fp32, a transient of
 #               B·H·N·C² floats) and W, U come from a second launch of two whole-chunk products,
 #               which also casts A to the dtype the backward keeps. ptxas (sm_90, 4 warps,
 #               DeltaNet K = 128): intra without its 20 row-block W, U products 3118 -> 1526
 #               SASS (mma 272 -> 144), 178 -> 136 registers; the W, U launch (fp32 A, TF32
-#               products, and the bf16 copy of A) 832 SASS, 127 registers, 48 KB shared.
+#               products, and the bf16 copy of A) 808 SASS, 142 registers, 48 KB shared.
 #               Gradients agree to 1.1e-4 relative (interpret, bf16). Off, untimed (profile
 #               variant splitwu, which also times the two launches as intra_A and wu_fwd).
 #   rewy_qk_gram.exact_diag "outer"  (blocks.DIAG_METHODS) all pairs of a diagonal block at once:

@@ -194,8 +194,8 @@ VARIANTS = {
                 "state_pass.stages": _stages(fwd=3, fwd_vector=2, fused=3, bwd=2, twin=2)},
                64, None, None),
     "fw16": ({"forward.low_precision": ("W",)}, 64, None, None),
-    # the backward's W, U from the kept inverse as two whole-chunk products (ptxas, DeltaNet:
-    # 1616 -> 312 SASS, 160 mma -> 8 wgmma)
+    # the backward's W, U from the kept inverse as two whole-chunk products (kernels.wu; ptxas,
+    # DeltaNet: 1616 -> 304 SASS, 160 mma -> 8 wgmma)
     "wuwhole": ({"rewy_wu.whole_chunk": True}, 64, None, None),
     # and the forward's intra split the same way: the inverse alone (fp32), then W, U (ptxas,
     # DeltaNet: intra 3118 -> 1639 SASS)
