@@ -94,7 +94,8 @@ def _shape(cfg, q, v, G, h0):
 def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32)):
     """(A, W, U, P): P is the gated query-key matrix [B,H,N,C,C] (vector gates, and no or scalar
     gates where ``intra`` forms it — kernels.intra_forms_P —, else None); W, U stored in
-    ``dtypes``; A (kept only for the backward) as ``_stored_dtypes`` says."""
+    ``dtypes``; A (kept only for the backward) as ``_stored_dtypes`` says. One intra launch,
+    or two under DEFAULTS "rewy_intra.split_wu": the inverse alone, then ``kernels.wu``."""
     a_dtype = _stored_dtypes(q.dtype)["A"]
     P = T = None
     if s.mode == "vector" and kn.setting("rewy_intra.gram_from_qk"):
