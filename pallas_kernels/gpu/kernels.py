@@ -866,11 +866,12 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
             base = c * C
             if not fused:
                 S0_ref[c] = S.astype(S0_ref.dtype)
+            Uc = load_rows(U_ref, base, C)
             if split_w:  # W as stored (16-bit), S in two bf16 parts: two native products
-                WS = dot_split(load_rows(W_ref, base, C, None), S, prec)
+                R = Uc - dot_split(load_rows(W_ref, base, C, None), S, prec)
             else:  # W as stored when native
-                WS = _pass_dot(load_rows(W_ref, base, C, None if S_dt else F32), S, prec, S_dt)
-            R = load_rows(U_ref, base, C) - WS
+                R = Uc - _pass_dot(load_rows(W_ref, base, C, None if S_dt else F32), S, prec,
+                                   S_dt)
             Gc, gl = _chunk_decay(mode, G_ref, base, C)
             if fused:  # O = Qγ S0 + P R: off the recurrence's critical path
                 if given_P:
