@@ -200,6 +200,10 @@ VARIANTS = {
     # and the forward's intra split the same way: the inverse alone (fp32), then W, U (ptxas,
     # DeltaNet: intra 3118 -> 1639 SASS)
     "splitwu": ({"rewy_intra.split_wu": True, "rewy_wu.whole_chunk": True}, 64, None, None),
+    # all three: W bf16 with the fused pass at 3 stages, intra split, the whole-chunk W, U
+    "fw16s3split": ({"forward.low_precision": ("W",),
+                     "state_pass.stages": _stages(fused=3),
+                     "rewy_intra.split_wu": True, "rewy_wu.whole_chunk": True}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
