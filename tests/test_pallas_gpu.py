@@ -524,10 +524,11 @@ def test_interpret_split_kr(op, decay, kw, small_tiles, monkeypatch):
                                          ("gdn", "strong", {"policy": "save"}),
                                          ("kda", "normal", {})])
 def test_interpret_forward_low_precision(op, decay, kw, small_tiles, monkeypatch):
-    """forward.low_precision ("W"): intra stores the forward's W in bf16 for the state pass —
-    W really is bf16 there, and with W S as one upcast product or split (fwd_pass.split_w) the
-    outputs agree with the fp32 W to bf16 rounding, and every output and gradient stays within
-    the bf16 thresholds (packed sequences, strong decays, both policies, all gate modes)."""
+    """forward.low_precision ("W", the default): intra stores the forward's W in bf16 for the
+    state pass — W really is bf16 there (fp32 when the setting is empty), and with W S as one
+    upcast product or split (fwd_pass.split_w) the outputs agree with the fp32 W to bf16
+    rounding, and every output and gradient stays within the bf16 thresholds (packed sequences,
+    strong decays, both policies, all gate modes)."""
     from pallas_kernels.gpu import kernels
 
     inp, cts, kw = _bf16_case(op, decay, 59, kw)
@@ -535,6 +536,7 @@ def test_interpret_forward_low_precision(op, decay, kw, small_tiles, monkeypatch
     fwd_pass = kernels.fwd_pass
     monkeypatch.setattr(kernels, "fwd_pass",
                         lambda s, W, *a, **k: w_dtypes.append(W.dtype) or fwd_pass(s, W, *a, **k))
+    monkeypatch.setitem(kernels.TUNE, "forward.low_precision", ())
     base = testing.run_op(op, inp, **kw)
     assert w_dtypes[0] == jnp.float32
     monkeypatch.setitem(kernels.TUNE, "forward.low_precision", ("W",))
@@ -924,8 +926,9 @@ def test_profile_script_runs_its_variants():
 
 def test_pass_stages():
     """kernels._pass_stages: the one-sequence passes take DEFAULTS "state_pass.stages" (vector
-    gates' unfused forward pass its own entry), varlen calls 3 (the twin pass 1), K = 256 one;
-    and every profile variant that sets the stages names every pass."""
+    gates' unfused forward pass its own entry; the fused pass at most 2 with an fp32 W), varlen
+    calls 3 (the twin pass 1), K = 256 one; and every profile variant that sets the stages names
+    every pass."""
     from pallas_kernels.gpu import kernels, profile_kernels
 
     def stages(K, mode, one_seq, which):
@@ -939,6 +942,9 @@ def test_pass_stages():
         assert stages(256, "none", True, which) == 1
     assert stages(128, "vector", True, "fwd") == want["fwd_vector"]
     assert stages(128, "scalar", True, "fwd") == want["fwd"]
+    assert stages(128, "none", True, "fused_w32") == min(want["fused"], 2)
+    assert stages(128, "none", False, "fused_w32") == 3
+    assert stages(256, "none", True, "fused_w32") == 1
     for name, (tune, *_) in profile_kernels.VARIANTS.items():
         if "state_pass.stages" in tune:
             assert set(tune["state_pass.stages"]) == set(want), name

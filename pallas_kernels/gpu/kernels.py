@@ -322,7 +322,10 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               1242 SASS, against 164 KB, 40 B, 1089 at 2 stages with fp32 W (237 KB at 3).
 #               Accuracy (benchmarks.interpret_accuracy, CPU, DeltaNet (1,512,16,128)): o
 #               3.39e-3 -> 3.76e-3 of 5e-3 with W in bf16, 3.94e-3 with U, 4.27e-3 with both;
-#               the final state 2.68e-3 -> 3.38e-3 (W). Off, untimed (profile variant fw16s3).
+#               the final state 2.68e-3 -> 3.38e-3 (W). Default ("W") since profile-18 (H200,
+#               anchor): DeltaNet fused pass 0.263 -> 0.203 ms, fwd+bwd through the op 1.22 ->
+#               1.15; KDA fused pass 0.52 -> 0.42 (with the splits below), op 4.00 -> 3.85. W in
+#               bf16 at 2 stages alone gains nothing (0.263): the gain is the third stage.
 #   fwd_pass.split_w  with a bf16 W in the forward: W S as W (S_hi + S_lo), two native bf16
 #               products (blocks.dot_split), instead of W upcast for a TF32 product. ptxas: the
 #               fused pass spills 456 B at 3 stages (244 at 2): off.
@@ -333,15 +336,17 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               ms against our wu's 0.10 at the anchor). ptxas (sm_90, 4 warps, K = 128): DeltaNet 1616 -> 304
 #               SASS (mma 160 -> 8 wgmma), 96 -> 114 registers, 4 -> 24 KB shared; GDN 2008 ->
 #               712; KDA 2432 -> 832 (140 -> 122 registers). Agrees with the row-block sums to
-#               fp32 rounding. Off, untimed (profile variant wuwhole).
+#               fp32 rounding. Off: profile-18 (H200, anchor) wu 0.103 -> 0.118 ms (DeltaNet),
+#               0.112 -> 0.122 (GDN) — slower, for all its fewer instructions.
 #   rewy_intra.split_wu  the forward's intra forms only the inverse (in fp32, a transient of
 #               B·H·N·C² floats) and W, U come from a second launch of two whole-chunk products,
 #               which also casts A to the dtype the backward keeps. ptxas (sm_90, 4 warps,
 #               DeltaNet K = 128): intra without its 20 row-block W, U products 3118 -> 1526
 #               SASS (mma 272 -> 144), 178 -> 136 registers; the W, U launch (fp32 A, TF32
 #               products, and the bf16 copy of A) 808 SASS, 142 registers, 48 KB shared.
-#               Gradients agree to 1.1e-4 relative (interpret, bf16). Off, untimed (profile
-#               variant splitwu, which also times the two launches as intra_A and wu_fwd).
+#               Gradients agree to 1.1e-4 relative (interpret, bf16). Off: profile-18 (H200,
+#               anchor) DeltaNet intra 0.22 ms -> 0.137 + 0.135 for the two launches, GDN 0.236
+#               -> 0.151 + 0.134 — slower.
 #   rewy_qk_gram.exact_diag "outer"  (blocks.DIAG_METHODS) all pairs of a diagonal block at once:
 #               profile-9 with exp2, qk_gram 1.45 (loop) -> 1.53: slower, not the default.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
@@ -360,9 +365,9 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_bwd_leaf.store_early": False, "rewy_intra.emit_P": (),
             "rewy_intra.stacked_diag": True, "state_pass.one_seq_init": True,
             "fwd_pass.split_kr": False, "state_pass.end_after_loop": True,
-            "state_pass.stages": {"fwd": 3, "fwd_vector": 2, "fused": 2, "bwd": 2,
+            "state_pass.stages": {"fwd": 3, "fwd_vector": 2, "fused": 3, "bwd": 2,
                                   "twin": 2},
-            "forward.low_precision": (), "fwd_pass.split_w": False,
+            "forward.low_precision": ("W",), "fwd_pass.split_w": False,
             "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
@@ -438,14 +443,19 @@ def _pass_stages(s, which):
     K = 128, DeltaNet: the fused pass 164 KB at 2 stages, 237 KB at 3 — over the 227 KB
     limit; the recompute pass 82 / 119 / 156 KB at 2 / 3 / 4, bwd_pass 127 / 184 at 2 / 3, the
     twin pass 29 / 123 / 180 KB at 1 / 2 / 3; GDN's unfused forward pass 115 / 156 at 2 / 3).
-    At K = 256 the buffers would need ~400 KB: one stage."""
+    At K = 256 the buffers would need ~400 KB: one stage. "fused_w32": the fused pass reading an
+    fp32 W (fp32 inputs, or "W" not in DEFAULTS "forward.low_precision"), at most 2 stages; the
+    fused pass at 3 holds 172 KB with W in bf16 (profile-18: 0.263 -> 0.203 ms, DeltaNet)."""
     if s.K > 128:
         return 1
+    w32 = which == "fused_w32"
+    which = "fused" if w32 else which
     if not (s.one_seq and setting("state_pass.one_seq_init")):
         return 1 if which == "twin" else 3
     if which == "fwd" and s.mode == "vector":  # its [C, K] gate rows: 222 KB at 3 (KDA, save)
         which = "fwd_vector"
-    return setting("state_pass.stages")[which]
+    stages = setting("state_pass.stages")[which]
+    return min(stages, 2) if w32 else stages
 
 
 class Shape:
@@ -822,7 +832,8 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
                                                      dtypes, out)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
-                 num_stages=_pass_stages(s, "fwd" if out is None else "fused"),
+                 num_stages=_pass_stages(s, "fwd" if out is None else
+                                         "fused" if W.dtype != F32 else "fused_w32"),
                  tile_axis=1)(*ins)
 
 

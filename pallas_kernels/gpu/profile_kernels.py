@@ -193,7 +193,11 @@ VARIANTS = {
     "fw16s3": ({"forward.low_precision": ("W",),
                 "state_pass.stages": _stages(fwd=3, fwd_vector=2, fused=3, bwd=2, twin=2)},
                64, None, None),
-    "fw16": ({"forward.low_precision": ("W",)}, 64, None, None),
+    "fw16": ({"forward.low_precision": ("W",), "state_pass.stages": _stages(fused=2)},
+             64, None, None),
+    # (profile-18: fw16s3 the default since; fw16, W bf16 at 2 stages, gains nothing.) The
+    # forward's W in fp32 again, which caps the fused pass at 2 stages (the former default)
+    "fw32": ({"forward.low_precision": ()}, 64, None, None),
     # the backward's W, U from the kept inverse as two whole-chunk products (kernels.wu; ptxas,
     # DeltaNet: 1616 -> 304 SASS, 160 mma -> 8 wgmma)
     "wuwhole": ({"rewy_wu.whole_chunk": True}, 64, None, None),
@@ -202,7 +206,7 @@ VARIANTS = {
     "splitwu": ({"rewy_intra.split_wu": True, "rewy_wu.whole_chunk": True}, 64, None, None),
     # all three: W bf16 with the fused pass at 3 stages, intra split, the whole-chunk W, U
     "fw16s3split": ({"forward.low_precision": ("W",),
-                     "state_pass.stages": _stages(fused=3),
+                     "state_pass.stages": _stages(fused=3),  # profile-18: slower than fw16s3
                      "rewy_intra.split_wu": True, "rewy_wu.whole_chunk": True}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
