@@ -939,12 +939,19 @@ def test_pass_stages():
     for which in ("fwd", "fused", "bwd", "twin"):
         assert stages(128, "none", True, which) == want[which]
         assert stages(128, "none", False, which) == (1 if which == "twin" else 3)
-        assert stages(256, "none", True, which) == 1
     assert stages(128, "vector", True, "fwd") == want["fwd_vector"]
     assert stages(128, "scalar", True, "fwd") == want["fwd"]
     assert stages(128, "none", True, "fused_w32") == min(want["fused"], 2)
     assert stages(128, "none", False, "fused_w32") == 3
     assert stages(256, "none", True, "fused_w32") == 1
+    # K = 256: one stage unless "state_pass.wide_stages" names the pass (one-sequence calls)
+    wide = kernels.DEFAULTS["state_pass.wide_stages"]
+    for which in ("fwd", "recompute", "bwd"):
+        assert stages(256, "none", True, which) == wide.get(which, 1)
+        assert stages(256, "none", False, which) == 1
+    # the recomputing pass takes the forward's unfused-pass entry at K ≤ 128
+    assert stages(128, "none", True, "recompute") == want["fwd"]
+    assert stages(128, "vector", True, "recompute") == want["fwd_vector"]
     for name, (tune, *_) in profile_kernels.VARIANTS.items():
         if "state_pass.stages" in tune:
             assert set(tune["state_pass.stages"]) == set(want), name

@@ -367,6 +367,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "fwd_pass.split_kr": False, "state_pass.end_after_loop": True,
             "state_pass.stages": {"fwd": 3, "fwd_vector": 2, "fused": 3, "bwd": 2,
                                   "twin": 2},
+            "state_pass.wide_stages": {"recompute": 1},
             "forward.low_precision": ("W",), "fwd_pass.split_w": False,
             "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
@@ -443,14 +444,22 @@ def _pass_stages(s, which):
     K = 128, DeltaNet: the fused pass 164 KB at 2 stages, 237 KB at 3 — over the 227 KB
     limit; the recompute pass 82 / 119 / 156 KB at 2 / 3 / 4, bwd_pass 127 / 184 at 2 / 3, the
     twin pass 29 / 123 / 180 KB at 1 / 2 / 3; GDN's unfused forward pass 115 / 156 at 2 / 3).
-    At K = 256 the buffers would need ~400 KB: one stage. "fused_w32": the fused pass reading an
-    fp32 W (fp32 inputs, or "W" not in DEFAULTS "forward.low_precision"), at most 2 stages; the
-    fused pass at 3 holds 172 KB with W in bf16 (profile-18: 0.263 -> 0.203 ms, DeltaNet)."""
+    "fused_w32": the fused pass reading an fp32 W (fp32 inputs, or "W" not in DEFAULTS
+    "forward.low_precision"), at most 2 stages; the fused pass at 3 holds 172 KB with W in bf16
+    (profile-18: 0.263 -> 0.203 ms, DeltaNet). "recompute": the backward's recomputing pass
+    with native bf16 products (``_native_pass_dots``), "fwd" at K ≤ 128.
+
+    K = 256: one stage (the forward's pass already spills 424 B at one, 760 at two; bwd_pass
+    needs 233 KB at two), except the one-sequence passes DEFAULTS "state_pass.wide_stages"
+    names — the recomputing pass, whose native products hold 190 registers and no spills:
+    ptxas (DeltaNet, 4 warps) 49 / 155 / 225 KB at 1 / 2 / 3 stages."""
+    one_seq = s.one_seq and setting("state_pass.one_seq_init")
     if s.K > 128:
-        return 1
+        return setting("state_pass.wide_stages").get(which, 1) if one_seq else 1
+    which = "fwd" if which == "recompute" else which
     w32 = which == "fused_w32"
     which = "fused" if w32 else which
-    if not (s.one_seq and setting("state_pass.one_seq_init")):
+    if not one_seq:
         return 1 if which == "twin" else 3
     if which == "fwd" and s.mode == "vector":  # its [C, K] gate rows: 222 KB at 3 (KDA, save)
         which = "fwd_vector"
@@ -832,8 +841,9 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
                                                      dtypes, out)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
-                 num_stages=_pass_stages(s, "fwd" if out is None else
-                                         "fused" if W.dtype != F32 else "fused_w32"),
+                 num_stages=_pass_stages(
+                     s, ("recompute" if _native_pass_dots(dtypes) else "fwd") if out is None
+                     else "fused" if W.dtype != F32 else "fused_w32"),
                  tile_axis=1)(*ins)
 
 

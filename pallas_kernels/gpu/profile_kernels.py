@@ -208,6 +208,12 @@ VARIANTS = {
     "fw16s3split": ({"forward.low_precision": ("W",),
                      "state_pass.stages": _stages(fused=3),  # profile-18: slower than fw16s3
                      "rewy_intra.split_wu": True, "rewy_wu.whole_chunk": True}, 64, None, None),
+    # K = 256: the backward's recomputing pass (native bf16 products) pipelined 2 or 3 deep
+    # (ptxas: DeltaNet 155 / 225 KB, no spills; GDN 107 KB at 2, spills at 3; KDA 173 KB at 2),
+    # and the forward's unfused pass at 2 as well (it spills 424 B at 1 stage, 760 at 2)
+    "wide2": ({"state_pass.wide_stages": {"recompute": 2}}, 64, None, None),
+    "wide3": ({"state_pass.wide_stages": {"recompute": 3}}, 64, None, None),
+    "wide2f2": ({"state_pass.wide_stages": {"recompute": 2, "fwd": 2}}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
