@@ -125,21 +125,44 @@ def _wu(s, k, e, z, G, A, interpret, dtypes):
     return kn.intra(s, k, e, z, G, A=A, interpret=interpret, dtypes=dtypes)
 
 
+FORWARD_LOW_PRECISION_NAMES = ("W", "U", "S0", "R")
+
+
+def _forward_dtypes(dtype, K):
+    """name -> dtype in which the forward stores W, U (intra's outputs, read by the state pass)
+    and S0, R (the unfused pass's outputs, read by the output kernel and, under policy save, the
+    backward): for 16-bit inputs the names in DEFAULTS "forward.low_precision", plus at K > 128
+    those in "forward.low_precision_wide", in 16 bits — W, U in the input dtype, S0, R in bf16
+    (its range holds any state) —, the rest in fp32. S0 and R both 16-bit make the pass
+    multiply natively in bf16 (kernels._native_pass_dots), as the backward's passes do."""
+    names = tuple(kn.setting("forward.low_precision"))
+    if K > 128:
+        names += tuple(kn.setting("forward.low_precision_wide"))
+    unknown = set(names) - set(FORWARD_LOW_PRECISION_NAMES)
+    if unknown:
+        raise ValueError(f"forward.low_precision(_wide): unknown names {sorted(unknown)}; "
+                         f"expected some of {FORWARD_LOW_PRECISION_NAMES}")
+    if jnp.dtype(dtype).itemsize >= 4:
+        names = ()
+    return {n: (F32 if n not in names else dtype if n in ("W", "U") else jnp.bfloat16)
+            for n in FORWARD_LOW_PRECISION_NAMES}
+
+
 def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True):
     """(o, final, (A, W, S0, R, P)); without ``keep_states`` (nothing will read S0 and R) the
     output may be fused into the state pass (DEFAULTS "fwd_pass.fused_output", K ≤ 128), and
     W, S0, R then come back as None."""
     s = _shape(cfg, q, z, G, h0)
-    low = kn.setting("forward.low_precision") if q.dtype in (jnp.bfloat16, jnp.float16) else ()
-    A, W, U, P = _intra(s, q, k, e, z, G, cfg.interpret,
-                        dtypes=tuple(q.dtype if n in low else F32 for n in ("W", "U")))
+    fd = _forward_dtypes(q.dtype, s.K)
+    A, W, U, P = _intra(s, q, k, e, z, G, cfg.interpret, dtypes=(fd["W"], fd["U"]))
     # K = 256: the pass holds one pipeline stage there (kernels._pass_stages) and the fused form
     # measured slower (run h200-7: DeltaNet (8,2048,32,256) forward 12.2 -> 13.9 ms).
     if not keep_states and kn.fused_output(s.mode) and s.K <= 128:
         o, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret,
                                out=(q, P, z.dtype))
         return o, final, (A, None, None, None, P)
-    S0, R, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret)
+    S0, R, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret,
+                               dtypes=(fd["S0"], fd["R"]))
     o = kn.output(s, q, k, G, S0, R, P, z.dtype, interpret=cfg.interpret)
     return o, final, (A, W, S0, R, P)
 

@@ -326,6 +326,14 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               anchor): DeltaNet fused pass 0.263 -> 0.203 ms, fwd+bwd through the op 1.22 ->
 #               1.15; KDA fused pass 0.52 -> 0.42 (with the splits below), op 4.00 -> 3.85. W in
 #               bf16 at 2 stages alone gains nothing (0.263): the gain is the third stage.
+#   forward.low_precision_wide  names added to "forward.low_precision" at K > 128 (where the
+#               forward's pass is unfused): ("S0", "R") stores the pass's chunk-start states and
+#               residuals in bf16 for the output kernel, and the pass then multiplies natively
+#               in bf16 like the backward's recomputing pass (FLA's chunk_fwd_h stores h in
+#               bf16 too). At (8,2048,32,256) (profile-18, DeltaNet) the forward's pass took 3.14
+#               ms against the recomputing pass's 1.53 — TF32 products of an upcast W, 424 B of
+#               spills (ptxas), fp32 S0 (2.1 GB written, then read by the 2.6-ms output kernel).
+#               Off, untimed (profile variant fwide).
 #   fwd_pass.split_w  with a bf16 W in the forward: W S as W (S_hi + S_lo), two native bf16
 #               products (blocks.dot_split), instead of W upcast for a TF32 product. ptxas: the
 #               fused pass spills 456 B at 3 stages (244 at 2): off.
@@ -365,10 +373,11 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_bwd_leaf.store_early": False, "rewy_intra.emit_P": (),
             "rewy_intra.stacked_diag": True, "state_pass.one_seq_init": True,
             "fwd_pass.split_kr": False, "state_pass.end_after_loop": True,
-            "state_pass.stages": {"fwd": 3, "fwd_vector": 2, "fused": 3, "bwd": 2,
-                                  "twin": 2},
-            "state_pass.wide_stages": {"recompute": 1},
-            "forward.low_precision": ("W",), "fwd_pass.split_w": False,
+            "state_pass.stages": {"fwd": 3, "fwd_vector": 2, "fused": 3, "fused_w32": 2,
+                                  "bwd": 2, "twin": 2},
+            "state_pass.wide_stages": {"native": 1},
+            "forward.low_precision": ("W",), "forward.low_precision_wide": (),
+            "fwd_pass.split_w": False,
             "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
@@ -445,26 +454,26 @@ def _pass_stages(s, which):
     limit; the recompute pass 82 / 119 / 156 KB at 2 / 3 / 4, bwd_pass 127 / 184 at 2 / 3, the
     twin pass 29 / 123 / 180 KB at 1 / 2 / 3; GDN's unfused forward pass 115 / 156 at 2 / 3).
     "fused_w32": the fused pass reading an fp32 W (fp32 inputs, or "W" not in DEFAULTS
-    "forward.low_precision"), at most 2 stages; the fused pass at 3 holds 172 KB with W in bf16
-    (profile-18: 0.263 -> 0.203 ms, DeltaNet). "recompute": the backward's recomputing pass
-    with native bf16 products (``_native_pass_dots``), "fwd" at K ≤ 128.
+    "forward.low_precision"), 2 stages by ptxas's count above; the fused pass at 3 holds 172 KB
+    with W in bf16 (profile-18: 0.263 -> 0.203 ms, DeltaNet — but that row was fed an fp32 W at
+    3 stages, and ran: to be re-timed, profile variant fw32s3). "native": an unfused forward pass with native
+    bf16 products (``_native_pass_dots``: the backward's recomputing one, or the forward's
+    under "forward.low_precision_wide"), "fwd" at K ≤ 128.
 
     K = 256: one stage (the forward's pass already spills 424 B at one, 760 at two; bwd_pass
     needs 233 KB at two), except the one-sequence passes DEFAULTS "state_pass.wide_stages"
-    names — the recomputing pass, whose native products hold 190 registers and no spills:
-    ptxas (DeltaNet, 4 warps) 49 / 155 / 225 KB at 1 / 2 / 3 stages."""
+    names — the native pass holds 190 registers and no spills: ptxas (DeltaNet, 4 warps) 49 /
+    155 / 225 KB at 1 / 2 / 3 stages; profile-18: the recomputing pass 1.53 ms at one stage,
+    1.61 at two (8,2048,32,256), so one."""
     one_seq = s.one_seq and setting("state_pass.one_seq_init")
     if s.K > 128:
         return setting("state_pass.wide_stages").get(which, 1) if one_seq else 1
-    which = "fwd" if which == "recompute" else which
-    w32 = which == "fused_w32"
-    which = "fused" if w32 else which
+    which = "fwd" if which == "native" else which
     if not one_seq:
         return 1 if which == "twin" else 3
     if which == "fwd" and s.mode == "vector":  # its [C, K] gate rows: 222 KB at 3 (KDA, save)
         which = "fwd_vector"
-    stages = setting("state_pass.stages")[which]
-    return min(stages, 2) if w32 else stages
+    return setting("state_pass.stages")[which]
 
 
 class Shape:
@@ -814,7 +823,8 @@ def _qg(mode, Gc, qc):
 def _native_pass_dots(dtypes):
     """Whether a state pass multiplies its carried state and per-chunk tensor in the 16-bit
     dtype they are stored in (DEFAULTS "backward.native_pass_dots"): only where both are stored
-    16-bit — the backward's passes under "backward.low_precision" —, never the forward's."""
+    16-bit — the backward's passes under "backward.low_precision", the forward's unfused pass
+    where "forward.low_precision(_wide)" names S0 and R."""
     return bool(setting("backward.native_pass_dots")) and all(d != F32 for d in dtypes)
 
 
@@ -842,7 +852,7 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
                  num_stages=_pass_stages(
-                     s, ("recompute" if _native_pass_dots(dtypes) else "fwd") if out is None
+                     s, ("native" if _native_pass_dots(dtypes) else "fwd") if out is None
                      else "fused" if W.dtype != F32 else "fused_w32"),
                  tile_axis=1)(*ins)
 

@@ -198,6 +198,16 @@ VARIANTS = {
     # (profile-18: fw16s3 the default since; fw16, W bf16 at 2 stages, gains nothing.) The
     # forward's W in fp32 again, which caps the fused pass at 2 stages (the former default)
     "fw32": ({"forward.low_precision": ()}, 64, None, None),
+    # the forward's W in fp32 with the fused pass at 3 stages anyway: profile-18's fw16s3 row
+    # of fwd_pass_fused (0.203 ms) was fed intra's default fp32 W at 3 stages, and ran (ptxas
+    # counts 237 KB of shared memory for it): if this matches the default, W can stay fp32
+    "fw32s3": ({"forward.low_precision": (), "state_pass.stages": _stages(fused_w32=3)},
+               64, None, None),
+    # K = 256: the forward's unfused pass storing S0, R in bf16 and multiplying natively
+    # (forward.low_precision_wide), alone or with k's conversion split off (fwd_pass.split_kr)
+    "fwide": ({"forward.low_precision_wide": ("S0", "R")}, 64, None, None),
+    "fwidekr": ({"forward.low_precision_wide": ("S0", "R"), "fwd_pass.split_kr": True},
+                64, None, None),
     # the backward's W, U from the kept inverse as two whole-chunk products (kernels.wu; ptxas,
     # DeltaNet: 1616 -> 304 SASS, 160 mma -> 8 wgmma)
     "wuwhole": ({"rewy_wu.whole_chunk": True}, 64, None, None),
@@ -211,9 +221,9 @@ VARIANTS = {
     # K = 256: the backward's recomputing pass (native bf16 products) pipelined 2 or 3 deep
     # (ptxas: DeltaNet 155 / 225 KB, no spills; GDN 107 KB at 2, spills at 3; KDA 173 KB at 2),
     # and the forward's unfused pass at 2 as well (it spills 424 B at 1 stage, 760 at 2)
-    "wide2": ({"state_pass.wide_stages": {"recompute": 2}}, 64, None, None),
-    "wide3": ({"state_pass.wide_stages": {"recompute": 3}}, 64, None, None),
-    "wide2f2": ({"state_pass.wide_stages": {"recompute": 2, "fwd": 2}}, 64, None, None),
+    "wide2": ({"state_pass.wide_stages": {"native": 2}}, 64, None, None),
+    "wide3": ({"state_pass.wide_stages": {"native": 3}}, 64, None, None),
+    "wide2f2": ({"state_pass.wide_stages": {"native": 2, "fwd": 2}}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
@@ -296,26 +306,33 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
         f = jax.jit(lambda q, k, G: kn.qk_gram(s, q, k, G, interpret=it))
         rows["qk_gram"] = _bench(f, q, k, G)
         P = f(q, k, G)
+    # the forward's stored dtypes (forward.low_precision): W, U as intra stores them for the
+    # state pass, S0, R as the unfused pass stores them for the output
+    fd = api._forward_dtypes(q.dtype, D)
+    wu_dt = (fd["W"], fd["U"])
     if kn.intra_forms_P(mode):  # intra forms P too (no or scalar gates)
-        f = jax.jit(lambda k, e, z, G, q: kn.intra(s, k, e, z, G, q=q, interpret=it))
+        f = jax.jit(lambda k, e, z, G, q: kn.intra(s, k, e, z, G, q=q, interpret=it,
+                                                   dtypes=wu_dt))
         rows["intra"] = _bench(f, k, e, z, G, q)
         A, W, U, P = f(k, e, z, G, q)
     else:
-        f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it))
+        f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it,
+                                                    dtypes=wu_dt))
         rows["intra"] = _bench(f, k, e, z, G, Tg)
         A, W, U = f(k, e, z, G, Tg)
     if kn.setting("rewy_intra.split_wu"):  # the forward's intra as the inverse + W, U launch
         f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it, wu=False))
         rows["intra_A"] = _bench(f, k, e, z, G, Tg)
         (A32,) = f(k, e, z, G, Tg)
-        f = jax.jit(lambda k, e, z, G, A: kn.wu(s, k, e, z, G, A, interpret=it,
+        f = jax.jit(lambda k, e, z, G, A: kn.wu(s, k, e, z, G, A, interpret=it, dtypes=wu_dt,
                                                 a_copy=jnp.bfloat16))
         rows["wu_fwd"] = _bench(f, k, e, z, G, A32)
     sd = api._stored_dtypes(q.dtype)  # the backward's stored dtypes (backward.low_precision)
     f = jax.jit(lambda k, e, z, G, A: api._wu(s, k, e, z, G, A, it, (sd["W"], sd["U"])))
     rows["wu"] = _bench(f, k, e, z, G, A)  # the backward's W, U from the kept A
     Wb, Ub = f(k, e, z, G, A)
-    f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=it))
+    f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq,
+                                                   interpret=it, dtypes=(fd["S0"], fd["R"])))
     rows["fwd_pass"] = _bench(f, W, U, k, G, h0)
     S0, R, fin = f(W, U, k, G, h0)
     f = jax.jit(lambda q, k, G, S0, R, P: kn.output(s, q, k, G, S0, R, P, jnp.bfloat16,
