@@ -134,7 +134,8 @@ def _forward_dtypes(dtype, K):
     backward): for 16-bit inputs the names in DEFAULTS "forward.low_precision", plus at K > 128
     those in "forward.low_precision_wide", in 16 bits — W, U in the input dtype, S0, R in bf16
     (its range holds any state) —, the rest in fp32. S0 and R both 16-bit make the pass
-    multiply natively in bf16 (kernels._native_pass_dots), as the backward's passes do."""
+    multiply natively in bf16 (kernels._native_pass_dots; DEFAULTS
+    "forward.native_pass_dots"), as the backward's passes do."""
     names = tuple(kn.setting("forward.low_precision"))
     if K > 128:
         names += tuple(kn.setting("forward.low_precision_wide"))
@@ -162,7 +163,7 @@ def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True):
                                out=(q, P, z.dtype))
         return o, final, (A, None, None, None, P)
     S0, R, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret,
-                               dtypes=(fd["S0"], fd["R"]))
+                               dtypes=(fd["S0"], fd["R"]), forward=True)
     o = kn.output(s, q, k, G, S0, R, P, z.dtype, interpret=cfg.interpret)
     return o, final, (A, W, S0, R, P)
 

@@ -333,7 +333,13 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               bf16 too). At (8,2048,32,256) (profile-18, DeltaNet) the forward's pass took 3.14
 #               ms against the recomputing pass's 1.53 — TF32 products of an upcast W, 424 B of
 #               spills (ptxas), fp32 S0 (2.1 GB written, then read by the 2.6-ms output kernel).
-#               Off, untimed (profile variant fwide).
+#               Off, untimed (profile variant fwide). CPU accuracy (benchmarks.
+#               interpret_accuracy deltanet 32 256, the benchmark's shape (1,512,32,256)): o
+#               3.02e-3 -> 4.21e-3 of 5e-3, final state 2.88e-3 -> 4.12e-3 (FLA on the H200
+#               there: 4.66e-3, 4.57e-3); gradients unchanged.
+#   forward.native_pass_dots  whether the forward's pass multiplies natively when S0, R are
+#               stored 16-bit (as "backward.native_pass_dots" for the backward's passes);
+#               False keeps the TF32 products and only halves the bytes (variant fwides).
 #   fwd_pass.split_w  with a bf16 W in the forward: W S as W (S_hi + S_lo), two native bf16
 #               products (blocks.dot_split), instead of W upcast for a TF32 product. ptxas: the
 #               fused pass spills 456 B at 3 stages (244 at 2): off.
@@ -377,6 +383,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
                                   "bwd": 2, "twin": 2},
             "state_pass.wide_stages": {"native": 1},
             "forward.low_precision": ("W",), "forward.low_precision_wide": (),
+            "forward.native_pass_dots": True,
             "fwd_pass.split_w": False,
             "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
@@ -820,12 +827,14 @@ def _qg(mode, Gc, qc):
     return (d[:, None] if mode == "scalar" else d) * qc
 
 
-def _native_pass_dots(dtypes):
+def _native_pass_dots(dtypes, forward=False):
     """Whether a state pass multiplies its carried state and per-chunk tensor in the 16-bit
-    dtype they are stored in (DEFAULTS "backward.native_pass_dots"): only where both are stored
-    16-bit — the backward's passes under "backward.low_precision", the forward's unfused pass
-    where "forward.low_precision(_wide)" names S0 and R."""
-    return bool(setting("backward.native_pass_dots")) and all(d != F32 for d in dtypes)
+    dtype they are stored in (DEFAULTS "backward.native_pass_dots", or for the ``forward``'s
+    unfused pass "forward.native_pass_dots"): only where both are stored 16-bit — the
+    backward's passes under "backward.low_precision", the forward's pass where
+    "forward.low_precision(_wide)" names S0 and R."""
+    key = "forward.native_pass_dots" if forward else "backward.native_pass_dots"
+    return bool(setting(key)) and all(d != F32 for d in dtypes)
 
 
 def _pass_dot(a, b, prec, dtype, ta=False):
@@ -837,9 +846,10 @@ def _pass_dot(a, b, prec, dtype, ta=False):
 
 
 def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F32, F32),
-             out=None):
+             out=None, forward=False):
     """S0 [B,H,N,K,V], R [B,Tp,H,V] (stored in ``dtypes``; the pass itself carries S in fp32),
-    final [B,H,n_seq1,K,V] (fp32).
+    final [B,H,n_seq1,K,V] (fp32). ``forward``: the forward's pass (not the backward's
+    recomputing one), for ``_native_pass_dots``.
 
     out = (q, P, out_dtype): the output fused into the pass instead — O = Qγ S0 + P R per chunk
     and value tile while S0 and R are in registers — returning (o [B,Tp,H,V], final) and
@@ -847,17 +857,18 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
     [B,H,N,C,C] matrix of ``qk_gram`` (vector gates) or ``intra`` (``intra_forms_P``), or None
     (rebuilt per chunk and value tile, as in ``output``).
     """
+    native = _native_pass_dots(dtypes, forward)
     kernel, ins, in_specs, outputs = _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq,
-                                                     dtypes, out)
+                                                     dtypes, out, native)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
                  num_stages=_pass_stages(
-                     s, ("native" if _native_pass_dots(dtypes) else "fwd") if out is None
+                     s, ("native" if native else "fwd") if out is None
                      else "fused" if W.dtype != F32 else "fused_w32"),
                  tile_axis=1)(*ins)
 
 
-def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
+def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native):
     """``fwd_pass``'s (kernel, inputs, in_specs, outputs) on the grid (B·H, V/BVs)."""
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
     one_seq = s.one_seq and setting("state_pass.one_seq_init")
@@ -865,7 +876,7 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out):
     fused = out is not None
     given_P = fused and out[1] is not None
     # the recurrence's two products in the stored dtypes of S0 and R, or on fp32 values
-    S_dt, R_dt = dtypes if _native_pass_dots(dtypes) else (None, None)
+    S_dt, R_dt = dtypes if native else (None, None)
     # K̄ᵀ R as kᵀ (d ⊙ R) in two native bf16 products (DEFAULTS "fwd_pass.split_kr"): no or
     # scalar gates — a vector gate's decay runs along K and cannot move onto R —, k stored in
     # bf16, R not stored 16-bit (the backward's native passes already multiply in bf16)
@@ -1107,7 +1118,8 @@ def twin_pass(s: Shape, fwd_args, bwd_args, *, interpret, fwd_dtypes, bwd_dtypes
     axis picks the pass, so both share the SMs (two programs per SM where registers and shared
     memory allow). Returns (S0, R, final) + (dS_end, dR, dh0), as the two calls would.
     """
-    kf, ins_f, specs_f, out_f = _fwd_pass_parts(s, *fwd_args, fwd_dtypes, None)
+    kf, ins_f, specs_f, out_f = _fwd_pass_parts(s, *fwd_args, fwd_dtypes, None,
+                                                 _native_pass_dots(fwd_dtypes))
     kb, ins_b, specs_b, out_b = _bwd_pass_parts(s, *bwd_args, bwd_dtypes)
     n_f, n_b, n_fo = len(ins_f), len(ins_b), len(out_f["out_shape"])
 

@@ -206,6 +206,9 @@ VARIANTS = {
     # K = 256: the forward's unfused pass storing S0, R in bf16 and multiplying natively
     # (forward.low_precision_wide), alone or with k's conversion split off (fwd_pass.split_kr)
     "fwide": ({"forward.low_precision_wide": ("S0", "R")}, 64, None, None),
+    # S0, R stored in bf16 but multiplied in TF32 as before (bytes only, not the spills)
+    "fwides": ({"forward.low_precision_wide": ("S0", "R"), "forward.native_pass_dots": False},
+               64, None, None),
     "fwidekr": ({"forward.low_precision_wide": ("S0", "R"), "fwd_pass.split_kr": True},
                 64, None, None),
     # the backward's W, U from the kept inverse as two whole-chunk products (kernels.wu; ptxas,
@@ -332,7 +335,8 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     rows["wu"] = _bench(f, k, e, z, G, A)  # the backward's W, U from the kept A
     Wb, Ub = f(k, e, z, G, A)
     f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq,
-                                                   interpret=it, dtypes=(fd["S0"], fd["R"])))
+                                                   interpret=it, dtypes=(fd["S0"], fd["R"]),
+                                                   forward=True))
     rows["fwd_pass"] = _bench(f, W, U, k, G, h0)
     S0, R, fin = f(W, U, k, G, h0)
     f = jax.jit(lambda q, k, G, S0, R, P: kn.output(s, q, k, G, S0, R, P, jnp.bfloat16,
