@@ -325,7 +325,10 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               the final state 2.68e-3 -> 3.38e-3 (W). Default ("W") since profile-18 (H200,
 #               anchor): DeltaNet fused pass 0.263 -> 0.203 ms, fwd+bwd through the op 1.22 ->
 #               1.15; KDA fused pass 0.52 -> 0.42 (with the splits below), op 4.00 -> 3.85. W in
-#               bf16 at 2 stages alone gains nothing (0.263): the gain is the third stage.
+#               bf16 at 2 stages alone gains nothing (0.263): the gain is the third stage — and
+#               that row's pass was fed an fp32 W at 3 stages (ptxas: 237 KB), which ran; if
+#               profile variant fw32s3 confirms, W goes back to fp32 (benchmarks/results/
+#               profile-18/README.md).
 #   forward.low_precision_wide  names added to "forward.low_precision" at K > 128 (where the
 #               forward's pass is unfused): ("S0", "R") stores the pass's chunk-start states and
 #               residuals in bf16 for the output kernel, and the pass then multiplies natively
