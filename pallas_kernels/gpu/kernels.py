@@ -465,10 +465,10 @@ def _pass_stages(s, which):
     twin pass 29 / 123 / 180 KB at 1 / 2 / 3; GDN's unfused forward pass 115 / 156 at 2 / 3).
     "fused_w32": the fused pass reading an fp32 W (fp32 inputs, or "W" not in DEFAULTS
     "forward.low_precision"), 2 stages by ptxas's count above; the fused pass at 3 holds 172 KB
-    with W in bf16 (profile-18: 0.263 -> 0.203 ms, DeltaNet — but that row was fed an fp32 W at
-    3 stages, and ran: to be re-timed, profile variant fw32s3). "native": an unfused forward pass with native
-    bf16 products (``_native_pass_dots``: the backward's recomputing one, or the forward's
-    under "forward.low_precision_wide"), "fwd" at K ≤ 128.
+    with W in bf16 (profile-18: 0.263 -> 0.203 ms, DeltaNet — but that row was fed an fp32 W
+    at 3 stages, and ran: to be re-timed, profile variant fw32s3). "native": an unfused pass
+    with native bf16 products (``_native_pass_dots``: the backward's recomputing one, or the
+    forward's under "forward.low_precision_wide"), "fwd" at K ≤ 128.
 
     K = 256: one stage (the forward's pass already spills 424 B at one, 760 at two; bwd_pass
     needs 233 KB at two), except the one-sequence passes DEFAULTS "state_pass.wide_stages"
