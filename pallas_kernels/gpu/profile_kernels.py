@@ -342,7 +342,9 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     f = jax.jit(lambda q, k, G, S0, R, P: kn.output(s, q, k, G, S0, R, P, jnp.bfloat16,
                                                     interpret=it))
     rows["output"] = _bench(f, q, k, G, S0, R, P)
-    if kn.fused_output(mode):  # the forward's pass with the output inside
+    # the forward's pass with the output inside, and the backward's twin pass: K ≤ 128 only,
+    # as in api (at K = 256 neither runs, so their rows would only cost compile time)
+    if kn.fused_output(mode) and s.K <= 128:
         f = jax.jit(lambda W, U, k, G, h0, q, P: kn.fwd_pass(
             s, W, U, k, G, h0, reset, end, seq, interpret=it, out=(q, P, jnp.bfloat16)))
         rows["fwd_pass_fused"] = _bench(f, W, U, k, G, h0, q, P)
@@ -358,7 +360,7 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     rows["bwd_local"] = _bench(f, q, k, G, P, dO)
     dRl = f(q, k, G, P, dO)
     dfin = jnp.zeros_like(fin)
-    if kn.setting("backward.twin_pass"):  # the backward's pass and bwd_pass in one launch
+    if kn.setting("backward.twin_pass") and s.K <= 128:  # bwd_pass and the recompute, one launch
         f = jax.jit(lambda W, U, k, G, h0, q, dO, dRl, dfin: kn.twin_pass(
             s, (W, U, k, G, h0, reset, end, seq), (q, k, G, W, dO, dRl, dfin, reset, end, seq),
             interpret=it, fwd_dtypes=(sd["S0"], sd["R"]), bwd_dtypes=(sd["dS"], sd["dR"])))
