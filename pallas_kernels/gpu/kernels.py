@@ -316,30 +316,27 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               pass (K = 128) loop 1206 -> 1153. Untimed on the GPU (the session's device time
 #               was spent): off until profiled (``profile_kernels.py`` variant splitkr).
 #   forward.low_precision  16-bit inputs: which of the forward's W, U (intra's outputs, read by
-#               its state pass) are stored in the input dtype instead of fp32, so that the
-#               fused pass holds 16 instead of 32 KB per pipeline stage for W at K = 128 and
-#               fits 3 stages: ptxas (sm_90, 4 warps, DeltaNet) 172 KB, 128 B of spills, loop
-#               1242 SASS, against 164 KB, 40 B, 1089 at 2 stages with fp32 W (237 KB at 3).
-#               Accuracy (benchmarks.interpret_accuracy, CPU, DeltaNet (1,512,16,128)): o
-#               3.39e-3 -> 3.76e-3 of 5e-3 with W in bf16, 3.94e-3 with U, 4.27e-3 with both;
-#               the final state 2.68e-3 -> 3.38e-3 (W). Default ("W") since profile-18 (H200,
-#               anchor): DeltaNet fused pass 0.263 -> 0.203 ms, fwd+bwd through the op 1.22 ->
-#               1.15; KDA fused pass 0.52 -> 0.42 (with the splits below), op 4.00 -> 3.85. W in
-#               bf16 at 2 stages alone gains nothing (0.263): the gain is the third stage — and
-#               that row's pass was fed an fp32 W at 3 stages (ptxas: 237 KB), which ran; if
-#               profile variant fw32s3 confirms, W goes back to fp32 (benchmarks/results/
-#               profile-18/README.md).
+#               its state pass) are stored in the input dtype instead of fp32. Accuracy
+#               (benchmarks.interpret_accuracy, CPU, DeltaNet (1,512,16,128)): o 3.39e-3 ->
+#               3.76e-3 of 5e-3 with W in bf16, 3.94e-3 with U, 4.27e-3 with both; the final
+#               state 2.68e-3 -> 3.38e-3 (W). W in bf16 was the default for profile-18 and run
+#               h200-15, so that the fused pass would fit 3 stages by ptxas's count (172 KB
+#               against 237 KB with an fp32 W); profile-19 (H200, anchor) timed the fp32 W at 3
+#               stages ("fused_w32" below) equal to it — DeltaNet op 1.16 ms both, fused pass
+#               0.198 both; KDA 3.90 both — so the default is () again, for the accuracy.
 #   forward.low_precision_wide  names added to "forward.low_precision" at K > 128 (where the
-#               forward's pass is unfused): ("S0", "R") stores the pass's chunk-start states and
-#               residuals in bf16 for the output kernel, and the pass then multiplies natively
-#               in bf16 like the backward's recomputing pass (FLA's chunk_fwd_h stores h in
-#               bf16 too). At (8,2048,32,256) (profile-18, DeltaNet) the forward's pass took 3.14
-#               ms against the recomputing pass's 1.53 — TF32 products of an upcast W, 424 B of
-#               spills (ptxas), fp32 S0 (2.1 GB written, then read by the 2.6-ms output kernel).
-#               Off, untimed (profile variant fwide). CPU accuracy (benchmarks.
-#               interpret_accuracy deltanet 32 256, the benchmark's shape (1,512,32,256)): o
-#               3.02e-3 -> 4.21e-3 of 5e-3, final state 2.88e-3 -> 4.12e-3 (FLA on the H200
-#               there: 4.66e-3, 4.57e-3); gradients unchanged.
+#               forward's pass is unfused): ("W", "S0", "R") stores W in the input dtype and the
+#               pass's chunk-start states and residuals in bf16 for the output kernel, and the
+#               pass then multiplies natively in bf16 like the backward's recomputing pass
+#               (FLA's chunk_fwd_h stores h in bf16 too). Before, at (8,2048,32,256) (DeltaNet)
+#               the forward's pass took twice the recomputing pass (TF32 products of an upcast
+#               W, 424 B of spills by ptxas, an fp32 S0 of 2.1 GB read back by the output
+#               kernel). profile-19 (H200, DeltaNet (8,2048,32,256), ms): pass 2.64 -> 1.57,
+#               output 2.60 -> 1.95, forward 6.38 -> 4.66, op fwd+bwd 15.9 -> 14.2 (storage only,
+#               TF32 products kept — "forward.native_pass_dots" False: pass 2.40, op 15.0). CPU
+#               accuracy (benchmarks.interpret_accuracy deltanet 32 256, the benchmark's shape
+#               (1,512,32,256)): o 3.02e-3 -> 4.21e-3 of 5e-3, final state 2.88e-3 -> 4.12e-3
+#               (FLA on the H200 there: 4.66e-3, 4.57e-3); gradients unchanged.
 #   forward.native_pass_dots  whether the forward's pass multiplies natively when S0, R are
 #               stored 16-bit (as "backward.native_pass_dots" for the backward's passes);
 #               False keeps the TF32 products and only halves the bytes (variant fwides).
@@ -382,10 +379,10 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_bwd_leaf.store_early": False, "rewy_intra.emit_P": (),
             "rewy_intra.stacked_diag": True, "state_pass.one_seq_init": True,
             "fwd_pass.split_kr": False, "state_pass.end_after_loop": True,
-            "state_pass.stages": {"fwd": 3, "fwd_vector": 2, "fused": 3, "fused_w32": 2,
+            "state_pass.stages": {"fwd": 3, "fwd_vector": 2, "fused": 3, "fused_w32": 3,
                                   "bwd": 2, "twin": 2},
             "state_pass.wide_stages": {"native": 1},
-            "forward.low_precision": ("W",), "forward.low_precision_wide": (),
+            "forward.low_precision": (), "forward.low_precision_wide": ("W", "S0", "R"),
             "forward.native_pass_dots": True,
             "fwd_pass.split_w": False,
             "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False}
@@ -463,12 +460,12 @@ def _pass_stages(s, which):
     K = 128, DeltaNet: the fused pass 164 KB at 2 stages, 237 KB at 3 — over the 227 KB
     limit; the recompute pass 82 / 119 / 156 KB at 2 / 3 / 4, bwd_pass 127 / 184 at 2 / 3, the
     twin pass 29 / 123 / 180 KB at 1 / 2 / 3; GDN's unfused forward pass 115 / 156 at 2 / 3).
-    "fused_w32": the fused pass reading an fp32 W (fp32 inputs, or "W" not in DEFAULTS
-    "forward.low_precision"), 2 stages by ptxas's count above; the fused pass at 3 holds 172 KB
-    with W in bf16 (profile-18: 0.263 -> 0.203 ms, DeltaNet — but that row was fed an fp32 W
-    at 3 stages, and ran: to be re-timed, profile variant fw32s3). "native": an unfused pass
-    with native bf16 products (``_native_pass_dots``: the backward's recomputing one, or the
-    forward's under "forward.low_precision_wide"), "fwd" at K ≤ 128.
+    "fused_w32": the fused pass reading an fp32 W (the default: "forward.low_precision" ()),
+    "fused" a 16-bit one. ptxas counts 237 KB for the former at 3 stages, over the limit, yet
+    it runs on the H200 (jaxlib's own Triton) and times as the bf16 W's 172 KB at 3 stages
+    (profile-19: 0.198 ms both; 0.268 at 2), so ptxas's "does not fit" here is an upper bound.
+    "native": an unfused pass with native bf16 products (``_native_pass_dots``: the backward's
+    recomputing one, or the forward's under "forward.low_precision_wide"), "fwd" at K ≤ 128.
 
     K = 256: one stage (the forward's pass already spills 424 B at one, 760 at two; bwd_pass
     needs 233 KB at two), except the one-sequence passes DEFAULTS "state_pass.wide_stages"

@@ -195,16 +195,22 @@ VARIANTS = {
                64, None, None),
     "fw16": ({"forward.low_precision": ("W",), "state_pass.stages": _stages(fused=2)},
              64, None, None),
-    # (profile-18: fw16s3 the default since; fw16, W bf16 at 2 stages, gains nothing.) The
-    # forward's W in fp32 again, which caps the fused pass at 2 stages (the former default)
-    "fw32": ({"forward.low_precision": ()}, 64, None, None),
+    # (profile-18: fw16s3 the default then; fw16, W bf16 at 2 stages, gains nothing.) The
+    # forward's W in fp32 with the fused pass at 2 stages (the default before profile-18;
+    # profile-19: fused pass 0.268 ms against 0.198 at 3)
+    "fw32": ({"forward.low_precision": (), "state_pass.stages": _stages(fused_w32=2)},
+             64, None, None),
     # the forward's W in fp32 with the fused pass at 3 stages anyway: profile-18's fw16s3 row
     # of fwd_pass_fused (0.203 ms) was fed intra's default fp32 W at 3 stages, and ran (ptxas
-    # counts 237 KB of shared memory for it): if this matches the default, W can stay fp32
+    # counts 237 KB of shared memory for it). profile-19: equal to fw16s3 (op 1.16 ms both at
+    # the anchor), so the default since
     "fw32s3": ({"forward.low_precision": (), "state_pass.stages": _stages(fused_w32=3)},
                64, None, None),
     # K = 256: the forward's unfused pass storing S0, R in bf16 and multiplying natively
-    # (forward.low_precision_wide), alone or with k's conversion split off (fwd_pass.split_kr)
+    # (forward.low_precision_wide), alone or with k's conversion split off (fwd_pass.split_kr).
+    # profile-19 (with W bf16): DeltaNet (8,2048,32,256) op 15.9 -> 14.2 ms; the default since
+    # as ("W", "S0", "R"); "fwide0" is the fp32 storage before it
+    "fwide0": ({"forward.low_precision_wide": ()}, 64, None, None),
     "fwide": ({"forward.low_precision_wide": ("S0", "R")}, 64, None, None),
     # S0, R stored in bf16 but multiplied in TF32 as before (bytes only, not the spills)
     "fwides": ({"forward.low_precision_wide": ("S0", "R"), "forward.native_pass_dots": False},
