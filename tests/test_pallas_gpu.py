@@ -599,6 +599,56 @@ def test_interpret_forward_low_precision_wide(op, decay, kw, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
+                                         ("kda", "strong", {})])
+def test_interpret_forward_native_fused_dots(op, decay, kw, small_tiles, monkeypatch):
+    """forward.native_fused_dots (off by default; True or the gate modes it applies to): the
+    forward's fused pass (policy recompute, no or vector gates) is handed bf16 "stored" dtypes
+    for 16-bit inputs — fp32 by default, for fp32 inputs and for modes not named — so it
+    multiplies its recurrence in bf16, and the outputs agree with the TF32 products to bf16
+    rounding (packed sequences, strong decays). KDA stays within every bf16 threshold; DeltaNet
+    does not always (o 5.1e-3 > 5e-3 here, as FLA's bf16 state products fail it), which is why
+    the option is off."""
+    from pallas_kernels.gpu import api, kernels
+
+    inp, cts, kw = _bf16_case(op, decay, 67, kw)
+    mode = "none" if op == "deltanet" else "vector"
+    fused_dtypes = []
+    fwd_pass = kernels.fwd_pass
+
+    def spy(*a, **k):
+        if k.get("out") is not None:
+            fused_dtypes.append(tuple(k.get("dtypes", ())))
+        return fwd_pass(*a, **k)
+
+    monkeypatch.setattr(kernels, "fwd_pass", spy)
+    base = testing.run_op(op, inp, **kw)
+    assert fused_dtypes and set(fused_dtypes) == {(jnp.float32,) * 2}, fused_dtypes
+    monkeypatch.setitem(kernels.TUNE, "forward.native_fused_dots",
+                        ("scalar", "vector") if mode == "none" else ("vector",))
+    assert api._fused_pass_dtypes(jnp.bfloat16, mode) == (
+        (jnp.float32,) * 2 if mode == "none" else (jnp.bfloat16,) * 2)  # named modes only
+    monkeypatch.setitem(kernels.TUNE, "forward.native_fused_dots", True)
+    assert api._fused_pass_dtypes(jnp.float32, mode) == (jnp.float32,) * 2  # fp32 inputs
+    jax.clear_caches()  # the settings are read when the kernels are traced
+    fused_dtypes.clear()
+    run = testing.run_op(op, inp, **kw)
+    assert fused_dtypes and set(fused_dtypes) == {(jnp.bfloat16,) * 2}, fused_dtypes
+    for x, y in zip(run, base, strict=True):
+        assert _rel(x, y) < 1e-2, (_rel(x, y), op)
+    assert _rel(run[0], base[0]) > 1e-4, op  # the products really changed
+    rep = testing.accuracy_report(op, inp, **kw)
+    if op == "kda":
+        _check(rep)
+    else:  # the gradients are the backward's own; the forward's outputs near their threshold
+        _check({n: v for n, v in rep.items() if n not in ("o", "final_state")})
+        assert rep["o"][0] < 2 * rep["o"][1] and rep["final_state"][0] < 2 * rep["o"][1], rep
+    monkeypatch.setitem(kernels.TUNE, "forward.native_fused_dots", ("gated",))
+    with pytest.raises(ValueError, match="unknown gate modes"):
+        api._fused_pass_dtypes(jnp.bfloat16, mode)
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("mode", ["none", "scalar", "vector"])
 def test_interpret_wu_whole_chunk(mode, monkeypatch):
     """kernels.wu (DEFAULTS "rewy_wu.whole_chunk"): W, U re-formed from the kept inverse as two

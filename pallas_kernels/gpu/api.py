@@ -149,6 +149,14 @@ def _forward_dtypes(dtype, K):
             for n in FORWARD_LOW_PRECISION_NAMES}
 
 
+def _fused_pass_dtypes(dtype, mode):
+    """The ``dtypes`` the forward's fused pass is given for gate ``mode``: it stores no S0 or R,
+    so they only choose its products (kernels._native_pass_dots) — bf16 for 16-bit inputs
+    where DEFAULTS "forward.native_fused_dots" names the mode, else fp32 (TF32 products)."""
+    native = kn.native_fused_dots(mode) and jnp.dtype(dtype).itemsize < 4
+    return (jnp.bfloat16,) * 2 if native else (F32, F32)
+
+
 def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True):
     """(o, final, (A, W, S0, R, P)); without ``keep_states`` (nothing will read S0 and R) the
     output may be fused into the state pass (DEFAULTS "fwd_pass.fused_output", K ≤ 128), and
@@ -160,7 +168,8 @@ def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True):
     # measured slower (run h200-7: DeltaNet (8,2048,32,256) forward 12.2 -> 13.9 ms).
     if not keep_states and kn.fused_output(s.mode) and s.K <= 128:
         o, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret,
-                               out=(q, P, z.dtype))
+                               out=(q, P, z.dtype), forward=True,
+                               dtypes=_fused_pass_dtypes(q.dtype, s.mode))
         return o, final, (A, None, None, None, P)
     S0, R, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret,
                                dtypes=(fd["S0"], fd["R"]), forward=True)

@@ -340,6 +340,19 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #   forward.native_pass_dots  whether the forward's pass multiplies natively when S0, R are
 #               stored 16-bit (as "backward.native_pass_dots" for the backward's passes);
 #               False keeps the TF32 products and only halves the bytes (variant fwides).
+#   forward.native_fused_dots  16-bit inputs: the forward's fused pass (K ≤ 128, the output
+#               inside) multiplies its recurrence natively in bf16 — W S with S rounded to
+#               bf16, K̄ᵀ R with R rounded — as the unfused pass does at K = 256 and FLA's
+#               chunk_delta_h does; the state is still carried and summed in fp32, the output's
+#               products stay TF32. True / False, or the gate modes it applies to (only "none"
+#               and "vector" fuse). At the anchor the fused pass takes 0.20 ms against FLA's
+#               0.068 + 0.061 for its state pass and output; ptxas (DeltaNet, 4 warps, 3
+#               stages): spills 220 B -> none, SASS 1930 -> 1588, mma 64 -> 48. Accuracy
+#               (benchmarks.interpret_accuracy, CPU, (1,512,16,128)): DeltaNet o 3.39e-3 ->
+#               4.67e-3 of 5e-3, final state 2.68e-3 -> 4.86e-3 — 3% of margin left, and 5.1e-3
+#               in a small test case (FLA's bf16 products fail it: 5.3e-3 on the H200) —, so not
+#               for DeltaNet; KDA: see benchmarks/results/interpret-accuracy-12/. Off, untimed
+#               (profile variant ffnat).
 #   fwd_pass.split_w  with a bf16 W in the forward: W S as W (S_hi + S_lo), two native bf16
 #               products (blocks.dot_split), instead of W upcast for a TF32 product. ptxas: the
 #               fused pass spills 456 B at 3 stages (244 at 2): off.
@@ -383,7 +396,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
                                   "bwd": 2, "twin": 2},
             "state_pass.wide_stages": {"native": 1},
             "forward.low_precision": (), "forward.low_precision_wide": ("W", "S0", "R"),
-            "forward.native_pass_dots": True,
+            "forward.native_pass_dots": True, "forward.native_fused_dots": False,
             "fwd_pass.split_w": False,
             "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
@@ -424,6 +437,12 @@ def fused_output(mode):
     the gate modes that fuse (a name or a tuple of names, e.g. ``--tune
     fwd_pass.fused_output=none,vector``)."""
     return _names_mode("fwd_pass.fused_output", mode)
+
+
+def native_fused_dots(mode):
+    """Whether the forward's fused pass multiplies its recurrence in bf16 for gate ``mode``
+    (DEFAULTS "forward.native_fused_dots": True / False, or the gate modes it applies to)."""
+    return _names_mode("forward.native_fused_dots", mode)
 
 
 def intra_forms_P(mode):

@@ -233,6 +233,14 @@ VARIANTS = {
     "wide2": ({"state_pass.wide_stages": {"native": 2}}, 64, None, None),
     "wide3": ({"state_pass.wide_stages": {"native": 3}}, 64, None, None),
     "wide2f2": ({"state_pass.wide_stages": {"native": 2, "fwd": 2}}, 64, None, None),
+    # K = 256, after profile-19: bwd_pass (3.16 ms, the largest kernel there) at 2 stages —
+    # ptxas counts 233 KB, but its count ran over for the fused pass that fits (profile-19);
+    # the output kernel (1.95 ms) at 8 warps (ptxas: 254 -> 244 registers, SASS 1392 -> 1088)
+    # K ≤ 128: the forward's fused pass multiplying its recurrence in bf16
+    # (forward.native_fused_dots)
+    "ffnat": ({"forward.native_fused_dots": True}, 64, None, None),
+    "wideb2": ({"state_pass.wide_stages": {"native": 1, "bwd": 2}}, 64, None, None),
+    "out8": ({"rewy_output.warps": 8}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
@@ -352,7 +360,8 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     # as in api (at K = 256 neither runs, so their rows would only cost compile time)
     if kn.fused_output(mode) and s.K <= 128:
         f = jax.jit(lambda W, U, k, G, h0, q, P: kn.fwd_pass(
-            s, W, U, k, G, h0, reset, end, seq, interpret=it, out=(q, P, jnp.bfloat16)))
+            s, W, U, k, G, h0, reset, end, seq, interpret=it, out=(q, P, jnp.bfloat16),
+            forward=True, dtypes=api._fused_pass_dtypes(q.dtype, mode)))
         rows["fwd_pass_fused"] = _bench(f, W, U, k, G, h0, q, P)
     if set(sd.values()) != {F32}:  # the backward's own state pass reads and stores those
         f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq,
