@@ -346,8 +346,9 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               chunk_delta_h does; the state is still carried and summed in fp32, the output's
 #               products stay TF32. True / False, or the gate modes it applies to (only "none"
 #               and "vector" fuse). At the anchor the fused pass takes 0.20 ms against FLA's
-#               0.068 + 0.061 for its state pass and output; ptxas (DeltaNet, 4 warps, 3
-#               stages): spills 220 B -> none, SASS 1930 -> 1588, mma 64 -> 48. Accuracy
+#               0.068 + 0.061 for its state pass and output; ptxas (4 warps, 3 stages):
+#               DeltaNet spills 220 B -> none, SASS 1930 -> 1588, mma 64 -> 48; KDA spills 316
+#               -> 480 B, SASS 2538 -> 2690, shared memory 249 -> 217 KB. Accuracy
 #               (benchmarks.interpret_accuracy, CPU, (1,512,16,128)): DeltaNet o 3.39e-3 ->
 #               4.67e-3 of 5e-3, final state 2.68e-3 -> 4.86e-3 — 3% of margin left, and 5.1e-3
 #               in a small test case (FLA's bf16 products fail it: 5.3e-3 on the H200) —, so not
