@@ -684,7 +684,10 @@ def test_interpret_wu_whole_chunk(mode, monkeypatch):
     calls = []
     wu = kernels.wu
     monkeypatch.setattr(kernels, "wu", lambda *a, **kw: calls.append(1) or wu(*a, **kw))
-    monkeypatch.setitem(kernels.TUNE, "rewy_wu.whole_chunk", True)
+    # the setting names this gate mode only (True / False would take every mode)
+    monkeypatch.setitem(kernels.TUNE, "rewy_wu.whole_chunk", (mode,))
+    assert [kernels.wu_whole_chunk(m) for m in ("none", "scalar", "vector")] == [
+        m == mode for m in ("none", "scalar", "vector")]
     op = {"none": "deltanet", "scalar": "gdn", "vector": "kda"}[mode]
     inp, _, kw = _bf16_case(op, "strong" if mode != "none" else "none", 61, {})
     jax.clear_caches()
@@ -712,8 +715,11 @@ def test_interpret_split_wu(op, decay, kw, small_tiles, monkeypatch):
     monkeypatch.setattr(kernels, "wu", lambda *a, **k: launches.append(
         "wu" if k.get("a_copy") is None else "wu+A") or wu(*a, **k))
     runs = []
-    for split in (False, True):
-        monkeypatch.setitem(kernels.TUNE, "rewy_intra.split_wu", split)
+    mode = {"deltanet": "none", "gdn": "scalar"}.get(op, "vector")
+    # True / False, or the gate modes it applies to: this op's mode alone, or another one's
+    for split, setting in ((False, tuple({"none", "scalar", "vector"} - {mode})), (True, (mode,))):
+        monkeypatch.setitem(kernels.TUNE, "rewy_intra.split_wu", setting)
+        assert kernels.split_wu(mode) == split
         jax.clear_caches()  # the setting is read when the kernels are traced
         launches.clear()
         runs.append(testing.loss_and_grads(op, inp, cts, **kw))

@@ -102,7 +102,7 @@ def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32)):
         P, T = kn.qk_gram(s, q, k, G, e=e, interpret=interpret)
     elif s.mode == "vector":
         P = kn.qk_gram(s, q, k, G, interpret=interpret)
-    if kn.setting("rewy_intra.split_wu") and not kn.intra_forms_P(s.mode):
+    if kn.split_wu(s.mode) and not kn.intra_forms_P(s.mode):
         # the inverse alone (fp32, transient), then W, U and the kept copy of A from it
         (A,) = kn.intra(s, k, e, z, G, T=T, interpret=interpret, wu=False)
         W, U, A = kn.wu(s, k, e, z, G, A, interpret=interpret, dtypes=dtypes, a_copy=a_dtype)
@@ -120,7 +120,7 @@ def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32)):
 def _wu(s, k, e, z, G, A, interpret, dtypes):
     """(W, U) from the kept inverse A: whole-chunk products (DEFAULTS "rewy_wu.whole_chunk") or
     intra's row blocks."""
-    if kn.setting("rewy_wu.whole_chunk"):
+    if kn.wu_whole_chunk(s.mode):
         return kn.wu(s, k, e, z, G, A, interpret=interpret, dtypes=dtypes)
     return kn.intra(s, k, e, z, G, A=A, interpret=interpret, dtypes=dtypes)
 

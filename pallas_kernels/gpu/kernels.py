@@ -365,7 +365,8 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               SASS (mma 160 -> 8 wgmma), 96 -> 114 registers, 4 -> 24 KB shared; GDN 2008 ->
 #               712; KDA 2432 -> 832 (140 -> 122 registers). Agrees with the row-block sums to
 #               fp32 rounding. Off: profile-18 (H200, anchor) wu 0.103 -> 0.118 ms (DeltaNet),
-#               0.112 -> 0.122 (GDN) — slower, for all its fewer instructions.
+#               0.112 -> 0.122 (GDN) — slower, for all its fewer instructions; KDA 0.136 ->
+#               0.132. True / False, or the gate modes it applies to (variant splitv).
 #   rewy_intra.split_wu  the forward's intra forms only the inverse (in fp32, a transient of
 #               B·H·N·C² floats) and W, U come from a second launch of two whole-chunk products,
 #               which also casts A to the dtype the backward keeps. ptxas (sm_90, 4 warps,
@@ -374,7 +375,9 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               products, and the bf16 copy of A) 808 SASS, 142 registers, 48 KB shared.
 #               Gradients agree to 1.1e-4 relative (interpret, bf16). Off: profile-18 (H200,
 #               anchor) DeltaNet intra 0.22 ms -> 0.137 + 0.135 for the two launches, GDN 0.236
-#               -> 0.151 + 0.134 — slower.
+#               -> 0.151 + 0.134 — slower; KDA 0.258 -> 0.075 + 0.150, faster (~0.03 ms of the
+#               op's 3.9). True / False, or the gate modes it applies to: ("vector",) with
+#               "rewy_wu.whole_chunk" ("vector",) is profile variant splitv, untimed as such.
 #   rewy_qk_gram.exact_diag "outer"  (blocks.DIAG_METHODS) all pairs of a diagonal block at once:
 #               profile-9 with exp2, qk_gram 1.45 (loop) -> 1.53: slower, not the default.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
@@ -438,6 +441,18 @@ def fused_output(mode):
     the gate modes that fuse (a name or a tuple of names, e.g. ``--tune
     fwd_pass.fused_output=none,vector``)."""
     return _names_mode("fwd_pass.fused_output", mode)
+
+
+def split_wu(mode):
+    """Whether the forward's intra forms only the inverse and a second launch W, U for gate
+    ``mode`` (DEFAULTS "rewy_intra.split_wu": True / False, or the gate modes it applies to)."""
+    return _names_mode("rewy_intra.split_wu", mode)
+
+
+def wu_whole_chunk(mode):
+    """Whether the backward's W, U come from ``wu``'s whole-chunk products for gate ``mode``
+    (DEFAULTS "rewy_wu.whole_chunk": True / False, or the gate modes it applies to)."""
+    return _names_mode("rewy_wu.whole_chunk", mode)
 
 
 def native_fused_dots(mode):

@@ -223,6 +223,10 @@ VARIANTS = {
     # and the forward's intra split the same way: the inverse alone (fp32), then W, U (ptxas,
     # DeltaNet: intra 3118 -> 1639 SASS)
     "splitwu": ({"rewy_intra.split_wu": True, "rewy_wu.whole_chunk": True}, 64, None, None),
+    # both for vector gates only, where profile-18 found the split faster (KDA intra 0.258 ->
+    # 0.075 + 0.150 ms, wu 0.136 -> 0.132)
+    "splitv": ({"rewy_intra.split_wu": ("vector",), "rewy_wu.whole_chunk": ("vector",)}, 64,
+               None, None),
     # all three: W bf16 with the fused pass at 3 stages, intra split, the whole-chunk W, U
     "fw16s3split": ({"forward.low_precision": ("W",),
                      "state_pass.stages": _stages(fused=3),  # profile-18: slower than fw16s3
@@ -337,7 +341,7 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
                                                     dtypes=wu_dt))
         rows["intra"] = _bench(f, k, e, z, G, Tg)
         A, W, U = f(k, e, z, G, Tg)
-    if kn.setting("rewy_intra.split_wu"):  # the forward's intra as the inverse + W, U launch
+    if kn.split_wu(mode) and not kn.intra_forms_P(mode):  # intra as the inverse + a W, U launch
         f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it, wu=False))
         rows["intra_A"] = _bench(f, k, e, z, G, Tg)
         (A32,) = f(k, e, z, G, Tg)
