@@ -1027,6 +1027,28 @@ def test_profile_script_runs_its_variants():
     assert profile_kernels.grad_gap(jax.tree_util.tree_map(lambda g: 2 * g, grads), grads) > 0.9
 
 
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+def test_fused_pass_stage_entry(monkeypatch):
+    """The forward's fused pass takes its "state_pass.stages" entry by what it reads: "fused_w32"
+    for 16-bit inputs with an fp32 W (the default), "fused" with a 16-bit W, "fused_f32" for
+    fp32 inputs (more bytes per stage: kept at the stages that have run)."""
+    from pallas_kernels.gpu import kernels
+
+    seen = []
+    pass_stages = kernels._pass_stages
+    monkeypatch.setattr(kernels, "_pass_stages",
+                        lambda s, which: seen.append(which) or pass_stages(s, which))
+    for dtype, low, want in ((jnp.bfloat16, (), "fused_w32"), (jnp.bfloat16, ("W",), "fused"),
+                             (jnp.float32, (), "fused_f32")):
+        monkeypatch.setitem(kernels.TUNE, "forward.low_precision", low)
+        inp = testing.make_inputs("deltanet", 1, 40, 1, 16, 16, dtype=dtype, seed=3)
+        seen.clear()
+        jax.clear_caches()
+        testing.run_op("deltanet", inp, backend="pallas_gpu", interpret=True, chunk_size=16)
+        assert want in seen and not {"fused", "fused_w32", "fused_f32"} - {want} & set(seen), (
+            dtype, low, seen)
+
+
 def test_pass_stages():
     """kernels._pass_stages: the one-sequence passes take DEFAULTS "state_pass.stages" (vector
     gates' unfused forward pass its own entry, the fused pass reading an fp32 W another), varlen
@@ -1045,6 +1067,7 @@ def test_pass_stages():
     assert stages(128, "vector", True, "fwd") == want["fwd_vector"]
     assert stages(128, "scalar", True, "fwd") == want["fwd"]
     assert stages(128, "none", True, "fused_w32") == want["fused_w32"]
+    assert stages(128, "none", True, "fused_f32") == want["fused_f32"] <= 2  # fp32 inputs
     assert stages(128, "none", False, "fused_w32") == 3
     assert stages(256, "none", True, "fused_w32") == 1
     # K = 256: one stage unless "state_pass.wide_stages" names the pass (one-sequence calls)

@@ -397,7 +397,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.stacked_diag": True, "state_pass.one_seq_init": True,
             "fwd_pass.split_kr": False, "state_pass.end_after_loop": True,
             "state_pass.stages": {"fwd": 3, "fwd_vector": 2, "fused": 3, "fused_w32": 3,
-                                  "bwd": 2, "twin": 2},
+                                  "fused_f32": 2, "bwd": 2, "twin": 2},
             "state_pass.wide_stages": {"native": 1},
             "forward.low_precision": (), "forward.low_precision_wide": ("W", "S0", "R"),
             "forward.native_pass_dots": True, "forward.native_fused_dots": False,
@@ -495,15 +495,17 @@ def _pass_stages(s, which):
     K = 128, DeltaNet: the fused pass 164 KB at 2 stages, 237 KB at 3 — over the 227 KB
     limit; the recompute pass 82 / 119 / 156 KB at 2 / 3 / 4, bwd_pass 127 / 184 at 2 / 3, the
     twin pass 29 / 123 / 180 KB at 1 / 2 / 3; GDN's unfused forward pass 115 / 156 at 2 / 3).
-    "fused_w32": the fused pass reading an fp32 W (the default: "forward.low_precision" ()),
-    "fused" a 16-bit one. ptxas counts 237 KB for the former at 3 stages, over the limit, yet
-    it runs on the H200 (jaxlib's own Triton) and times as the bf16 W's 172 KB at 3 stages
-    (profile-19: 0.198 ms both; 0.268 at 2), so ptxas's "does not fit" here is an upper bound.
+    "fused_w32": the fused pass of 16-bit inputs reading an fp32 W (the default:
+    "forward.low_precision" ()), "fused" a 16-bit W. ptxas counts 237 KB for the former at 3
+    stages, over the limit, yet it runs on the H200 (jaxlib's own Triton) and times as the bf16
+    W's 172 KB at 3 stages (profile-19: 0.198 ms both; 0.268 at 2), so ptxas's "does not fit"
+    is an upper bound. "fused_f32": fp32 inputs (q, k, U in fp32 too: ptxas 164 KB at 2
+    stages, 303 KB at 3), kept at the 2 stages that have run.
     "native": an unfused pass with native bf16 products (``_native_pass_dots``: the backward's
     recomputing one, or the forward's under "forward.low_precision_wide"), "fwd" at K ≤ 128.
 
-    K = 256: one stage (the forward's pass already spills 424 B at one, 760 at two; bwd_pass
-    needs 233 KB at two), except the one-sequence passes DEFAULTS "state_pass.wide_stages"
+    K = 256: one stage (the forward's pass with TF32 products spills 424 B at one, 760 at two;
+    bwd_pass needs 233 KB at two by ptxas), except the one-sequence passes DEFAULTS "state_pass.wide_stages"
     names — the native pass holds 190 registers and no spills: ptxas (DeltaNet, 4 warps) 49 /
     155 / 225 KB at 1 / 2 / 3 stages; profile-18: the recomputing pass 1.53 ms at one stage,
     1.61 at two (8,2048,32,256), so one."""
@@ -899,7 +901,8 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
                  interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
                  num_stages=_pass_stages(
                      s, ("native" if native else "fwd") if out is None
-                     else "fused" if W.dtype != F32 else "fused_w32"),
+                     else "fused" if W.dtype != F32
+                     else "fused_w32" if jnp.dtype(k.dtype).itemsize < 4 else "fused_f32"),
                  tile_axis=1)(*ins)
 
 
