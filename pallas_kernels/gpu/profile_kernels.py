@@ -27,7 +27,6 @@ from rewy_jax import testing
 F32 = jnp.float32
 
 
-
 def _stages(**kw):
     """kernels.DEFAULTS "state_pass.stages" with some passes' stages replaced."""
     return dict(kn.DEFAULTS["state_pass.stages"], **kw)
