@@ -696,6 +696,45 @@ def test_interpret_wu_whole_chunk(mode, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("mode", ["none", "scalar", "vector"])
+@pytest.mark.parametrize("K,V", [(32, 32), (32, 64), (64, 32)])
+def test_interpret_wu_col_tile(mode, K, V, monkeypatch):
+    """DEFAULTS "rewy_wu.col_tile": kernels.wu on column tiles (one program per chunk, head and
+    tile; K ≠ V leaves the narrower side's last programs idle) gives W, U as whole rows do, to
+    rounding, and A's copy bit for bit; a width that does not divide K and V is refused."""
+    from pallas_kernels.gpu import api, kernels
+
+    B, T, H, C = 1, 128, 2, 64
+    ks = jax.random.split(jax.random.PRNGKey(11), 4)
+    k = (jax.random.normal(ks[0], (B, T, H, K)) / K ** 0.5).astype(jnp.bfloat16)
+    e = (0.7 * k.astype(jnp.float32)).astype(jnp.bfloat16)
+    z = jax.random.normal(ks[1], (B, T, H, V)).astype(jnp.bfloat16)
+    G = None
+    if mode != "none":
+        g = -jax.random.uniform(ks[2], (B, T, H) if mode == "scalar" else (B, T, H, K),
+                                jnp.float32, 0.01, 3.0)
+        G = api._cum_gates(g, C)
+    h0 = jnp.zeros((B, H, 2, K, V), jnp.float32)
+    s = api._shape(api.Config(C, "recompute", "rewy", True, 64, one_seq=True), k, z, G, h0)
+    (A,) = kernels.intra(s, k, e, z, G, interpret=True, wu=False)
+    outs = {}
+    for tile in (0, 16):
+        monkeypatch.setitem(kernels.TUNE, "rewy_wu.col_tile", tile)
+        outs[tile] = kernels.wu(s, k, e, z, G, A, interpret=True,
+                                dtypes=(jnp.bfloat16, jnp.float32), a_copy=jnp.bfloat16)
+    assert [x.shape for x in outs[16]] == [(B, T, H, K), (B, T, H, V), A.shape]
+    for x, y in zip(outs[16], outs[0], strict=True):
+        assert x.dtype == y.dtype
+        # the same products; a narrower matmul may sum in another order (XLA:CPU here)
+        assert _rel(x, y) < 1e-5, (_rel(x, y), mode, K, V)
+    np.testing.assert_array_equal(np.asarray(outs[16][2]), np.asarray(outs[0][2]))
+    assert float(jnp.abs(outs[16][0].astype(jnp.float32)).max()) > 0  # not an empty buffer
+    monkeypatch.setitem(kernels.TUNE, "rewy_wu.col_tile", 24)
+    with pytest.raises(ValueError, match="rewy_wu.col_tile 24 must divide"):
+        kernels.wu(s, k, e, z, G, A, interpret=True)
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
                                          ("gdn", "strong", {"policy": "save"}),
                                          ("kda", "normal", {})])

@@ -402,7 +402,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "forward.low_precision": (), "forward.low_precision_wide": ("W", "S0", "R"),
             "forward.native_pass_dots": True, "forward.native_fused_dots": False,
             "fwd_pass.split_w": False,
-            "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False}
+            "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False,
+            "rewy_wu.col_tile": 0}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -740,35 +741,71 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
 
 def wu(s: Shape, k, e, z, G, A, *, interpret, dtypes=(F32, F32), a_copy=None):
     """(W, U) = (A·Ēγ, A·Z), [B,Tp,H,K] and [B,Tp,H,V] in ``dtypes``, from the inverse A
-    [B,H,N,C,C] as two [C, C]·[C, ·] products per chunk (grid (N, B·H)) — A's upper blocks are
-    stored as zeros, and γ = e^{G} with G from the chunk's start stays ≤ 1, so no factor
-    overflows. With ``a_copy`` (a dtype) also A cast to it: (W, U, A').
+    [B,H,N,C,C] as [C, C]·[C, ·] products per chunk — A's upper blocks are stored as zeros,
+    and γ = e^{G} with G from the chunk's start stays ≤ 1, so no factor overflows. With
+    ``a_copy`` (a dtype) also A cast to it: (W, U, A').
 
     The whole-chunk form of ``intra`` given A (20 row-block products at C = 64): DEFAULTS
     "rewy_wu.whole_chunk" for the backward's W, U, and "rewy_intra.split_wu" for the forward's.
+    DEFAULTS "rewy_wu.col_tile" (a width; 0: whole rows) splits the products over column tiles
+    of Ēγ and Z, one program per (chunk, head, tile) with grid (N, B·H, tiles), tiles launched
+    first so a chunk's tiles read A from L2 once: the kernel is memory-bound, and a whole-row
+    program holds two [C, 128] fp32 accumulators (ptxas: 114 registers, 4 programs per SM),
+    which leaves too few loads in flight (profile-11 ncu: long-scoreboard stalls first); on
+    tiles of 64 it holds 74 registers, of 32 46 (ptxas, sm_90, 4 warps). Each output element
+    is the same [C]-long product either way.
     """
-    C, prec, mode = s.C, s.prec, s.mode
+    C, prec, mode, H, K, V = s.C, s.prec, s.mode, s.H, s.K, s.V
+    tile = setting("rewy_wu.col_tile")
+    BK, BV = (min(tile, K), min(tile, V)) if tile else (K, V)
+    if K % BK or V % BV:
+        raise ValueError(f"rewy_wu.col_tile {tile} must divide K = {K} and V = {V}")
+    nk, nv = K // BK, V // BV
+    nt = max(nk, nv)
 
     def kernel(*refs):
         k_ref, e_ref, z_ref, G_ref, A_ref, W_ref, U_ref, *Ac_ref = _split(refs, mode, 4)
+        t = grid_id(2)
         A = A_ref[...]
-        e = e_ref[...]
-        if mode != "none":
-            d = exp(G_ref[...].astype(F32))
-            e = (d[:, None] if mode == "scalar" else d) * e.astype(F32)
-        W_ref[...] = dot_stored(A, e, prec).astype(W_ref.dtype)
-        U_ref[...] = dot_stored(A, z_ref[...], prec).astype(U_ref.dtype)
-        if Ac_ref:
-            Ac_ref[0][...] = A.astype(Ac_ref[0].dtype)
 
-    copy = ([s.chunk_mat(C, C)], [jax.ShapeDtypeStruct(A.shape, a_copy)]) if a_copy else ([], [])
+        def store_W():
+            e = e_ref[...]
+            if mode != "none":
+                d = exp(G_ref[...].astype(F32))
+                e = (d[:, None] if mode == "scalar" else d) * e.astype(F32)
+            W_ref[...] = dot_stored(A, e, prec).astype(W_ref.dtype)
+
+        def store_U():
+            U_ref[...] = dot_stored(A, z_ref[...], prec).astype(U_ref.dtype)
+
+        for n_tiles, store in ((nk, store_W), (nv, store_U)):
+            if n_tiles == nt:
+                store()
+            else:  # K ≠ V: the narrower side's programs past its last tile store nothing
+                pl.when(t < n_tiles)(store)
+        if Ac_ref:
+            if nt == 1:
+                Ac_ref[0][...] = A.astype(Ac_ref[0].dtype)
+            else:
+                @pl.when(t == 0)
+                def _():
+                    Ac_ref[0][...] = A.astype(Ac_ref[0].dtype)
+
+    def tok(width, n_tiles):  # [C, width] column tile of a token tensor; clamped past the last
+        return pl.BlockSpec((None, C, None, width), lambda n, bh, t: (
+            bh // H, n, bh % H, jnp.minimum(t, n_tiles - 1)))
+
+    gate = ([] if mode == "none" else [
+        s.chunk_gate3() if mode == "scalar" else tok(BK, nk)])
+    copy = (([s.chunk_mat3(C, C)], [jax.ShapeDtypeStruct(A.shape, a_copy)]) if a_copy
+            else ([], []))
     return tuple(_call(
-        kernel, grid=(s.N, s.B * s.H),
-        in_specs=[s.chunk_tok(s.K), s.chunk_tok(s.K), s.chunk_tok(s.V)] + (
-            [] if mode == "none" else [s.chunk_gate()]) + [s.chunk_mat(C, C)],
-        out_specs=[s.chunk_tok(s.K), s.chunk_tok(s.V)] + copy[0],
-        out_shape=[s.sds_tok(s.K, dtypes[0]), s.sds_tok(s.V, dtypes[1])] + copy[1],
-        interpret=interpret, num_warps=WARPS["intra"], name="rewy_wu")(
+        kernel, grid=(s.N, s.B * H, nt),
+        in_specs=[tok(BK, nk), tok(BK, nk), tok(BV, nv)] + gate + [s.chunk_mat3(C, C)],
+        out_specs=[tok(BK, nk), tok(BV, nv)] + copy[0],
+        out_shape=[s.sds_tok(K, dtypes[0]), s.sds_tok(V, dtypes[1])] + copy[1],
+        interpret=interpret, num_warps=WARPS["intra"], name="rewy_wu",
+        tile_axis=2 if nt > 1 else None)(
             k, e, z, *([] if mode == "none" else [G]), A))
 
 

@@ -244,6 +244,14 @@ VARIANTS = {
     "ffnat": ({"forward.native_fused_dots": True}, 64, None, None),
     "wideb2": ({"state_pass.wide_stages": {"native": 1, "bwd": 2}}, 64, None, None),
     "out8": ({"rewy_output.warps": 8}, 64, None, None),
+    # W, U from the kept inverse on column tiles (rewy_wu.col_tile): the backward's alone
+    # (wut, wut32), and the forward's too, its intra forming only the inverse (splitt, splitt32)
+    "wut": ({"rewy_wu.whole_chunk": True, "rewy_wu.col_tile": 64}, 64, None, None),
+    "wut32": ({"rewy_wu.whole_chunk": True, "rewy_wu.col_tile": 32}, 64, None, None),
+    "splitt": ({"rewy_wu.whole_chunk": True, "rewy_intra.split_wu": True,
+                "rewy_wu.col_tile": 64}, 64, None, None),
+    "splitt32": ({"rewy_wu.whole_chunk": True, "rewy_intra.split_wu": True,
+                  "rewy_wu.col_tile": 32}, 64, None, None),
     "w8": ({f"rewy_{k}.warps": 8 for k in ("intra", "fwd_pass", "output", "bwd_local", "bwd_pass",
                                            "bwd_dlam", "bwd_leaf")}, 64, None, None),
 }
