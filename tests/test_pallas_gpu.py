@@ -1088,6 +1088,33 @@ def test_fused_pass_stage_entry(monkeypatch):
             dtype, low, seen)
 
 
+def test_wide_warps(monkeypatch):
+    """DEFAULTS "launch.wide_warps": at K > 128 a kernel takes its "<kernel>:<gate mode>" entry
+    before its "<kernel>" one, at K ≤ 128 always WARPS; and the launches get it."""
+    from pallas_kernels.gpu import kernels
+
+    def warps(K, mode, kernel):
+        return kernels.Shape(1, 64, 1, K, K, 64, 1, mode, None, 64).warps(kernel)
+
+    assert kernels.DEFAULTS["launch.wide_warps"] == {}
+    assert warps(256, "vector", "fwd_pass") == kernels.WARPS["fwd_pass"]
+    monkeypatch.setitem(kernels.TUNE, "launch.wide_warps",
+                        {"fwd_pass:vector": 8, "fwd_pass": 2, "output": 8})
+    assert warps(256, "vector", "fwd_pass") == 8 and warps(256, "none", "fwd_pass") == 2
+    assert warps(128, "vector", "fwd_pass") == kernels.WARPS["fwd_pass"]
+    assert warps(256, "scalar", "output") == 8 and warps(256, "none", "intra") == 4
+    launched = {}
+    call = kernels._call
+    monkeypatch.setattr(kernels, "_call", lambda k, **kw: launched.update(
+        {kw["name"]: kw["num_warps"]}) or call(k, **kw))
+    for K in (128, 256):
+        inp = testing.make_inputs("deltanet", 1, 16, 1, K, K, dtype=jnp.bfloat16, seed=1)
+        launched.clear()
+        jax.clear_caches()
+        testing.run_op("deltanet", inp, backend="pallas_gpu", interpret=True, chunk_size=16)
+        assert launched["rewy_fwd_pass"] == (2 if K > 128 else kernels.WARPS["fwd_pass"]), launched
+
+
 def test_pass_stages():
     """kernels._pass_stages: the one-sequence passes take DEFAULTS "state_pass.stages" (vector
     gates' unfused forward pass its own entry, the fused pass reading an fp32 W another), varlen

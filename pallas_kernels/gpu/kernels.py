@@ -378,6 +378,14 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               -> 0.151 + 0.134 — slower; KDA 0.258 -> 0.075 + 0.150, faster (~0.03 ms of the
 #               op's 3.9). True / False, or the gate modes it applies to: ("vector",) with
 #               "rewy_wu.whole_chunk" ("vector",) is profile variant splitv, untimed as such.
+#   rewy_wu.col_tile  ``wu`` on column tiles of this width (0: whole rows), one program per
+#               (chunk, head, tile): a memory-bound kernel whose whole-row programs hold 114
+#               registers (4 per SM) and stall on loads (profile-11 ncu); 74 at 64, 46 at 32
+#               (ptxas, DeltaNet's backward wu). Off, untimed: variants wut, wut32 (the
+#               backward's), splitt, splitt32 (and the forward's, with split_wu).
+#   launch.wide_warps  warps per kernel at K > 128, by "<kernel>" or "<kernel>:<gate mode>"
+#               (Shape.warps): e.g. {"fwd_pass:vector": 8}, where ptxas finds KDA's pass
+#               spilling at 4 warps and DeltaNet's measured slower at 8. Empty: WARPS.
 #   rewy_qk_gram.exact_diag "outer"  (blocks.DIAG_METHODS) all pairs of a diagonal block at once:
 #               profile-9 with exp2, qk_gram 1.45 (loop) -> 1.53: slower, not the default.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
@@ -403,7 +411,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "forward.native_pass_dots": True, "forward.native_fused_dots": False,
             "fwd_pass.split_w": False,
             "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False,
-            "rewy_wu.col_tile": 0}
+            "rewy_wu.col_tile": 0, "launch.wide_warps": {}}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -554,6 +562,19 @@ class Shape:
         # value-tile width of the two state passes: 32 keeps S [K, 32] and the chunk's R in
         # registers without spills (ptxas, sm_90) and gives B·H·V/32 programs to the SMs
         self.BVs = min(V, BVs or 32)
+
+    def warps(self, kernel):
+        """Warps of ``kernel`` (a key of WARPS): WARPS, or at K > 128 DEFAULTS
+        "launch.wide_warps"'s entry "<kernel>:<gate mode>" or "<kernel>" where it has one —
+        ptxas (sm_90, K = 256, KDA) finds the state passes spilling at their K ≤ 128 warp
+        counts (fwd_pass 300–328 B at 4 warps, none at 8), while DeltaNet's measured slower
+        at 8 (profile-12)."""
+        if self.K > 128:
+            wide = setting("launch.wide_warps")
+            for key in (f"{kernel}:{self.mode}", kernel):
+                if key in wide:
+                    return wide[key]
+        return WARPS[kernel]
 
     # BlockSpecs ---------------------------------------------------------------------------
     def chunk_tok(self, D):
@@ -735,7 +756,7 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
     P_out = ([s.chunk_mat(C, C)], [mat.update(dtype=F32)]) if with_P else ([], [])
     out = _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
                 out_specs=mats + P_out[0], out_shape=sds + P_out[1], interpret=interpret,
-                num_warps=WARPS["intra"], name="rewy_wu" if given_A else "rewy_intra")(*ins)
+                num_warps=s.warps("intra"), name="rewy_wu" if given_A else "rewy_intra")(*ins)
     return tuple(out)
 
 
@@ -804,7 +825,7 @@ def wu(s: Shape, k, e, z, G, A, *, interpret, dtypes=(F32, F32), a_copy=None):
         in_specs=[tok(BK, nk), tok(BK, nk), tok(BV, nv)] + gate + [s.chunk_mat3(C, C)],
         out_specs=[tok(BK, nk), tok(BV, nv)] + copy[0],
         out_shape=[s.sds_tok(K, dtypes[0]), s.sds_tok(V, dtypes[1])] + copy[1],
-        interpret=interpret, num_warps=WARPS["intra"], name="rewy_wu",
+        interpret=interpret, num_warps=s.warps("intra"), name="rewy_wu",
         tile_axis=2 if nt > 1 else None)(
             k, e, z, *([] if mode == "none" else [G]), A))
 
@@ -876,7 +897,7 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
     ins = [q, k] + ([e] if with_T else []) + [G]
     out = _call(kernel, grid=(s.N * per_chunk, s.B * H), in_specs=[tok] * len(ins),
                 out_specs=[mat] * (2 if with_T else 1), out_shape=[sds] * (2 if with_T else 1),
-                interpret=interpret, num_warps=WARPS["qk_gram"], name="rewy_qk_gram")(*ins)
+                interpret=interpret, num_warps=s.warps("qk_gram"), name="rewy_qk_gram")(*ins)
     return tuple(out) if with_T else out[0]
 
 
@@ -935,7 +956,7 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
     kernel, ins, in_specs, outputs = _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq,
                                                      dtypes, out, native)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
-                 interpret=interpret, num_warps=WARPS["fwd_pass"], name="rewy_fwd_pass",
+                 interpret=interpret, num_warps=s.warps("fwd_pass"), name="rewy_fwd_pass",
                  num_stages=_pass_stages(
                      s, ("native" if native else "fwd") if out is None
                      else "fused" if W.dtype != F32
@@ -1090,7 +1111,7 @@ def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
         in_specs = [s.chunk_tok3(s.K)] * 2 + gate[1] + [s.chunk_state_v(BV), s.chunk_tok_v(BV)]
     return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
                  out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V, out_dtype),
-                 interpret=interpret, num_warps=WARPS["output"], name="rewy_output", tile_axis=2)(*ins)
+                 interpret=interpret, num_warps=s.warps("output"), name="rewy_output", tile_axis=2)(*ins)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1118,7 +1139,7 @@ def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32):
             s.chunk_tok_v(BV)]
     return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
                  out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V, dtype), interpret=interpret,
-                 num_warps=WARPS["bwd_local"], name="rewy_bwd_local", tile_axis=2)(*ins)
+                 num_warps=s.warps("bwd_local"), name="rewy_bwd_local", tile_axis=2)(*ins)
 
 
 def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
@@ -1128,7 +1149,7 @@ def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
     kernel, ins, in_specs, outputs = _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end,
                                                      seq, dtypes)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
-                 interpret=interpret, num_warps=WARPS["bwd_pass"], name="rewy_bwd_pass",
+                 interpret=interpret, num_warps=s.warps("bwd_pass"), name="rewy_bwd_pass",
                  num_stages=_pass_stages(s, "bwd"), tile_axis=1)(*ins)
 
 
@@ -1222,7 +1243,7 @@ def twin_pass(s: Shape, fwd_args, bwd_args, *, interpret, fwd_dtypes, bwd_dtypes
                  in_specs=[on_twin_grid(x) for x in specs_f + specs_b],
                  out_specs=[on_twin_grid(x) for x in out_f["out_specs"] + out_b["out_specs"]],
                  out_shape=out_f["out_shape"] + out_b["out_shape"], interpret=interpret,
-                 num_warps=WARPS["twin_pass"], name="rewy_twin_pass",
+                 num_warps=s.warps("twin_pass"), name="rewy_twin_pass",
                  num_stages=_pass_stages(s, "twin"),
                  tile_axis=1)(*ins_f, *ins_b)
 
@@ -1286,7 +1307,7 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
                  out_shape=[s.sds_tok(V, lam_dtype),
                             jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), dt_dtype),
                             jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), dt_dtype)],
-                 interpret=interpret, num_warps=WARPS["bwd_dlam"], name="rewy_bwd_dlam")(*ins)
+                 interpret=interpret, num_warps=s.warps("bwd_dlam"), name="rewy_bwd_dlam")(*ins)
 
 
 def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, backward, dtypes,

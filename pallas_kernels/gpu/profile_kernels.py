@@ -242,6 +242,9 @@ VARIANTS = {
     # K ≤ 128: the forward's fused pass multiplying its recurrence in bf16
     # (forward.native_fused_dots)
     "ffnat": ({"forward.native_fused_dots": True}, 64, None, None),
+    # K > 128 only (launch.wide_warps): KDA's state passes at 8 warps, the output at 8
+    "widew8v": ({"launch.wide_warps": {"fwd_pass:vector": 8}}, 64, None, None),
+    "widewo8": ({"launch.wide_warps": {"output": 8}}, 64, None, None),
     "wideb2": ({"state_pass.wide_stages": {"native": 1, "bwd": 2}}, 64, None, None),
     "out8": ({"rewy_output.warps": 8}, 64, None, None),
     # W, U from the kept inverse on column tiles (rewy_wu.col_tile): the backward's alone
