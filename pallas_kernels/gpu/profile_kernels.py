@@ -242,6 +242,10 @@ VARIANTS = {
     # K ≤ 128: the forward's fused pass multiplying its recurrence in bf16
     # (forward.native_fused_dots)
     "ffnat": ({"forward.native_fused_dots": True}, 64, None, None),
+    # the per-chunk kernels ptxas compiles at 2 warps without spills (DeltaNet, KDA: intra 255
+    # registers, wu 146, bwd_local 176), as FLA's autotune picks for several of its own
+    "w2": ({"rewy_intra.warps": 2, "rewy_wu.warps": 2, "rewy_bwd_local.warps": 2}, 64, None,
+           None),
     # K > 128 only (launch.wide_warps): KDA's state passes at 8 warps, the output at 8
     "widew8v": ({"launch.wide_warps": {"fwd_pass:vector": 8}}, 64, None, None),
     "widewo8": ({"launch.wide_warps": {"output": 8}}, 64, None, None),
