@@ -1,6 +1,6 @@
 """The benchmark's accuracy check for our Pallas GPU kernels without a GPU (interpret mode, CPU).
 
-    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python -m benchmarks.interpret_accuracy gdn2 16 128 [--T 512]
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python -m benchmarks.interpret_accuracy gdn2 16 128 [--T 512] [--tf32 truncate]
         [--tune backward.native_pass_dots=false]
 
 Same inputs, float64 reference process and thresholds as ``benchmarks/accuracy.py`` uses at an
@@ -9,7 +9,8 @@ once with the backward's stored tensors in bf16 (the default, ``kernels.DEFAULTS
 ["backward.low_precision"]``) and once all in fp32, so that the cost of that storage is read
 off one table (and, with ``--tune``, a third row with other kernel settings). The interpreter
 evaluates the same kernel code with exact fp32 dots where the GPU uses TF32, so this checks the
-algorithm and the storage precision, not the TF32 rounding.
+algorithm and the storage precision, not the TF32 rounding — unless ``--tf32`` rounds the fp32
+operands of every product to TF32 first (``blocks.TF32_EMULATION``).
 """
 
 from __future__ import annotations
@@ -76,13 +77,22 @@ def main(argv=None):
     ap.add_argument("--T", type=int, default=512)
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="a kernel setting (kernels.TUNE) for a third row; repeatable")
+    ap.add_argument("--tf32", choices=("truncate", "round"), default=None,
+                    help="multiply fp32 operands as TF32 (as the GPU does for 16-bit inputs): "
+                         "their 13 low mantissa bits truncated or rounded")
     a = ap.parse_args(argv)
-    from pallas_kernels.gpu import kernels
+    from pallas_kernels.gpu import blocks, kernels
 
     tune = dict(kernels.parse_tune(t) for t in a.tune)
     t0 = time.time()
-    for name, rep in check(a.op, a.H, a.D, a.T, tune).items():
-        print(f"{a.op} (1, {a.T}, {a.H}, {a.D}) {name}: {rep['status']} " + " ".join(
+    saved, blocks.TF32_EMULATION = blocks.TF32_EMULATION, a.tf32
+    try:
+        reports = check(a.op, a.H, a.D, a.T, tune)
+    finally:
+        blocks.TF32_EMULATION = saved
+    tf32 = f" (TF32 {a.tf32})" if a.tf32 else ""
+    for name, rep in reports.items():
+        print(f"{a.op} (1, {a.T}, {a.H}, {a.D}) {name}{tf32}: {rep['status']} " + " ".join(
             f"{n}={r:.2e}/{t:.0e}" for n, (r, t) in rep["ratios"].items()), flush=True)
     print(f"({time.time() - t0:.0f} s)")
     return 0

@@ -770,6 +770,28 @@ def test_interpret_split_wu(op, decay, kw, small_tiles, monkeypatch):
     _check(testing.accuracy_report(op, inp, **kw))
 
 
+def test_tf32_emulation(monkeypatch):
+    """blocks.TF32_EMULATION (interpret_accuracy --tf32): fp32 operands keep 10 mantissa bits —
+    truncated, or rounded to nearest (ties away) — 16-bit operands and None leave dots exact."""
+    from pallas_kernels.gpu import blocks
+
+    x = jnp.array([1 + 2.0 ** -10, 1 + 2.0 ** -11, 1 + 2.0 ** -12, -(1 + 3 * 2.0 ** -12)],
+                  jnp.float32)
+    want = {"truncate": [1 + 2.0 ** -10, 1, 1, -1], "round": [1 + 2.0 ** -10, 1 + 2.0 ** -10, 1,
+                                                                -(1 + 2.0 ** -10)]}
+    for mode, w in want.items():
+        monkeypatch.setattr(blocks, "TF32_EMULATION", mode)
+        np.testing.assert_array_equal(np.asarray(blocks._as_tf32(x)), np.float32(w))
+        xb = x.astype(jnp.bfloat16)
+        assert blocks._as_tf32(xb) is xb
+        eye = jnp.eye(4, dtype=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(blocks.dot(x[None, :], eye, None)[0]),
+                                      np.float32(w))
+    monkeypatch.setattr(blocks, "TF32_EMULATION", None)
+    np.testing.assert_array_equal(np.asarray(blocks.dot(x[None, :], jnp.eye(4), None)[0]),
+                                  np.asarray(x))
+
+
 def test_stacked_blocks_and_inverse():
     """blocks.stack_blocks / unstack_blocks round-trip 1–8 blocks in order, and the stacked
     diagonal inverse equals the per-block one and inverts I + T (fp32, random strict T)."""

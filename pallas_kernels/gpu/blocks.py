@@ -48,9 +48,27 @@ def exp(x):
     return jnp.exp2(x * LOG2E)
 
 
+# Interpret mode only (benchmarks.interpret_accuracy --tf32): the GPU multiplies fp32 operands
+# of 16-bit-input calls in TF32 (api._precision), the interpreter in exact fp32. "truncate" drops
+# each fp32 operand's 13 low mantissa bits, as the tensor cores read an fp32 register as TF32;
+# "round" rounds them to nearest instead (the better case). None: exact.
+TF32_EMULATION: str | None = None
+
+
+def _as_tf32(x):
+    if x.dtype != F32:
+        return x  # 16-bit operands are exact in TF32
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    if TF32_EMULATION == "round":  # to nearest, ties away: add half of the dropped ulp first
+        bits = bits + jnp.uint32(0x1000)
+    return lax.bitcast_convert_type(bits & jnp.uint32(0xFFFFE000), F32)
+
+
 def dot(a, b, prec, ta=False, tb=False):
     """``a @ b`` (``aᵀ`` / ``bᵀ`` when ta / tb) with fp32 accumulation."""
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    if TF32_EMULATION:
+        a, b = _as_tf32(a), _as_tf32(b)
     return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=F32)
 
 
