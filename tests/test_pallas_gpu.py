@@ -393,6 +393,87 @@ def _bf16_case(op, decay, seed, kw):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("mode", ["none", "scalar", "vector"])
+@pytest.mark.parametrize("kslice", [0, 16])
+def test_interpret_intra_rows(mode, kslice, monkeypatch):
+    """kernels.intra and qk_gram with per-row scales (``rows``, ``e_rows``): from k, v as stored
+    and β, the same A, W, U, T as from the exactly scaled fp32 rows — with the Grams over key
+    slices (native products of the stored rows) or whole."""
+    from pallas_kernels.gpu import api, kernels
+
+    monkeypatch.setitem(kernels.TUNE, "rewy_intra.kslice", kslice)
+    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.kslice", kslice)
+    B, T, H, D, C = 1, 128, 2, 32, 64
+    ks = jax.random.split(jax.random.PRNGKey(13), 5)
+    q = (jax.random.normal(ks[4], (B, T, H, D)) / D ** 0.5).astype(jnp.bfloat16)
+    k = (jax.random.normal(ks[0], (B, T, H, D)) / D ** 0.5).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[1], (B, T, H, D)).astype(jnp.bfloat16)
+    be = jax.random.uniform(ks[3], (B, T, H), jnp.float32, 0.0, 2.0)
+    bz = 0.5 * be
+    e32, z32 = be[..., None] * k.astype(jnp.float32), bz[..., None] * v.astype(jnp.float32)
+    G = None
+    if mode != "none":
+        g = -jax.random.uniform(ks[2], (B, T, H) if mode == "scalar" else (B, T, H, D),
+                                jnp.float32, 0.01, 3.0)
+        G = api._cum_gates(g, C)
+    h0 = jnp.zeros((B, H, 2, D, D), jnp.float32)
+    s = api._shape(api.Config(C, "recompute", "rewy", True, 64, one_seq=True), k, v, G, h0)
+    Tg = Tg32 = None
+    if mode == "vector":
+        P, Tg = kernels.qk_gram(s, q, k, G, e=k, e_rows=be, interpret=True)
+        P32, Tg32 = kernels.qk_gram(s, q, k, G, e=e32, interpret=True)
+        assert _rel(P, P32) == 0 and _rel(Tg, Tg32) < 1e-6, _rel(Tg, Tg32)
+    got = kernels.intra(s, k, k, v, G, T=Tg, interpret=True, rows=(be, bz))
+    want = kernels.intra(s, k, e32, z32, G, T=Tg32, interpret=True)
+    for x, y in zip(got, want, strict=True):  # A, W, U
+        assert _rel(x, y) < 1e-5, (_rel(x, y), mode)
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
+                                         ("gdn", "strong", {"policy": "save"}),
+                                         ("kda", "normal", {}),
+                                         ("gdn2", "normal", {})])
+def test_interpret_row_scaled_ez(op, decay, kw, monkeypatch):
+    """forward.row_scaled_ez (default): with per-row β (DeltaNet, GDN, KDA) the forward's
+    kernels form Ē = β ⊙ k and Z = β ⊙ v from k, v and β instead of reading e, z rounded to
+    bf16 — o and the final state come closer to the float64 recurrence (β in [0, 2], packed
+    sequences, strong decays, both policies), the gradients move by rounding only, and GDN2 (b, w
+    per channel) keeps the rounded e, z."""
+    from pallas_kernels.gpu import kernels
+
+    inp, cts, kw = _bf16_case(op, decay, 71, kw)
+    # q, k of unit norm as bf16 inputs (normalised in-op, they would be rounded to bf16 after
+    # the reference saw them in fp32): the forward's own rounding alone
+    for n in ("q", "k"):
+        x = inp[n].astype(jnp.float32)
+        inp[n] = (x / jnp.linalg.norm(x, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+    kw["use_qk_l2norm"] = False
+    seen = []
+    intra = kernels.intra
+    monkeypatch.setattr(kernels, "intra", lambda *a, **k: seen.append(k.get("rows") is not None)
+                        or intra(*a, **k))
+    reps, grads = {}, {}
+    for on in (False, True):
+        monkeypatch.setitem(kernels.TUNE, "forward.row_scaled_ez", on)
+        jax.clear_caches()  # read when the kernels are traced
+        seen.clear()
+        reps[on] = testing.accuracy_report(op, inp, **kw)
+        grads[on] = testing.loss_and_grads(op, inp, cts, **kw)[2]  # the gradients alone
+        assert any(seen) == (on and op != "gdn2"), (on, seen)
+        _check(reps[on])
+    if op == "gdn2":
+        assert reps[True] == reps[False]
+        return
+    for name in ("o", "final_state"):  # the old error included e, z's bf16 rounding
+        assert reps[True][name][0] < 0.9 * reps[False][name][0], (name, reps)
+    # the backward reads the forward's inverse (and under "save" its states), now from exact rows
+    gaps = {n: _rel(grads[True][n], grads[False][n]) for n in grads[True]}
+    print(gaps)
+    assert max(gaps.values()) < 1e-2, gaps
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
                                          ("gdn", "strong", {}),
                                          ("kda", "normal", {"policy": "save"})])
@@ -701,7 +782,8 @@ def test_interpret_wu_whole_chunk(mode, monkeypatch):
 def test_interpret_wu_col_tile(mode, K, V, monkeypatch):
     """DEFAULTS "rewy_wu.col_tile": kernels.wu on column tiles (one program per chunk, head and
     tile; K ≠ V leaves the narrower side's last programs idle) gives W, U as whole rows do, to
-    rounding, and A's copy bit for bit; a width that does not divide K and V is refused."""
+    rounding, and A's copy bit for bit; with per-row scales of k and v (``rows``) they are the
+    products of the exactly scaled rows; a width that does not divide K and V is refused."""
     from pallas_kernels.gpu import api, kernels
 
     B, T, H, C = 1, 128, 2, 64
@@ -729,6 +811,16 @@ def test_interpret_wu_col_tile(mode, K, V, monkeypatch):
         assert _rel(x, y) < 1e-5, (_rel(x, y), mode, K, V)
     np.testing.assert_array_equal(np.asarray(outs[16][2]), np.asarray(outs[0][2]))
     assert float(jnp.abs(outs[16][0].astype(jnp.float32)).max()) > 0  # not an empty buffer
+    # per-row scales (forward.row_scaled_ez): from k, v and β the products of exact β ⊙ k, β ⊙ v
+    beta = jax.random.uniform(ks[3], (B, T, H), jnp.float32, 0.0, 2.0)
+    v = z
+    exact = (beta[..., None] * k.astype(jnp.float32), beta[..., None] * v.astype(jnp.float32))
+    for tile in (0, 16):
+        monkeypatch.setitem(kernels.TUNE, "rewy_wu.col_tile", tile)
+        got = kernels.wu(s, k, k, v, G, A, interpret=True, rows=(beta, 0.5 * beta))
+        want = kernels.wu(s, k, exact[0], 0.5 * exact[1], G, A, interpret=True)
+        for x, y in zip(got, want, strict=True):
+            assert _rel(x, y) < 1e-6, (_rel(x, y), tile, mode)
     monkeypatch.setitem(kernels.TUNE, "rewy_wu.col_tile", 24)
     with pytest.raises(ValueError, match="rewy_wu.col_tile 24 must divide"):
         kernels.wu(s, k, e, z, G, A, interpret=True)

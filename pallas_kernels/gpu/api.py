@@ -91,29 +91,33 @@ def _shape(cfg, q, v, G, h0):
                     DEFAULT_BV_STATE, cfg.centred, cfg.one_seq)
 
 
-def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32)):
+def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32), rows=None):
     """(A, W, U, P): P is the gated query-key matrix [B,H,N,C,C] (vector gates, and no or scalar
     gates where ``intra`` forms it — kernels.intra_forms_P —, else None); W, U stored in
     ``dtypes``; A (kept only for the backward) as ``_stored_dtypes`` says. One intra launch,
-    or two under DEFAULTS "rewy_intra.split_wu": the inverse alone, then ``kernels.wu``."""
+    or two under DEFAULTS "rewy_intra.split_wu": the inverse alone, then ``kernels.wu``.
+    rows = (βe, βz): e, z are k, v as stored and the kernels scale their rows (``kernels.intra``)."""
     a_dtype = _stored_dtypes(q.dtype)["A"]
     P = T = None
     if s.mode == "vector" and kn.setting("rewy_intra.gram_from_qk"):
-        P, T = kn.qk_gram(s, q, k, G, e=e, interpret=interpret)
+        P, T = kn.qk_gram(s, q, k, G, e=e, interpret=interpret,
+                          e_rows=None if rows is None else rows[0])
     elif s.mode == "vector":
         P = kn.qk_gram(s, q, k, G, interpret=interpret)
     if kn.split_wu(s.mode) and not kn.intra_forms_P(s.mode):
         # the inverse alone (fp32, transient), then W, U and the kept copy of A from it
-        (A,) = kn.intra(s, k, e, z, G, T=T, interpret=interpret, wu=False)
-        W, U, A = kn.wu(s, k, e, z, G, A, interpret=interpret, dtypes=dtypes, a_copy=a_dtype)
+        (A,) = kn.intra(s, k, e, z, G, T=T, interpret=interpret, wu=False, rows=rows)
+        W, U, A = kn.wu(s, k, e, z, G, A, interpret=interpret, dtypes=dtypes, a_copy=a_dtype,
+                        rows=rows)
         return A, W, U, P
     if T is not None:
         return (*kn.intra(s, k, e, z, G, T=T, interpret=interpret, dtypes=dtypes,
-                          a_dtype=a_dtype), P)
+                          a_dtype=a_dtype, rows=rows), P)
     if kn.intra_forms_P(s.mode):
         return tuple(kn.intra(s, k, e, z, G, interpret=interpret, dtypes=dtypes,
-                              a_dtype=a_dtype, q=q))
-    A, W, U = kn.intra(s, k, e, z, G, interpret=interpret, dtypes=dtypes, a_dtype=a_dtype)
+                              a_dtype=a_dtype, q=q, rows=rows))
+    A, W, U = kn.intra(s, k, e, z, G, interpret=interpret, dtypes=dtypes, a_dtype=a_dtype,
+                       rows=rows)
     return A, W, U, P
 
 
@@ -157,36 +161,46 @@ def _fused_pass_dtypes(dtype, mode):
     return (jnp.bfloat16,) * 2 if native else (F32, F32)
 
 
-def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True):
+def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True, rows=None):
     """(o, final, (A, W, S0, R, P)); without ``keep_states`` (nothing will read S0 and R) the
     output may be fused into the state pass (DEFAULTS "fwd_pass.fused_output", K ≤ 128), and
-    W, S0, R then come back as None."""
+    W, S0, R then come back as None. rows = (v, βe, βz): per-row scales of k and v, from which
+    the kernels form Ē and Z exactly instead of reading e, z (``_ez_rows``)."""
     s = _shape(cfg, q, z, G, h0)
     fd = _forward_dtypes(q.dtype, s.K)
-    A, W, U, P = _intra(s, q, k, e, z, G, cfg.interpret, dtypes=(fd["W"], fd["U"]))
+    if rows is not None:
+        v, be, bz = rows
+        e, z, rows = k, v, (be, bz)
+    A, W, U, P = _intra(s, q, k, e, z, G, cfg.interpret, dtypes=(fd["W"], fd["U"]), rows=rows)
     # K = 256: the pass holds one pipeline stage there (kernels._pass_stages) and the fused form
     # measured slower (run h200-7: DeltaNet (8,2048,32,256) forward 12.2 -> 13.9 ms).
     if not keep_states and kn.fused_output(s.mode) and s.K <= 128:
         o, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret,
-                               out=(q, P, z.dtype), forward=True,
+                               out=(q, P, q.dtype), forward=True,
                                dtypes=_fused_pass_dtypes(q.dtype, s.mode))
         return o, final, (A, None, None, None, P)
     S0, R, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret,
                                dtypes=(fd["S0"], fd["R"]), forward=True)
-    o = kn.output(s, q, k, G, S0, R, P, z.dtype, interpret=cfg.interpret)
+    o = kn.output(s, q, k, G, S0, R, P, q.dtype, interpret=cfg.interpret)
     return o, final, (A, W, S0, R, P)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def general_delta(cfg: Config, q, k, e, z, g, h0, reset, end, seq):
+def general_delta(cfg: Config, q, k, e, z, g, h0, reset, end, seq, rows=None):
+    """The op on laid-out chunks: (o [B,Tp,H,V], final [B,H,n_seq1,K,V]).
+
+    rows: None, or (v, βe, βz) with e = βe ⊙ k and z = βz ⊙ v (βe, βz [B,Tp,H] fp32): the
+    forward then forms Ē, Z in-kernel from them, exactly, while e, z (rounded to the inputs'
+    dtype) serve the backward. Its gradient is declared through e and z, so rows gets none.
+    """
     o, final, _ = _forward(cfg, q, k, e, z, _cum_gates(g, cfg.chunk_size), h0, reset, end, seq,
-                           keep_states=False)
+                           keep_states=False, rows=rows)
     return o, final
 
 
-def _fwd(cfg, q, k, e, z, g, h0, reset, end, seq):
+def _fwd(cfg, q, k, e, z, g, h0, reset, end, seq, rows=None):
     o, final, saved = _forward(cfg, q, k, e, z, _cum_gates(g, cfg.chunk_size), h0, reset, end,
-                               seq, keep_states=cfg.policy == "save")
+                               seq, keep_states=cfg.policy == "save", rows=rows)
     if cfg.policy == "recompute":
         # Keep the [C, C] chunk matrices (A, and P for vector gates: C/K of a key tensor each)
         # unless told not to: the backward then re-forms W, U with two matmuls per row block
@@ -196,7 +210,8 @@ def _fwd(cfg, q, k, e, z, g, h0, reset, end, seq):
         A, _, _, _, P = saved
         P = P if _mode(g) == "vector" else None
         saved = (A, P) if kn.setting("recompute.keep_chunk_matrices") else None
-    return (o, final), (q, k, e, z, g, h0, reset, end, seq, saved)
+    # whether rows came (a leafless marker: residuals are pytrees of arrays)
+    return (o, final), (q, k, e, z, g, h0, reset, end, seq, saved, None if rows is None else ())
 
 
 def _stored_dtypes(dtype):
@@ -213,7 +228,7 @@ def _stored_dtypes(dtype):
 
 
 def _bwd(cfg, res, cts):
-    q, k, e, z, g, h0, reset, end, seq, saved = res
+    q, k, e, z, g, h0, reset, end, seq, saved, rows_marker = res
     dO, dfin = cts
     G = _cum_gates(g, cfg.chunk_size)
     s = _shape(cfg, q, z, G, h0)
@@ -246,7 +261,8 @@ def _bwd(cfg, res, cts):
                                       dtypes=(q.dtype, k.dtype, e.dtype, z.dtype), interpret=it,
                                       lam_dtype=sd["lam"], dt_dtype=sd["dT"])
     dg = None if dg is None else _gate_grad(dg, cfg.chunk_size)
-    return dq, dk, de, dz, dg, dh0, None, None, None
+    return dq, dk, de, dz, dg, dh0, None, None, None, (
+        None if rows_marker is None else (None, None, None))
 
 
 general_delta.defvjp(_fwd, _bwd)
@@ -292,6 +308,10 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
     e = (_expand(b, 4).astype(F32) * k.astype(F32)).astype(dt)
     z = (_expand(w, 4).astype(F32) * v.astype(F32)).astype(dt)
     g = None if g is None else g.astype(F32)
+    # per-row erase and write gates (DeltaNet, GDN, KDA): the forward forms Ē = β ⊙ k and
+    # Z = β ⊙ v in-kernel, exactly (DEFAULTS "forward.row_scaled_ez"); e, z above, rounded to dt,
+    # are the backward's
+    row_scaled = kn.setting("forward.row_scaled_ez") and b.ndim == 3 and w.ndim == 3
 
     if plan is None or plan.gather is None:
         N = -(-T // C)
@@ -327,7 +347,9 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
     centred = (gate_lower_bound is not None and g is not None and g.ndim == 4
                and gate_lower_bound >= CENTRED_MIN_GATE)
     cfg = Config(C, policy, backward, bool(interpret), BV or DEFAULT_BV, centred, n_seq is None)
-    o, final = general_delta(cfg, lay(q), lay(k), lay(e), lay(z), lay(g), h0x, reset, end, seq)
+    rows = (lay(v), lay(b.astype(F32)), lay(w.astype(F32))) if row_scaled else None
+    o, final = general_delta(cfg, lay(q), lay(k), lay(e), lay(z), lay(g), h0x, reset, end, seq,
+                             rows)
     if n_seq is None:
         return o[:, :T], final[:, :, 0]
     return o[:, plan.scatter], jnp.moveaxis(final[0, :, :n_seq], 1, 0)

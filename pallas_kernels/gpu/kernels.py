@@ -411,7 +411,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "forward.native_pass_dots": True, "forward.native_fused_dots": False,
             "fwd_pass.split_w": False,
             "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False,
-            "rewy_wu.col_tile": 0, "launch.wide_warps": {}}
+            "rewy_wu.col_tile": 0, "launch.wide_warps": {}, "forward.row_scaled_ez": True}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -603,6 +603,10 @@ class Shape:
         H = self.H
         return pl.BlockSpec((None, None, None, self.K, BV), lambda n, bh, v: (bh // H, bh % H, n, 0, v))
 
+    def chunk_row(self):  # [B, Tp, H] per-row values (scalar gates, row scales)
+        H = self.H
+        return pl.BlockSpec((None, self.C, None), lambda n, bh: (bh // H, n, bh % H))
+
     def chunk_gate(self):
         H = self.H
         if self.mode == "scalar":
@@ -672,7 +676,7 @@ def _split(refs, mode, n_in):
 
 
 def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32), a_dtype=F32,
-          q=None, wu=True):
+          q=None, wu=True, rows=None):
     """A [B,H,N,C,C] (stored in ``a_dtype``), W [B,Tp,H,K], U [B,Tp,H,V] (in ``dtypes``), and
     with ``q`` given (no or scalar gates, DEFAULTS "rewy_intra.emit_P") P = tril(Qγ K̄ᵀ)
     [B,H,N,C,C] fp32: one [C, K]·[K, C] product per chunk here instead of one per value tile in
@@ -688,6 +692,9 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
     recomputation without the Gram and the block substitution, as row-block products (``wu``
     below forms them as two whole-chunk products instead).
     wu=False: the inverse only, (A,) — W, U left to ``wu`` (DEFAULTS "rewy_intra.split_wu").
+    rows = (βe, βz), [B,Tp,H] fp32 per-row scales: e and z are then k and v as stored, and the
+    kernel forms Ē = βe ⊙ k and Z = βz ⊙ v exactly in fp32 (DEFAULTS "forward.row_scaled_ez"):
+    the Gram as βe_r (k_r·k_s), W and U from the scaled rows (a given T holds βe already).
     """
     n, C, prec, mode = s.n, s.C, s.prec, s.mode
     given_T, given_A, with_P = T is not None, A is not None, q is not None
@@ -697,6 +704,10 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
 
     def kernel(*refs):
         refs = list(refs)
+        be_ref = bz_ref = None
+        if rows is not None:  # the last two inputs
+            be_ref, bz_ref = refs[n_in - 2:n_in]
+            del refs[n_in - 2:n_in]
         M_ref = refs.pop(4 if mode != "none" else 3) if (given_T or given_A) else None
         q_ref = refs.pop(4 if mode != "none" else 3) if with_P else None
         P_ref = refs.pop() if with_P else None
@@ -712,20 +723,31 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
         unroll = bool(setting("rewy_intra.unroll"))
         gt = Gates(mode, G_ref, 0, C, setting("rewy_intra.exact_diag"), unroll,
                    kslice=setting("rewy_intra.kslice"))
+        # with rows, es and zs are k's and v's rows as stored: the row scales βe, βz go onto
+        # the [16, 16] blocks instead — T's rows after its product (the key slices stay native
+        # products of the stored rows) and A's columns before W's and U's (a [16, 16] product
+        # per block, not a [16, K] one per row operand: ptxas, DeltaNet, 178 registers either
+        # way, against 254 with the rows scaled)
         ks, es, zs = Rows(k_ref), Rows(e_ref), Rows(z_ref)
 
         def T_blk(i, j):
             if given_T:
                 return M_ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)]
-            return gt.gram(i, j, es[i], ks[j], k_ref, prec, strict=True,
-                           x_ref=e_ref if gt.kslice else None)  # key slices need the ref
+            t = gt.gram(i, j, es[i], ks[j], k_ref, prec, strict=True,
+                        x_ref=e_ref if gt.kslice else None)  # key slices need the ref
+            return t if be_ref is None else t * load_rows(be_ref, i * BS)[:, None]
+
+        def scaled(a, j, b_ref):  # A[i, j] diag(β_j): the row scale of Ē_j or Z_j
+            return a if b_ref is None else a * load_rows(b_ref, j * BS)[None, :]
 
         def on_row(i, A):  # row block i of A is final: emit W_i, U_i (and A's row)
             if wu:
-                W_ref[pl.ds(i * BS, BS), :] = _sum(dot(A[i, j], gt.head(j, es[j]), prec)
-                                                   for j in range(i + 1)).astype(W_ref.dtype)
+                W_ref[pl.ds(i * BS, BS), :] = _sum(
+                    dot(scaled(A[i, j], j, be_ref), gt.head(j, es[j]), prec)
+                    for j in range(i + 1)).astype(W_ref.dtype)
                 U_ref[pl.ds(i * BS, BS), :] = _sum(
-                    dot(A[i, j], zs[j], prec) for j in range(i + 1)).astype(U_ref.dtype)
+                    dot(scaled(A[i, j], j, bz_ref), zs[j], prec)
+                    for j in range(i + 1)).astype(U_ref.dtype)
             if A_ref is None:
                 return
             for j in range(n):
@@ -743,11 +765,13 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
             P_ref[...] = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)[1]
 
     ins = [k, e, z] + ([] if mode == "none" else [G]) + (
-        [T] if given_T else [A] if given_A else []) + ([q] if with_P else [])
+        [T] if given_T else [A] if given_A else []) + ([q] if with_P else []) + (
+        list(rows) if rows is not None else [])
     in_specs = [s.chunk_tok(s.K), s.chunk_tok(s.K), s.chunk_tok(s.V)] + (
         [] if mode == "none" else [s.chunk_gate()]) + (
         [s.chunk_mat(C, C)] if (given_T or given_A) else []) + (
-        [s.chunk_tok(s.K)] if with_P else [])
+        [s.chunk_tok(s.K)] if with_P else []) + ([s.chunk_row()] * 2 if rows is not None else [])
+    n_in = len(ins)
     mat = jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), a_dtype)
     mats, sds = ([], []) if given_A else ([s.chunk_mat(C, C)], [mat])
     if wu:
@@ -760,7 +784,7 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
     return tuple(out)
 
 
-def wu(s: Shape, k, e, z, G, A, *, interpret, dtypes=(F32, F32), a_copy=None):
+def wu(s: Shape, k, e, z, G, A, *, interpret, dtypes=(F32, F32), a_copy=None, rows=None):
     """(W, U) = (A·Ēγ, A·Z), [B,Tp,H,K] and [B,Tp,H,V] in ``dtypes``, from the inverse A
     [B,H,N,C,C] as [C, C]·[C, ·] products per chunk — A's upper blocks are stored as zeros,
     and γ = e^{G} with G from the chunk's start stays ≤ 1, so no factor overflows. With
@@ -774,7 +798,8 @@ def wu(s: Shape, k, e, z, G, A, *, interpret, dtypes=(F32, F32), a_copy=None):
     program holds two [C, 128] fp32 accumulators (ptxas: 114 registers, 4 programs per SM),
     which leaves too few loads in flight (profile-11 ncu: long-scoreboard stalls first); on
     tiles of 64 it holds 74 registers, of 32 46 (ptxas, sm_90, 4 warps). Each output element
-    is the same [C]-long product either way.
+    is the same [C]-long product either way. ``rows`` as in ``intra``: e, z are k, v as stored
+    and Ē = βe ⊙ k, Z = βz ⊙ v are formed in fp32.
     """
     C, prec, mode, H, K, V = s.C, s.prec, s.mode, s.H, s.K, s.V
     tile = setting("rewy_wu.col_tile")
@@ -785,19 +810,27 @@ def wu(s: Shape, k, e, z, G, A, *, interpret, dtypes=(F32, F32), a_copy=None):
     nt = max(nk, nv)
 
     def kernel(*refs):
+        refs = list(refs)
+        be_ref = bz_ref = None
+        if rows is not None:  # the last two inputs
+            be_ref, bz_ref = refs[n_in - 2:n_in]
+            del refs[n_in - 2:n_in]
         k_ref, e_ref, z_ref, G_ref, A_ref, W_ref, U_ref, *Ac_ref = _split(refs, mode, 4)
         t = grid_id(2)
         A = A_ref[...]
 
         def store_W():
             e = e_ref[...]
+            if be_ref is not None:
+                e = be_ref[...][:, None] * e.astype(F32)
             if mode != "none":
                 d = exp(G_ref[...].astype(F32))
                 e = (d[:, None] if mode == "scalar" else d) * e.astype(F32)
             W_ref[...] = dot_stored(A, e, prec).astype(W_ref.dtype)
 
         def store_U():
-            U_ref[...] = dot_stored(A, z_ref[...], prec).astype(U_ref.dtype)
+            z = z_ref[...] if bz_ref is None else bz_ref[...][:, None] * z_ref[...].astype(F32)
+            U_ref[...] = dot_stored(A, z, prec).astype(U_ref.dtype)
 
         for n_tiles, store in ((nk, store_W), (nv, store_U)):
             if n_tiles == nt:
@@ -820,17 +853,21 @@ def wu(s: Shape, k, e, z, G, A, *, interpret, dtypes=(F32, F32), a_copy=None):
         s.chunk_gate3() if mode == "scalar" else tok(BK, nk)])
     copy = (([s.chunk_mat3(C, C)], [jax.ShapeDtypeStruct(A.shape, a_copy)]) if a_copy
             else ([], []))
+    row = pl.BlockSpec((None, C, None), lambda n, bh, t: (bh // H, n, bh % H))
+    extra = list(rows) if rows is not None else []
+    n_in = 4 + (mode != "none") + len(extra)
     return tuple(_call(
         kernel, grid=(s.N, s.B * H, nt),
-        in_specs=[tok(BK, nk), tok(BK, nk), tok(BV, nv)] + gate + [s.chunk_mat3(C, C)],
+        in_specs=[tok(BK, nk), tok(BK, nk), tok(BV, nv)] + gate + [s.chunk_mat3(C, C)] + (
+            [row] * len(extra)),
         out_specs=[tok(BK, nk), tok(BV, nv)] + copy[0],
         out_shape=[s.sds_tok(K, dtypes[0]), s.sds_tok(V, dtypes[1])] + copy[1],
         interpret=interpret, num_warps=s.warps("intra"), name="rewy_wu",
         tile_axis=2 if nt > 1 else None)(
-            k, e, z, *([] if mode == "none" else [G]), A))
+            k, e, z, *([] if mode == "none" else [G]), A, *extra))
 
 
-def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
+def qk_gram(s: Shape, q, k, G, *, interpret, e=None, e_rows=None):
     """Vector gates only: P = tril(Qγ K̄ᵀ) [B,H,N,C,C] fp32, once per chunk, so that ``output``
     and ``bwd_local`` are plain matmuls instead of rebuilding P's per-pair (or centred) diagonal
     blocks per value tile. A kernel of its own: inside ``intra`` it would add live blocks to the
@@ -838,6 +875,8 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
 
     With ``e`` it also returns intra's T = strict tril(Ēγ K̄ᵀ) (P, T): the two Grams share every
     decay factor (the same K̄ frames), so T costs matmuls here instead of exponentials in intra.
+    With ``e_rows`` ([B,Tp,H] fp32, ``intra``'s βe) as well, ``e`` is k as stored and T's rows
+    are scaled by βe after the products — Ē = βe ⊙ k exactly, not rounded to 16 bits.
     """
     n, C, prec = s.n, s.C, s.prec
     # Row grid (DEFAULTS): one program per 16-row block of P. Pair grid (DEFAULTS, off: no
@@ -850,7 +889,10 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
     with_T = e is not None
 
     def kernel(*refs):
-        if with_T:
+        be_ref = None
+        if e_rows is not None:
+            q_ref, k_ref, e_ref, G_ref, be_ref, P_ref, T_ref = refs
+        elif with_T:
             q_ref, k_ref, e_ref, G_ref, P_ref, T_ref = refs
         else:
             (q_ref, k_ref, G_ref, P_ref), e_ref, T_ref = refs, None, None
@@ -873,7 +915,8 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
             out = gt.grams(i, j, xs, ks[j], k_ref, prec, stricts, x_refs=x_refs)
             P_ref[blk] = out[0]
             if with_T:
-                T_ref[blk] = out[1]
+                T_ref[blk] = out[1] if be_ref is None else (
+                    out[1] * load_rows(be_ref, i * BS)[:, None])
 
         def row_block(i):
             for j in range(n):
@@ -895,7 +938,12 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None):
     mat = pl.BlockSpec((None, None, None, C, C), lambda m, bh: (bh // H, bh % H, ch(m), 0, 0))
     sds = jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), F32)
     ins = [q, k] + ([e] if with_T else []) + [G]
-    out = _call(kernel, grid=(s.N * per_chunk, s.B * H), in_specs=[tok] * len(ins),
+    in_specs = [tok] * len(ins)
+    if e_rows is not None:
+        assert with_T, "e_rows scales T: e (k as stored) is needed too"
+        ins.append(e_rows)
+        in_specs.append(pl.BlockSpec((None, C, None), lambda m, bh: (bh // H, ch(m), bh % H)))
+    out = _call(kernel, grid=(s.N * per_chunk, s.B * H), in_specs=in_specs,
                 out_specs=[mat] * (2 if with_T else 1), out_shape=[sds] * (2 if with_T else 1),
                 interpret=interpret, num_warps=s.warps("qk_gram"), name="rewy_qk_gram")(*ins)
     return tuple(out) if with_T else out[0]

@@ -242,6 +242,8 @@ VARIANTS = {
     # K ≤ 128: the forward's fused pass multiplying its recurrence in bf16
     # (forward.native_fused_dots)
     "ffnat": ({"forward.native_fused_dots": True}, 64, None, None),
+    # the forward reading e = βk, z = βv rounded to bf16 (before forward.row_scaled_ez)
+    "noezrows": ({"forward.row_scaled_ez": False}, 64, None, None),
     # the per-chunk kernels ptxas compiles at 2 warps without spills (DeltaNet, KDA: intra 255
     # registers, wu 146, bwd_local 176), as FLA's autotune picks for several of its own
     "w2": ({"rewy_intra.warps": 2, "rewy_wu.warps": 2, "rewy_bwd_local.warps": 2}, 64, None,
@@ -290,7 +292,8 @@ def _inputs(mode, B, T, H, D, C=64, seed=0):
     k = nrm(ks[1], (B, T, H, D))
     b = jax.random.uniform(ks[2], (B, T, H, 1), F32, 0.0, 1.0)
     e = (b * k.astype(F32)).astype(bf)
-    z = (jax.random.normal(ks[3], (B, T, H, D), F32) * b).astype(bf)
+    v = jax.random.normal(ks[3], (B, T, H, D), F32).astype(bf)
+    z = (v.astype(F32) * b).astype(bf)
     g = G = None
     if mode != "none":
         gshape = (B, T, H) if mode == "scalar" else (B, T, H, D)
@@ -303,7 +306,7 @@ def _inputs(mode, B, T, H, D, C=64, seed=0):
     end = (jnp.arange(N) == N - 1).astype(jnp.int32)
     seq = jnp.zeros((N,), jnp.int32)
     dO = jax.random.normal(ks[6], (B, T, H, D), F32).astype(bf)
-    return q, k, e, z, g, G, h0, reset, end, seq, dO
+    return q, k, e, z, g, G, h0, reset, end, seq, dO, v, b[..., 0]
 
 
 def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, runs=5):
@@ -325,18 +328,23 @@ def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, run
 
 def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     B, T, H, D = shape
-    q, k, e, z, g, G, h0, reset, end, seq, dO = _inputs(mode, B, T, H, D)
+    q, k, e, z, g, G, h0, reset, end, seq, dO, v, beta = _inputs(mode, B, T, H, D)
     cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4"),
                      one_seq=True)  # one sequence per row: the metadata of _inputs
     s = api._shape(cfg, q, z, G, h0)
     it = interpret
     rows = {}
+    # the forward's e, z, as the op passes them (api.delta_rule_call): k, v and β's per-row
+    # scales under DEFAULTS "forward.row_scaled_ez", else the rounded products
+    ez_rows = (v, beta, beta) if kn.setting("forward.row_scaled_ez") else None
+    fe, fz, frows = (k, v, (beta, beta)) if ez_rows else (e, z, None)
 
     P = Tg = None
     if G is not None and G.ndim == 4 and kn.setting("rewy_intra.gram_from_qk"):
-        f = jax.jit(lambda q, k, e, G: kn.qk_gram(s, q, k, G, e=e, interpret=it))
-        rows["qk_gram"] = _bench(f, q, k, e, G)  # P and intra's T
-        P, Tg = f(q, k, e, G)
+        f = jax.jit(lambda q, k, e, G: kn.qk_gram(s, q, k, G, e=e, interpret=it,
+                                                  e_rows=frows and frows[0]))
+        rows["qk_gram"] = _bench(f, q, k, fe, G)  # P and intra's T
+        P, Tg = f(q, k, fe, G)
     elif G is not None and G.ndim == 4:
         f = jax.jit(lambda q, k, G: kn.qk_gram(s, q, k, G, interpret=it))
         rows["qk_gram"] = _bench(f, q, k, G)
@@ -347,21 +355,22 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     wu_dt = (fd["W"], fd["U"])
     if kn.intra_forms_P(mode):  # intra forms P too (no or scalar gates)
         f = jax.jit(lambda k, e, z, G, q: kn.intra(s, k, e, z, G, q=q, interpret=it,
-                                                   dtypes=wu_dt))
-        rows["intra"] = _bench(f, k, e, z, G, q)
-        A, W, U, P = f(k, e, z, G, q)
+                                                   dtypes=wu_dt, rows=frows))
+        rows["intra"] = _bench(f, k, fe, fz, G, q)
+        A, W, U, P = f(k, fe, fz, G, q)
     else:
         f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it,
-                                                    dtypes=wu_dt))
-        rows["intra"] = _bench(f, k, e, z, G, Tg)
-        A, W, U = f(k, e, z, G, Tg)
+                                                    dtypes=wu_dt, rows=frows))
+        rows["intra"] = _bench(f, k, fe, fz, G, Tg)
+        A, W, U = f(k, fe, fz, G, Tg)
     if kn.split_wu(mode) and not kn.intra_forms_P(mode):  # intra as the inverse + a W, U launch
-        f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it, wu=False))
-        rows["intra_A"] = _bench(f, k, e, z, G, Tg)
-        (A32,) = f(k, e, z, G, Tg)
+        f = jax.jit(lambda k, e, z, G, Tg: kn.intra(s, k, e, z, G, T=Tg, interpret=it, wu=False,
+                                                    rows=frows))
+        rows["intra_A"] = _bench(f, k, fe, fz, G, Tg)
+        (A32,) = f(k, fe, fz, G, Tg)
         f = jax.jit(lambda k, e, z, G, A: kn.wu(s, k, e, z, G, A, interpret=it, dtypes=wu_dt,
-                                                a_copy=jnp.bfloat16))
-        rows["wu_fwd"] = _bench(f, k, e, z, G, A32)
+                                                a_copy=jnp.bfloat16, rows=frows))
+        rows["wu_fwd"] = _bench(f, k, fe, fz, G, A32)
     sd = api._stored_dtypes(q.dtype)  # the backward's stored dtypes (backward.low_precision)
     f = jax.jit(lambda k, e, z, G, A: api._wu(s, k, e, z, G, A, it, (sd["W"], sd["U"])))
     rows["wu"] = _bench(f, k, e, z, G, A)  # the backward's W, U from the kept A
@@ -415,17 +424,17 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
         dtypes=(bf, bf, bf), interpret=it))
     rows["bwd_leaf"] = _bench(f, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk)
 
-    def fwd(q, k, e, z, g, h0):
-        return api.general_delta(cfg, q, k, e, z, g, h0, reset, end, seq)[0]
+    def fwd(q, k, e, z, g, h0, r):
+        return api.general_delta(cfg, q, k, e, z, g, h0, reset, end, seq, r)[0]
 
-    def loss(q, k, e, z, g, h0):
-        return jnp.sum(fwd(q, k, e, z, g, h0).astype(F32) * dO.astype(F32))
+    def loss(q, k, e, z, g, h0, r):
+        return jnp.sum(fwd(q, k, e, z, g, h0, r).astype(F32) * dO.astype(F32))
 
     argn = (0, 1, 2, 3, 5) if g is None else (0, 1, 2, 3, 4, 5)
-    rows["FWD (general_delta)"] = _bench(jax.jit(fwd), q, k, e, z, g, h0)
+    rows["FWD (general_delta)"] = _bench(jax.jit(fwd), q, k, e, z, g, h0, ez_rows)
     vg = jax.jit(jax.value_and_grad(loss, argnums=argn))
-    rows["FWD+BWD (general_delta)"] = _bench(vg, q, k, e, z, g, h0)
-    grads = vg(q, k, e, z, g, h0)[1]
+    rows["FWD+BWD (general_delta)"] = _bench(vg, q, k, e, z, g, h0, ez_rows)
+    grads = vg(q, k, e, z, g, h0, ez_rows)[1]
     grads = (*grads[:-1], grads[-1][:, :, :1])  # dh0 without the padding slot (never written)
     # The same through the public op (rewy_jax), as the benchmark calls it: the difference is
     # the op's XLA glue (e = βk, z = βv, the gate cumsum and its VJP, dβ/dg reductions).
