@@ -378,6 +378,21 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               -> 0.151 + 0.134 — slower; KDA 0.258 -> 0.075 + 0.150, faster (~0.03 ms of the
 #               op's 3.9). True / False, or the gate modes it applies to: ("vector",) with
 #               "rewy_wu.whole_chunk" ("vector",) is profile variant splitv, untimed as such.
+#   forward.row_scaled_ez  per-row erase and write gates (DeltaNet, GDN, KDA: e = β ⊙ k,
+#               z = β ⊙ v): the forward's intra, qk_gram (and wu under split_wu) read k, v and
+#               β and form Ē, Z exactly — β on T's rows after the Gram, on A's columns before
+#               W's and U's products — instead of reading e, z rounded to the inputs' 16 bits
+#               (api.general_delta's ``rows``; the backward keeps the rounded e, z). That
+#               rounding was most of the forward's error: interpret mode with TF32 rounding
+#               emulated (blocks.TF32_EMULATION "round", which reproduces the H200's DeltaNet o
+#               3.4e-3 as 3.43e-3), benchmarks/results/interpret-accuracy-13/: DeltaNet
+#               (16, 128) o 3.43e-3 -> 2.43e-3 (the bf16 output's own rounding is ~2.3e-3),
+#               final state 2.74e-3 -> 0.68e-3; GDN 2.92 -> 2.38, 1.75 -> 0.36; KDA 2.93 ->
+#               2.39, 1.73 -> 0.36; gradients unchanged (DeltaNet dk 7.45e-3 -> 7.46e-3).
+#               ptxas (sm_90, 4 warps): DeltaNet intra 178 -> 254 registers (2 programs per SM
+#               either way), SASS 3118 -> 3422; KDA 179 -> 178, 3245 -> 3525; intra reads
+#               [C] β rows instead of two [C, K] tensors. Default; untimed on the H200
+#               (variant noezrows is the old path).
 #   rewy_wu.col_tile  ``wu`` on column tiles of this width (0: whole rows), one program per
 #               (chunk, head, tile): a memory-bound kernel whose whole-row programs hold 114
 #               registers (4 per SM) and stall on loads (profile-11 ncu); 74 at 64, 46 at 32
