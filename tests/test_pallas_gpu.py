@@ -624,6 +624,33 @@ def test_interpret_forward_low_precision(op, decay, kw, small_tiles, monkeypatch
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+def test_interpret_forward_low_precision_modes(monkeypatch):
+    """DEFAULTS "forward.low_precision_modes": at K ≤ 128 the names one gate mode gets — GDN's
+    unfused forward storing S0, R in bf16 for its output kernel (and multiplying natively) —
+    other modes and K > 128 untouched; the outputs within the bf16 thresholds (packed
+    sequences, strong decays); an unknown mode is refused."""
+    from pallas_kernels.gpu import api, kernels
+
+    assert kernels.DEFAULTS["forward.low_precision_modes"] == {}
+    monkeypatch.setitem(kernels.TUNE, "forward.low_precision_modes", {"scalar": ("S0", "R")})
+    assert api._forward_dtypes(jnp.bfloat16, 128, "scalar")["S0"] == jnp.bfloat16
+    assert api._forward_dtypes(jnp.bfloat16, 128, "none")["S0"] == jnp.float32
+    assert api._forward_dtypes(jnp.bfloat16, 128)["S0"] == jnp.float32
+    assert api._forward_dtypes(jnp.float32, 128, "scalar")["S0"] == jnp.float32
+    s0_dtypes = []
+    output = kernels.output
+    monkeypatch.setattr(kernels, "output", lambda s, q, k, G, S0, *a, **k_: s0_dtypes.append(
+        S0.dtype) or output(s, q, k, G, S0, *a, **k_))
+    inp, _, kw = _bf16_case("gdn", "strong", 73, {"n_seqs": 2})
+    jax.clear_caches()
+    _check(testing.accuracy_report("gdn", inp, **kw))
+    assert s0_dtypes and set(s0_dtypes) == {jnp.dtype(jnp.bfloat16)}, s0_dtypes
+    monkeypatch.setitem(kernels.TUNE, "forward.low_precision_modes", {"gated": ("S0",)})
+    with pytest.raises(ValueError, match="unknown gate modes"):
+        api._forward_dtypes(jnp.bfloat16, 128, "scalar")
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
                                          ("kda", "strong", {"policy": "save"})])
 def test_interpret_forward_low_precision_wide(op, decay, kw, monkeypatch):

@@ -132,17 +132,25 @@ def _wu(s, k, e, z, G, A, interpret, dtypes):
 FORWARD_LOW_PRECISION_NAMES = ("W", "U", "S0", "R")
 
 
-def _forward_dtypes(dtype, K):
+def _forward_dtypes(dtype, K, mode=None):
     """name -> dtype in which the forward stores W, U (intra's outputs, read by the state pass)
     and S0, R (the unfused pass's outputs, read by the output kernel and, under policy save, the
     backward): for 16-bit inputs the names in DEFAULTS "forward.low_precision", plus at K > 128
-    those in "forward.low_precision_wide", in 16 bits — W, U in the input dtype, S0, R in bf16
-    (its range holds any state) —, the rest in fp32. S0 and R both 16-bit make the pass
-    multiply natively in bf16 (kernels._native_pass_dots; DEFAULTS
-    "forward.native_pass_dots"), as the backward's passes do."""
+    those in "forward.low_precision_wide" and at K ≤ 128 those "forward.low_precision_modes"
+    gives gate ``mode``, in 16 bits — W, U in the input dtype, S0, R in bf16 (its range holds
+    any state) —, the rest in fp32. S0 and R both 16-bit make the pass multiply natively in
+    bf16 (kernels._native_pass_dots; DEFAULTS "forward.native_pass_dots"), as the backward's
+    passes do."""
     names = tuple(kn.setting("forward.low_precision"))
     if K > 128:
         names += tuple(kn.setting("forward.low_precision_wide"))
+    elif mode is not None:
+        by_mode = kn.setting("forward.low_precision_modes")
+        unknown_modes = set(by_mode) - {"none", "scalar", "vector"}
+        if unknown_modes:
+            raise ValueError(f"forward.low_precision_modes: unknown gate modes "
+                             f"{sorted(unknown_modes)}; expected some of none, scalar, vector")
+        names += tuple(by_mode.get(mode, ()))
     unknown = set(names) - set(FORWARD_LOW_PRECISION_NAMES)
     if unknown:
         raise ValueError(f"forward.low_precision(_wide): unknown names {sorted(unknown)}; "
@@ -167,7 +175,7 @@ def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True, rows=Non
     W, S0, R then come back as None. rows = (v, βe, βz): per-row scales of k and v, from which
     the kernels form Ē and Z exactly instead of reading e, z (``_ez_rows``)."""
     s = _shape(cfg, q, z, G, h0)
-    fd = _forward_dtypes(q.dtype, s.K)
+    fd = _forward_dtypes(q.dtype, s.K, s.mode)
     if rows is not None:
         v, be, bz = rows
         e, z, rows = k, v, (be, bz)

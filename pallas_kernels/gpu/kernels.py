@@ -393,6 +393,15 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               either way), SASS 3118 -> 3422; KDA 179 -> 178, 3245 -> 3525; intra reads
 #               [C] β rows instead of two [C, K] tensors. Default; untimed on the H200
 #               (variant noezrows is the old path).
+#   forward.low_precision_modes  {gate mode: names} added to "forward.low_precision" at
+#               K ≤ 128 for that mode (api._forward_dtypes): {"scalar": ("W", "S0", "R")} gives
+#               GDN's unfused forward the K = 256 treatment — bf16 storage and native products
+#               in its pass. ptxas (sm_90, 4 warps, 3 stages): GDN's forward pass 255 -> 176
+#               registers, 156 -> 87 KB shared, SASS 1599 -> 1231; its output kernel 229 -> 188
+#               registers. Accuracy (interpret, TF32 rounded, with row_scaled_ez): GDN (16, 128)
+#               o 2.38e-3 -> 3.02e-3, final state 0.36e-3 -> 2.39e-3 — the level before exact
+#               βk. Off, untimed: variant gdnlp. (DeltaNet's and KDA's forwards are fused: there
+#               "forward.native_fused_dots" is the same trade.)
 #   rewy_wu.col_tile  ``wu`` on column tiles of this width (0: whole rows), one program per
 #               (chunk, head, tile): a memory-bound kernel whose whole-row programs hold 114
 #               registers (4 per SM) and stall on loads (profile-11 ncu); 74 at 64, 46 at 32
@@ -426,7 +435,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "forward.native_pass_dots": True, "forward.native_fused_dots": False,
             "fwd_pass.split_w": False,
             "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False,
-            "rewy_wu.col_tile": 0, "launch.wide_warps": {}, "forward.row_scaled_ez": True}
+            "rewy_wu.col_tile": 0, "launch.wide_warps": {}, "forward.row_scaled_ez": True,
+            "forward.low_precision_modes": {}}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed

@@ -242,6 +242,9 @@ VARIANTS = {
     # K ≤ 128: the forward's fused pass multiplying its recurrence in bf16
     # (forward.native_fused_dots)
     "ffnat": ({"forward.native_fused_dots": True}, 64, None, None),
+    # GDN's unfused forward at K ≤ 128 storing W, S0, R in bf16 and multiplying natively, as
+    # at K = 256 (forward.low_precision_modes)
+    "gdnlp": ({"forward.low_precision_modes": {"scalar": ("W", "S0", "R")}}, 64, None, None),
     # the forward reading e = βk, z = βv rounded to bf16 (before forward.row_scaled_ez)
     "noezrows": ({"forward.row_scaled_ez": False}, 64, None, None),
     # the per-chunk kernels ptxas compiles at 2 warps without spills (DeltaNet, KDA: intra 255
@@ -351,7 +354,7 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
         P = f(q, k, G)
     # the forward's stored dtypes (forward.low_precision): W, U as intra stores them for the
     # state pass, S0, R as the unfused pass stores them for the output
-    fd = api._forward_dtypes(q.dtype, D)
+    fd = api._forward_dtypes(q.dtype, D, mode)
     wu_dt = (fd["W"], fd["U"])
     if kn.intra_forms_P(mode):  # intra forms P too (no or scalar gates)
         f = jax.jit(lambda k, e, z, G, q: kn.intra(s, k, e, z, G, q=q, interpret=it,
