@@ -394,6 +394,39 @@ def _bf16_case(op, decay, seed, kw):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+def test_interpret_qk_gram_centred(monkeypatch):
+    """DEFAULTS "rewy_qk_gram.centred": under a declared gate bound qk_gram's diagonal blocks as
+    centred frame products give P and T as the exact loop does, to fp32 rounding, with every
+    gate at the bound (factors up to e^40 before the mask); without the bound the loop stays;
+    KDA through the op within the bf16 thresholds."""
+    from pallas_kernels.gpu import api, kernels
+
+    s, k, e, _, _, key = _wu_case("vector", 32, 32, 17)
+    kq, kg = jax.random.split(key)
+    q = (jax.random.normal(kq, k.shape) / k.shape[-1] ** 0.5).astype(jnp.bfloat16)
+    g = -jax.random.uniform(kg, k.shape, jnp.float32, 0.0, 5.0).at[:, ::7].set(-5.0)
+    G = api._cum_gates(g, s.C)
+    h0 = jnp.zeros((1, 2, 2, 32, 32), jnp.float32)
+    centred = api._shape(api.Config(s.C, "recompute", "rewy", True, 64, centred=True,
+                                    one_seq=True), k, k, G, h0)
+    exact = kernels.qk_gram(centred, q, k, G, e=e, interpret=True)
+    seen = []
+    gates = kernels.Gates
+    monkeypatch.setattr(kernels, "Gates", lambda *a, **k_: seen.append(a[4]) or gates(*a, **k_))
+    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.centred", True)
+    got = kernels.qk_gram(centred, q, k, G, e=e, interpret=True)
+    assert seen == ["centred"], seen
+    for x, y in zip(got, exact, strict=True):  # P, T
+        assert _rel(x, y) < 1e-5, _rel(x, y)
+    seen.clear()
+    kernels.qk_gram(s, q, k, G, e=e, interpret=True)  # no declared bound: exact
+    assert seen == [kernels.setting("rewy_qk_gram.exact_diag")], seen
+    inp, _, kw = _bf16_case("kda", "normal", 79, {})
+    jax.clear_caches()
+    _check(testing.accuracy_report("kda", inp, gate_lower_bound=-5.0, **kw))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("mode", ["none", "scalar", "vector"])
 @pytest.mark.parametrize("kslice", [0, 16])
 def test_interpret_intra_rows(mode, kslice, monkeypatch):

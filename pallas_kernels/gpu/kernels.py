@@ -402,6 +402,13 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               o 2.38e-3 -> 3.02e-3, final state 0.36e-3 -> 2.39e-3 — the level before exact
 #               βk. Off, untimed: variant gdnlp. (DeltaNet's and KDA's forwards are fused: there
 #               "forward.native_fused_dots" is the same trade.)
+#   rewy_qk_gram.centred  with a declared gate bound (g ≥ blocks.CENTRED_MIN_GATE) qk_gram's
+#               diagonal blocks as centred frame products over key slices — the off-diagonal
+#               blocks' path (Gates._frame_grams) — instead of the 16-step exact loop; the leaf
+#               has taken the centred blocks under the bound since profile-4. qk_gram is KDA's
+#               largest forward kernel (0.545 ms of a 1.37-ms forward at the anchor, profile-10).
+#               Profile-4 timed centred diagonals in qk_gram before the key slices and the row
+#               grid (0.95 -> 1.0 ms): untimed since. Off: variant qcent.
 #   rewy_wu.col_tile  ``wu`` on column tiles of this width (0: whole rows), one program per
 #               (chunk, head, tile): a memory-bound kernel whose whole-row programs hold 114
 #               registers (4 per SM) and stall on loads (profile-11 ncu); 74 at 64, 46 at 32
@@ -436,7 +443,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "fwd_pass.split_w": False,
             "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False,
             "rewy_wu.col_tile": 0, "launch.wide_warps": {}, "forward.row_scaled_ez": True,
-            "forward.low_precision_modes": {}}
+            "forward.low_precision_modes": {}, "rewy_qk_gram.centred": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -910,7 +917,11 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None, e_rows=None):
     # showed the row-grid program spilling once it formed T beside P.
     pairgrid = bool(setting("rewy_qk_gram.pairgrid"))
     rowgrid = bool(setting("rewy_qk_gram.rowgrid")) and not pairgrid
-    diag = setting("rewy_qk_gram.exact_diag")
+    # a declared gate bound (Shape.centred): the diagonal blocks as centred frame products, one
+    # matmul per key slice like the off-diagonal blocks, instead of the 16-step exact loop
+    # (DEFAULTS "rewy_qk_gram.centred")
+    diag = ("centred" if s.centred and setting("rewy_qk_gram.centred")
+            else setting("rewy_qk_gram.exact_diag"))
     with_T = e is not None
 
     def kernel(*refs):

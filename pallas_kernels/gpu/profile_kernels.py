@@ -245,6 +245,8 @@ VARIANTS = {
     # GDN's unfused forward at K ≤ 128 storing W, S0, R in bf16 and multiplying natively, as
     # at K = 256 (forward.low_precision_modes)
     "gdnlp": ({"forward.low_precision_modes": {"scalar": ("W", "S0", "R")}}, 64, None, None),
+    # qk_gram's diagonal blocks centred under the declared bound (g ≥ −5 here, as "centred")
+    "qcent": ({"rewy_qk_gram.centred": True}, 64, None, None),
     # the forward reading e = βk, z = βv rounded to bf16 (before forward.row_scaled_ez)
     "noezrows": ({"forward.row_scaled_ez": False}, 64, None, None),
     # the per-chunk kernels ptxas compiles at 2 warps without spills (DeltaNet, KDA: intra 255
@@ -332,7 +334,8 @@ def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, run
 def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     B, T, H, D = shape
     q, k, e, z, g, G, h0, reset, end, seq, dO, v, beta = _inputs(mode, B, T, H, D)
-    cfg = api.Config(64, "recompute", backward, interpret, BV, variant in ("centred", "cw4"),
+    cfg = api.Config(64, "recompute", backward, interpret, BV,
+                     variant in ("centred", "cw4", "qcent"),
                      one_seq=True)  # one sequence per row: the metadata of _inputs
     s = api._shape(cfg, q, z, G, h0)
     it = interpret
