@@ -427,6 +427,40 @@ def test_interpret_qk_gram_centred(monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("backward,keep", [("rewy", True), ("wy", True), ("rewy", False)])
+def test_interpret_backward_row_scaled_wu(backward, keep, monkeypatch):
+    """DEFAULTS "backward.row_scaled_wu": the backward re-forms W, U from k, v and β like the
+    forward (v kept instead of z; z re-formed where the seven-product backward reads it), for
+    kept or re-formed chunk matrices — the key gradients come closer to the float64 recurrence
+    and every check passes (DeltaNet, packed sequences, β in [0, 2])."""
+    from pallas_kernels.gpu import api, kernels
+
+    inp, _, kw = _bf16_case("deltanet", "none", 83, {"n_seqs": 2, "backward": backward})
+    for n in ("q", "k"):  # unit rows as bf16 inputs (see test_interpret_row_scaled_ez)
+        x = inp[n].astype(jnp.float32)
+        inp[n] = (x / jnp.linalg.norm(x, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+    kw["use_qk_l2norm"] = False
+    monkeypatch.setitem(kernels.TUNE, "recompute.keep_chunk_matrices", keep)
+    residuals = []
+    fwd = api._fwd
+    monkeypatch.setattr(api, "_fwd", lambda *a: (lambda out: residuals.append(out[1]) or out)(
+        fwd(*a)))
+    api.general_delta.defvjp(api._fwd, api._bwd)
+    reps = {}
+    try:
+        for on in (False, True):
+            monkeypatch.setitem(kernels.TUNE, "backward.row_scaled_wu", on)
+            jax.clear_caches()
+            residuals.clear()
+            reps[on] = testing.accuracy_report("deltanet", inp, **kw)
+            _check(reps[on])
+            assert residuals and all((len(r[-1]) == 2) == on for r in residuals), on
+    finally:
+        api.general_delta.defvjp(fwd, api._bwd)
+    assert reps[True]["dk"][0] < reps[False]["dk"][0], reps
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("mode", ["none", "scalar", "vector"])
 @pytest.mark.parametrize("kslice", [0, 16])
 def test_interpret_intra_rows(mode, kslice, monkeypatch):

@@ -121,12 +121,14 @@ def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32), rows=None):
     return A, W, U, P
 
 
-def _wu(s, k, e, z, G, A, interpret, dtypes):
+def _wu(s, k, e, z, G, A, interpret, dtypes, rows=None):
     """(W, U) from the kept inverse A: whole-chunk products (DEFAULTS "rewy_wu.whole_chunk") or
-    intra's row blocks."""
+    intra's row blocks. rows = (v, βe, βz): from k, v and the row scales instead of e, z."""
+    if rows is not None:
+        e, z, rows = k, rows[0], rows[1:]
     if kn.wu_whole_chunk(s.mode):
-        return kn.wu(s, k, e, z, G, A, interpret=interpret, dtypes=dtypes)
-    return kn.intra(s, k, e, z, G, A=A, interpret=interpret, dtypes=dtypes)
+        return kn.wu(s, k, e, z, G, A, interpret=interpret, dtypes=dtypes, rows=rows)
+    return kn.intra(s, k, e, z, G, A=A, interpret=interpret, dtypes=dtypes, rows=rows)
 
 
 FORWARD_LOW_PRECISION_NAMES = ("W", "U", "S0", "R")
@@ -218,8 +220,15 @@ def _fwd(cfg, q, k, e, z, g, h0, reset, end, seq, rows=None):
         A, _, _, _, P = saved
         P = P if _mode(g) == "vector" else None
         saved = (A, P) if kn.setting("recompute.keep_chunk_matrices") else None
-    # whether rows came (a leafless marker: residuals are pytrees of arrays)
-    return (o, final), (q, k, e, z, g, h0, reset, end, seq, saved, None if rows is None else ())
+    if rows is None or not kn.setting("backward.row_scaled_wu"):
+        # the marker says whether rows came (leafless: residuals are pytrees of arrays)
+        return (o, final), (q, k, e, z, g, h0, reset, end, seq, saved,
+                            None if rows is None else ())
+    # the backward re-forms W, U from k, v and the row scales too (DEFAULTS
+    # "backward.row_scaled_wu"); no other kernel of the ReWY backward reads z, so v takes its
+    # place among the residuals
+    v, be, bz = rows
+    return (o, final), (q, k, e, v, g, h0, reset, end, seq, saved, (be, bz))
 
 
 def _stored_dtypes(dtype):
@@ -237,6 +246,12 @@ def _stored_dtypes(dtype):
 
 def _bwd(cfg, res, cts):
     q, k, e, z, g, h0, reset, end, seq, saved, rows_marker = res
+    wu_rows = None
+    if rows_marker:  # (βe, βz): the residual z is v (``_fwd``)
+        v, (be, bz) = z, rows_marker
+        wu_rows = (v, be, bz)
+        # z itself only for the seven-product backward's bwd_dlam (dead code otherwise)
+        z = (bz[..., None] * v.astype(F32)).astype(v.dtype)
     dO, dfin = cts
     G = _cum_gates(g, cfg.chunk_size)
     s = _shape(cfg, q, z, G, h0)
@@ -247,10 +262,13 @@ def _bwd(cfg, res, cts):
     twin = recompute and kn.setting("backward.twin_pass") and s.K <= 128
     if recompute:  # W, U (and A, P unless kept) and one forward state pass
         if saved is None:
-            A, W, U, P = _intra(s, q, k, e, z, G, it, dtypes=(sd["W"], sd["U"]))
+            A, W, U, P = (_intra(s, q, k, e, z, G, it, dtypes=(sd["W"], sd["U"]))
+                          if wu_rows is None else
+                          _intra(s, q, k, k, wu_rows[0], G, it, dtypes=(sd["W"], sd["U"]),
+                                 rows=wu_rows[1:]))
         else:
             A, P = saved
-            W, U = _wu(s, k, e, z, G, A, it, (sd["W"], sd["U"]))
+            W, U = _wu(s, k, e, z, G, A, it, (sd["W"], sd["U"]), rows=wu_rows)
         fwd_args = (W, U, k, G, h0, reset, end, seq)
         if not twin:
             S0, R, _ = kn.fwd_pass(s, *fwd_args, interpret=it, dtypes=(sd["S0"], sd["R"]))

@@ -393,6 +393,13 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               either way), SASS 3118 -> 3422; KDA 179 -> 178, 3245 -> 3525; intra reads
 #               [C] β rows instead of two [C, K] tensors. Default; untimed on the H200
 #               (variant noezrows is the old path).
+#   backward.row_scaled_wu  with forward.row_scaled_ez: the backward's W, U from k, v and the
+#               row scales as well (the residuals keep v and β instead of z — the ReWY
+#               backward reads z nowhere else), so its recomputed states are the forward's:
+#               interpret, TF32 rounded, DeltaNet (8, 64) dk 8.61e-3 -> 7.89e-3, dq 6.38e-3 ->
+#               5.82e-3, dβ 8.02e-3 -> 7.26e-3; (16, 128) dk 7.46e-3 -> 6.77e-3 (the tightest
+#               checks of the suite). The default backward wu (intra given A) multiplies in
+#               TF32 either way; the whole-chunk wu loses its native bf16 products. Default.
 #   forward.low_precision_modes  {gate mode: names} added to "forward.low_precision" at
 #               K ≤ 128 for that mode (api._forward_dtypes): {"scalar": ("W", "S0", "R")} gives
 #               GDN's unfused forward the K = 256 treatment — bf16 storage and native products
@@ -443,7 +450,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "fwd_pass.split_w": False,
             "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False,
             "rewy_wu.col_tile": 0, "launch.wide_warps": {}, "forward.row_scaled_ez": True,
-            "forward.low_precision_modes": {}, "rewy_qk_gram.centred": False}
+            "forward.low_precision_modes": {}, "rewy_qk_gram.centred": False,
+            "backward.row_scaled_wu": True}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed

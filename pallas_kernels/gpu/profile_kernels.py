@@ -247,8 +247,10 @@ VARIANTS = {
     "gdnlp": ({"forward.low_precision_modes": {"scalar": ("W", "S0", "R")}}, 64, None, None),
     # qk_gram's diagonal blocks centred under the declared bound (g ≥ −5 here, as "centred")
     "qcent": ({"rewy_qk_gram.centred": True}, 64, None, None),
-    # the forward reading e = βk, z = βv rounded to bf16 (before forward.row_scaled_ez)
+    # the forward reading e = βk, z = βv rounded to bf16 (before forward.row_scaled_ez), or
+    # only the backward's wu reading them (backward.row_scaled_wu)
     "noezrows": ({"forward.row_scaled_ez": False}, 64, None, None),
+    "nobwdrows": ({"backward.row_scaled_wu": False}, 64, None, None),
     # the per-chunk kernels ptxas compiles at 2 warps without spills (DeltaNet, KDA: intra 255
     # registers, wu 146, bwd_local 176), as FLA's autotune picks for several of its own
     "w2": ({"rewy_intra.warps": 2, "rewy_wu.warps": 2, "rewy_bwd_local.warps": 2}, 64, None,
@@ -378,9 +380,12 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
                                                 a_copy=jnp.bfloat16, rows=frows))
         rows["wu_fwd"] = _bench(f, k, fe, fz, G, A32)
     sd = api._stored_dtypes(q.dtype)  # the backward's stored dtypes (backward.low_precision)
-    f = jax.jit(lambda k, e, z, G, A: api._wu(s, k, e, z, G, A, it, (sd["W"], sd["U"])))
-    rows["wu"] = _bench(f, k, e, z, G, A)  # the backward's W, U from the kept A
-    Wb, Ub = f(k, e, z, G, A)
+    # the backward's W, U from the kept A (from k, v and β under backward.row_scaled_wu)
+    bw_rows = ez_rows if ez_rows and kn.setting("backward.row_scaled_wu") else None
+    f = jax.jit(lambda k, e, z, G, A, r: api._wu(s, k, e, z, G, A, it, (sd["W"], sd["U"]),
+                                                 rows=r))
+    rows["wu"] = _bench(f, k, e, z, G, A, bw_rows)
+    Wb, Ub = f(k, e, z, G, A, bw_rows)
     f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq,
                                                    interpret=it, dtypes=(fd["S0"], fd["R"]),
                                                    forward=True))
@@ -447,7 +452,7 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     op = {"none": "deltanet", "scalar": "gdn", "vector": "kda"}[mode]
     inp = testing.make_inputs(op, B, T, H, D, D, dtype=jnp.bfloat16, initial_state=False)
     kw = dict(backend="pallas_gpu", interpret=interpret, backward=backward)
-    if cfg.centred:
+    if cfg.centred and mode == "vector":  # the bound is a vector-gate option
         kw["gate_lower_bound"] = -5.0
 
     def op_loss(x):
