@@ -175,7 +175,8 @@ def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True, rows=Non
     """(o, final, (A, W, S0, R, P)); without ``keep_states`` (nothing will read S0 and R) the
     output may be fused into the state pass (DEFAULTS "fwd_pass.fused_output", K ≤ 128), and
     W, S0, R then come back as None. rows = (v, βe, βz): per-row scales of k and v, from which
-    the kernels form Ē and Z exactly instead of reading e, z (``_ez_rows``)."""
+    the kernels form Ē and Z exactly instead of reading e, z (DEFAULTS
+    "forward.row_scaled_ez")."""
     s = _shape(cfg, q, z, G, h0)
     fd = _forward_dtypes(q.dtype, s.K, s.mode)
     if rows is not None:

@@ -734,7 +734,8 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
     wu=False: the inverse only, (A,) — W, U left to ``wu`` (DEFAULTS "rewy_intra.split_wu").
     rows = (βe, βz), [B,Tp,H] fp32 per-row scales: e and z are then k and v as stored, and the
     kernel forms Ē = βe ⊙ k and Z = βz ⊙ v exactly in fp32 (DEFAULTS "forward.row_scaled_ez"):
-    the Gram as βe_r (k_r·k_s), W and U from the scaled rows (a given T holds βe already).
+    the Gram as βe_r (k_r·k_s), W and U with βe, βz on A's columns (a given T holds βe
+    already).
     """
     n, C, prec, mode = s.n, s.C, s.prec, s.mode
     given_T, given_A, with_P = T is not None, A is not None, q is not None
@@ -766,8 +767,8 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
         # with rows, es and zs are k's and v's rows as stored: the row scales βe, βz go onto
         # the [16, 16] blocks instead — T's rows after its product (the key slices stay native
         # products of the stored rows) and A's columns before W's and U's (a [16, 16] product
-        # per block, not a [16, K] one per row operand: ptxas, DeltaNet, 178 registers either
-        # way, against 254 with the rows scaled)
+        # per block, not a [16, K] one per row operand: ptxas, 4 warps, KDA 245 -> 178
+        # registers, DeltaNet 254 either way with SASS 3710 -> 3422)
         ks, es, zs = Rows(k_ref), Rows(e_ref), Rows(z_ref)
 
         def T_blk(i, j):
