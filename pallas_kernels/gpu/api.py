@@ -123,9 +123,7 @@ def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32), rows=None):
 
 def _wu(s, k, e, z, G, A, interpret, dtypes, rows=None):
     """(W, U) from the kept inverse A: whole-chunk products (DEFAULTS "rewy_wu.whole_chunk") or
-    intra's row blocks. rows = (v, βe, βz): from k, v and the row scales instead of e, z."""
-    if rows is not None:
-        e, z, rows = k, rows[0], rows[1:]
+    intra's row blocks. rows = (βe, βz): e, z are k, v as stored, as in ``_intra``."""
     if kn.wu_whole_chunk(s.mode):
         return kn.wu(s, k, e, z, G, A, interpret=interpret, dtypes=dtypes, rows=rows)
     return kn.intra(s, k, e, z, G, A=A, interpret=interpret, dtypes=dtypes, rows=rows)
@@ -247,12 +245,11 @@ def _stored_dtypes(dtype):
 
 def _bwd(cfg, res, cts):
     q, k, e, z, g, h0, reset, end, seq, saved, rows_marker = res
-    wu_rows = None
+    we, wz, wu_rows = e, z, None  # what W, U are re-formed from
     if rows_marker:  # (βe, βz): the residual z is v (``_fwd``)
-        v, (be, bz) = z, rows_marker
-        wu_rows = (v, be, bz)
+        we, wz, wu_rows = k, z, rows_marker
         # z itself only for the seven-product backward's bwd_dlam (dead code otherwise)
-        z = (bz[..., None] * v.astype(F32)).astype(v.dtype)
+        z = (rows_marker[1][..., None] * wz.astype(F32)).astype(wz.dtype)
     dO, dfin = cts
     G = _cum_gates(g, cfg.chunk_size)
     s = _shape(cfg, q, z, G, h0)
@@ -263,13 +260,11 @@ def _bwd(cfg, res, cts):
     twin = recompute and kn.setting("backward.twin_pass") and s.K <= 128
     if recompute:  # W, U (and A, P unless kept) and one forward state pass
         if saved is None:
-            A, W, U, P = (_intra(s, q, k, e, z, G, it, dtypes=(sd["W"], sd["U"]))
-                          if wu_rows is None else
-                          _intra(s, q, k, k, wu_rows[0], G, it, dtypes=(sd["W"], sd["U"]),
-                                 rows=wu_rows[1:]))
+            A, W, U, P = _intra(s, q, k, we, wz, G, it, dtypes=(sd["W"], sd["U"]),
+                                rows=wu_rows)
         else:
             A, P = saved
-            W, U = _wu(s, k, e, z, G, A, it, (sd["W"], sd["U"]), rows=wu_rows)
+            W, U = _wu(s, k, we, wz, G, A, it, (sd["W"], sd["U"]), rows=wu_rows)
         fwd_args = (W, U, k, G, h0, reset, end, seq)
         if not twin:
             S0, R, _ = kn.fwd_pass(s, *fwd_args, interpret=it, dtypes=(sd["S0"], sd["R"]))

@@ -381,11 +381,12 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
         rows["wu_fwd"] = _bench(f, k, fe, fz, G, A32)
     sd = api._stored_dtypes(q.dtype)  # the backward's stored dtypes (backward.low_precision)
     # the backward's W, U from the kept A (from k, v and β under backward.row_scaled_wu)
-    bw_rows = ez_rows if ez_rows and kn.setting("backward.row_scaled_wu") else None
+    bw = ez_rows and kn.setting("backward.row_scaled_wu")
+    be, bz, bw_rows = (fe, fz, frows) if bw else (e, z, None)
     f = jax.jit(lambda k, e, z, G, A, r: api._wu(s, k, e, z, G, A, it, (sd["W"], sd["U"]),
                                                  rows=r))
-    rows["wu"] = _bench(f, k, e, z, G, A, bw_rows)
-    Wb, Ub = f(k, e, z, G, A, bw_rows)
+    rows["wu"] = _bench(f, k, be, bz, G, A, bw_rows)
+    Wb, Ub = f(k, be, bz, G, A, bw_rows)
     f = jax.jit(lambda W, U, k, G, h0: kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq,
                                                    interpret=it, dtypes=(fd["S0"], fd["R"]),
                                                    forward=True))
