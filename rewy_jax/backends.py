@@ -38,7 +38,7 @@ def _expand(x, ndim):
 
 def xla_impl(call, *, chunk_size, policy, backward, interpret=False):
     del interpret
-    q, k, v, g, b, w, h0 = call.q, call.k, call.v, call.g, call.b, call.w, call.h0
+    q, k, v, g, b, w, h0 = call.q_scaled, call.k, call.v, call.g, call.b, call.w, call.h0
     T = q.shape[1]
     # Gates enter only through these leaf maps: e = b ⊙ k, z = w ⊙ v (their VJPs give db, dw, dβ).
     f32 = jnp.float32
@@ -64,8 +64,8 @@ def _always(call, chunk_size, interpret):
 # ----------------------------------------------------------------------------------------------
 def reference_impl(call, *, chunk_size, policy, backward, interpret=False):
     del chunk_size, policy, backward, interpret
-    o, final = reference_general(call.q, call.k, call.v, call.g, call.b, call.w, scale=1.0,
-                                 initial_state=call.h0, cu_seqlens=call.cu_seqlens,
+    o, final = reference_general(call.q_scaled, call.k, call.v, call.g, call.b, call.w,
+                                 scale=1.0, initial_state=call.h0, cu_seqlens=call.cu_seqlens,
                                  dtype=jnp.promote_types(call.out_dtype, jnp.float32))
     return o, final.astype(jnp.float32)
 
@@ -108,7 +108,7 @@ def pallas_tpu_impl(call, *, chunk_size, policy, backward, interpret=False):
     meta = chunk_meta(plan.chunk_reset, plan.chunk_seq, plan.end_chunk)
     # bf16/fp16 callers: bf16 operands for the backward's leaf products (fp32 accumulation).
     operands = "bfloat16" if jnp.dtype(call.out_dtype).itemsize < 4 else None
-    o, final = chunked_delta_tpu(to(call.q), to(call.k), to(call.v), to(call.b, sc(call.b)),
+    o, final = chunked_delta_tpu(to(call.q_scaled), to(call.k), to(call.v), to(call.b, sc(call.b)),
                                  to(w, sc(w)), to(call.g, sc(call.g)), h0, meta, policy, backward,
                                  operands, interpret)
     final = final[0, :-1] if call.cu_seqlens is not None else final[:, 0]

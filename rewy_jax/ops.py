@@ -43,9 +43,11 @@ log = logging.getLogger("rewy_jax")
 
 
 class GeneralCall(NamedTuple):
-    """An op call in the general form, ready for a backend (q normalised and scaled)."""
+    """An op call in the general form, ready for a backend: q normalised (if asked), not yet
+    scaled — ``q_scaled`` is q · scale in fp32; a backend that applies the scale inside its
+    kernels reads q as given, so a 16-bit q is not rounded again after the scaling."""
 
-    q: jax.Array  # [B, T, H, K]
+    q: jax.Array  # [B, T, H, K], the input's dtype (fp32 after L2 normalisation)
     k: jax.Array  # [B, T, H, K]
     v: jax.Array  # [B, T, H, V]
     g: jax.Array | None  # None, [B, T, H] or [B, T, H, K] log-decay (clamped, ≤ 0 expected)
@@ -55,6 +57,12 @@ class GeneralCall(NamedTuple):
     cu_seqlens: jax.Array | None
     out_dtype: jnp.dtype
     g_bound: float | None = None  # declared lower bound of g (vector gates), g clamped to it
+    scale: float | jax.Array = 1.0  # multiplies q (a Python float, or traced)
+
+    @property
+    def q_scaled(self):
+        """q · scale in fp32 (fp64 for fp64 inputs): what o_t = S_tᵀ q_t reads."""
+        return self.q.astype(jnp.promote_types(self.q.dtype, jnp.float32)) * self.scale
 
 
 # A gate below this is a reset for every purpose in fp32 (exp(-40) ≈ 4e-18). Clamping keeps −inf
@@ -82,12 +90,12 @@ def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, 
     if scale is None:
         scale = K ** -0.5
     out_dtype = q.dtype
-    # Normalise and scale in fp32 and keep fp32: rounding q and k back to bf16 here would add
-    # two bf16 roundings on top of the inputs' own (the kernels read them once either way).
-    f32 = jnp.promote_types(q.dtype, jnp.float32)
+    # Normalise in fp32 and keep fp32: rounding q and k back to bf16 here would add a bf16
+    # rounding on top of the inputs' own (the kernels read them once either way). The scale
+    # travels beside q (GeneralCall.q_scaled) for the same reason.
     if use_qk_l2norm:
+        f32 = jnp.promote_types(q.dtype, jnp.float32)
         q, k = l2norm(q.astype(f32)), l2norm(k.astype(f32))
-    q = q.astype(f32) * scale
     if g is not None:
         floor = GATE_FLOOR if gate_lower_bound is None else float(gate_lower_bound)
         g = g.astype(jnp.float32)
@@ -98,7 +106,7 @@ def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, 
     h0 = (jnp.zeros((lead, H, K, V), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
     return GeneralCall(q, k, v, g, b, w, h0, cu_seqlens, out_dtype,
-                       None if gate_lower_bound is None else float(gate_lower_bound))
+                       None if gate_lower_bound is None else float(gate_lower_bound), scale)
 
 
 def _run_chunk(call: GeneralCall, *, chunk_size, policy, backward, backend, interpret,
@@ -210,8 +218,8 @@ def _run_recurrent(call: GeneralCall, output_final_state):
             "fused_recurrent_* with cu_seqlens needs concrete offsets (not traced under jit): "
             "pass cu_seqlens as a static/NumPy value, or use the chunk_* op (backend='xla') "
             "which accepts traced cu_seqlens")
-    o, final = reference_general(call.q, call.k, call.v, call.g, call.b, call.w, scale=1.0,
-                                 initial_state=call.h0, cu_seqlens=call.cu_seqlens,
+    o, final = reference_general(call.q_scaled, call.k, call.v, call.g, call.b, call.w,
+                                 scale=1.0, initial_state=call.h0, cu_seqlens=call.cu_seqlens,
                                  dtype=jnp.promote_types(call.out_dtype, jnp.float32))
     return o.astype(call.out_dtype), (final.astype(jnp.float32) if output_final_state else None)
 

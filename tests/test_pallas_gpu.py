@@ -1088,6 +1088,41 @@ def test_interpret_varlen(op, small_tiles):
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True, chunk_size=16))
 
 
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+def test_scale_applied_in_kernel(monkeypatch):
+    """A Python scale reaches the kernels as Config.scale and q as the caller's bf16 values:
+    q·K^−½ rounded to bf16 would be a second rounding (K^−½ is not a power of two at K = 32).
+    A traced scale cannot enter the static config, so it is folded into q (scale 1)."""
+    from pallas_kernels.gpu import api
+
+    seen = []
+    real = api.general_delta
+
+    def spy(cfg, q, *args):
+        seen.append((cfg.scale, q))
+        return real(cfg, q, *args)
+
+    monkeypatch.setattr(api, "general_delta", spy)
+    inp = testing.make_inputs("deltanet", 1, 32, 2, 32, 16, dtype=jnp.bfloat16, seed=2)
+    args = (inp["q"], inp["k"], inp["v"], inp["beta"])
+    kw = dict(backend="pallas_gpu", interpret=True, chunk_size=16)
+    o_static, _ = rewy_jax.chunk_delta_rule(*args, **kw)
+    scale, q_seen = seen.pop()
+    assert scale == 32 ** -0.5
+    np.testing.assert_array_equal(np.asarray(q_seen, np.float32), np.asarray(inp["q"], np.float32))
+
+    def traced(scale):
+        o = rewy_jax.chunk_delta_rule(*args, scale=scale, **kw)[0]
+        return o, seen[-1][1]  # the q the kernels read, out of the trace
+
+    o_traced, q_seen = jax.jit(traced)(32 ** -0.5)
+    assert seen.pop()[0] == 1.0
+    q_rounded = (inp["q"].astype(jnp.float32) * 32 ** -0.5).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(q_seen, np.float32), np.asarray(q_rounded, np.float32))
+    # the same op either way, up to the extra rounding of q
+    assert testing.ratio(o_traced, o_static) < 1e-2
+
+
 def test_dispatch_rejects_and_falls_back():
     inp = testing.make_inputs("gdn", 1, 20, 1, 24, 24)  # K = 24: not a power of two
     with pytest.raises(NotImplementedError, match="power of two"):

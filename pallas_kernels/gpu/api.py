@@ -2,7 +2,8 @@
 
 ``general_delta`` works on padded token-layout inputs (``[B, Tp, H, D]``, Tp a multiple of C):
 
-    q, k, e : [B, Tp, H, K]   scaled query, key, erase vectors (bf16 / fp16 / fp32)
+    q, k, e : [B, Tp, H, K]   query (unscaled: the kernels apply Config.scale), key, erase
+                              vectors (bf16 / fp16 / fp32)
     z       : [B, Tp, H, V]   write vectors
     g       : None, [B, Tp, H] or [B, Tp, H, K] fp32 per-token log-decays (padding rows 0); their
               chunk-local inclusive cumsum G is what the kernels read
@@ -47,6 +48,8 @@ class Config(NamedTuple):
     # one sequence per batch row (no cu_seqlens): the metadata is reset = [chunk 0], end =
     # [chunk N − 1], seq = 0, and h0's slot 0 is the start state (kernels.Shape.one_seq)
     one_seq: bool = False
+    # the op's query scale, applied in-kernel to the products of q and of dO (kernels.Shape.scaled)
+    scale: float = 1.0
 
 
 def _mode(G):
@@ -88,7 +91,7 @@ def _shape(cfg, q, v, G, h0):
     V = v.shape[-1]
     return kn.Shape(B, Tp, H, K, V, cfg.chunk_size, h0.shape[2], _mode(G),
                     _precision(q.dtype, cfg.interpret), min(cfg.BV, V), DEFAULT_BK,
-                    DEFAULT_BV_STATE, cfg.centred, cfg.one_seq)
+                    DEFAULT_BV_STATE, cfg.centred, cfg.one_seq, cfg.scale)
 
 
 def _intra(s, q, k, e, z, G, interpret, dtypes=(F32, F32), rows=None):
@@ -322,7 +325,12 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
     ``plan``: a ``rewy_jax.layout.ChunkPlan`` for variable-length inputs (its ``gather`` and
     ``scatter`` re-lay tokens so every sequence starts on a chunk boundary), else None.
     """
-    q, k, v, g, b, w, h0 = call.q, call.k, call.v, call.g, call.b, call.w, call.h0
+    k, v, g, b, w, h0 = call.k, call.v, call.g, call.b, call.w, call.h0
+    # a Python scale multiplies in-kernel (Config.scale), so the kernels read q as given — a bf16
+    # q·K^−½ would round again (K^−½ is not a power of two at K = 128); a traced one cannot
+    # enter the kernels' static config, so it is folded into q here
+    static_scale = not isinstance(call.scale, jax.core.Tracer)
+    q = call.q if static_scale else call.q_scaled
     B, T = q.shape[:2]
     dt = call.out_dtype  # inputs' dtype (q, k may arrive in fp32 after L2 normalisation)
     q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
@@ -368,7 +376,8 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
         h0x = jnp.moveaxis(h0x, 0, 1)[None]  # [1, H, n_seq + 1, K, V]
     centred = (gate_lower_bound is not None and g is not None and g.ndim == 4
                and gate_lower_bound >= CENTRED_MIN_GATE)
-    cfg = Config(C, policy, backward, bool(interpret), BV or DEFAULT_BV, centred, n_seq is None)
+    cfg = Config(C, policy, backward, bool(interpret), BV or DEFAULT_BV, centred, n_seq is None,
+                 float(call.scale) if static_scale else 1.0)
     rows = (lay(v), lay(b.astype(F32)), lay(w.astype(F32))) if row_scaled else None
     o, final = general_delta(cfg, lay(q), lay(k), lay(e), lay(z), lay(g), h0x, reset, end, seq,
                              rows)

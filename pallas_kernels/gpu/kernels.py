@@ -19,6 +19,10 @@ cumsum, ``[B, Tp, H]`` (scalar), ``[B, Tp, H, K]`` (vector) or None.
                                   (or the seven-product WY form of dT, backward="wy")
     bwd_leaf   grid (N, B·H, K/BK) −Λ S0ᵀ, the leaf maps (dq, dk, de) and dg's two parts per key tile
 
+q arrives unscaled and the op's scale multiplies the fp32 result of every product of q or dO
+(``Shape.scaled``: O above, and in the backward Pᵀ dO, Qγᵀ dO, dO Rᵀ and dO S0ᵀ), so that q is not
+rounded to its 16-bit dtype a second time after the scaling.
+
 Vector gates (KDA, GDN2) run on 16-row sub-chunk blocks in reference frames (blocks.py); with no
 or scalar gates the decay is one [C, C] matrix and the kernels use whole-chunk matmuls.
 
@@ -573,8 +577,11 @@ class Shape:
     """Static problem description shared by the kernels."""
 
     def __init__(self, B, Tp, H, K, V, C, n_seq1, mode, prec, BV, BK=None, BVs=None,
-                 centred=False, one_seq=False):
+                 centred=False, one_seq=False, scale=1.0):
         self.B, self.Tp, self.H, self.K, self.V, self.C = B, Tp, H, K, V, C
+        # the op's query scale (K^−½ by default), applied in-kernel: q arrives unscaled, so it
+        # is not rounded a second time to its 16-bit dtype after the scaling (``scaled``)
+        self.scale = float(scale)
         # one sequence per batch row (no cu_seqlens): chunk 0 resets to h0[:, :, 0] and chunk
         # N − 1 ends it, so the state passes start from h0 / dfin instead of selecting them at
         # every chunk (DEFAULTS "state_pass.one_seq_init")
@@ -602,6 +609,14 @@ class Shape:
         # value-tile width of the two state passes: 32 keeps S [K, 32] and the chunk's R in
         # registers without spills (ptxas, sm_90) and gives B·H·V/32 programs to the SMs
         self.BVs = min(V, BVs or 32)
+
+    def scaled(self, x):
+        """x · scale, for the fp32 result of a product with q or with dO: o = scale · (Qγ S0 +
+        P R) and, in the backward, the cotangent scale · dO where dO meets q's side (P, Qγ) or
+        the states (dO S0ᵀ, dO Rᵀ) — the gradients of o = scale · f(q) at the unscaled q, with
+        f the op at scale 1. The final state's cotangent is not scaled (it does not pass
+        through q)."""
+        return x if self.scale == 1.0 else x * self.scale
 
     def warps(self, kernel):
         """Warps of ``kernel`` (a key of WARPS): WARPS, or at K > 128 DEFAULTS
@@ -1109,7 +1124,7 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native):
                     P = P_ref[c]
                 else:
                     _, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec, base)
-                o = _chunk_output(mode, Gc, load_rows(q_ref, base, C), S, P, R, prec)
+                o = _chunk_output(s, Gc, load_rows(q_ref, base, C), S, P, R)
                 o_ref[pl.ds(base, C), :] = o.astype(o_ref.dtype)
             else:
                 R_ref[pl.ds(base, C), :] = R.astype(R_ref.dtype)
@@ -1162,10 +1177,11 @@ def _qk_full(mode, q_ref, k_ref, G_ref, C, prec, base=0):
     return Gc, P * exp(jnp.where(c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
 
 
-def _chunk_output(mode, Gc, qc, S0, P, R, prec):
-    """One chunk's (value tile of) O = Qγ S0 + P R — fp32, from the chunk's G rows, q rows,
-    start state, gated query-key matrix and residuals (``output`` and the fused ``fwd_pass``)."""
-    return dot(_qg(mode, Gc, qc), S0, prec) + dot(P, R, prec)
+def _chunk_output(s, Gc, qc, S0, P, R):
+    """One chunk's (value tile of) O = scale · (Qγ S0 + P R) — fp32, from the chunk's G rows,
+    q rows (unscaled), start state, gated query-key matrix and residuals (``output`` and the
+    fused ``fwd_pass``)."""
+    return s.scaled(dot(_qg(s.mode, Gc, qc), S0, s.prec) + dot(P, R, s.prec))
 
 
 def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
@@ -1190,8 +1206,8 @@ def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
             Gc, P = _chunk_decay(mode, G_ref, 0, C)[0], P_ref[...]
         else:  # one [C, C] decay matrix: whole-chunk matmuls
             Gc, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)
-        o = _chunk_output(mode, Gc, load_rows(q_ref, 0, C), S0_ref[...].astype(F32), P,
-                          R_ref[...].astype(F32), prec)
+        o = _chunk_output(s, Gc, load_rows(q_ref, 0, C), S0_ref[...].astype(F32), P,
+                          R_ref[...].astype(F32))
         o_ref[...] = o.astype(o_ref.dtype)
 
     gate = ([], []) if mode == "none" else ([G], [s.chunk_gate3()])
@@ -1211,7 +1227,7 @@ def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
 # Backward
 # ----------------------------------------------------------------------------------------------
 def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32):
-    """Pᵀ dO per chunk, [B,Tp,H,V] in ``dtype``. Grid (N, B·H, V/BV); P as in ``output``."""
+    """scale · Pᵀ dO per chunk (``Shape.scaled``), [B,Tp,H,V] in ``dtype``. Grid (N, B·H, V/BV); P as in ``output``."""
     C, prec, mode, BV = s.C, s.prec, s.mode, s.BV
     given_P = P is not None
 
@@ -1222,7 +1238,8 @@ def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32):
         else:
             q_ref, k_ref, G_ref, dO_ref, out_ref = _split(refs, mode, 3)
             _, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)
-        out_ref[...] = dot(P, dO_ref[...].astype(F32), prec, ta=True).astype(out_ref.dtype)
+        out_ref[...] = s.scaled(dot(P, dO_ref[...].astype(F32), prec, ta=True)).astype(
+            out_ref.dtype)
 
     if given_P:
         ins, in_specs = [P, dO], [s.chunk_mat3(C, C), s.chunk_tok_v(BV)]
@@ -1274,7 +1291,7 @@ def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):
             raw = None if mode == "none" else F32
             dOc = load_rows(dO_ref, base, C, raw)
             Qg = _qg(mode, Gc, load_rows(q_ref, base, C, raw))
-            dS0 = (dot_stored(Qg, dOc, prec, ta=True) - _pass_dot(  # W as stored when native
+            dS0 = (s.scaled(dot_stored(Qg, dOc, prec, ta=True)) - _pass_dot(  # W as stored when native
                 load_rows(W_ref, base, C, None if dR_dt else F32), dR, prec, dR_dt, ta=True))
             dS0 = dS0 + (dS if mode == "none" else _col(exp(gl)) * dS)
             if end_after:  # chunk 0 starts the only sequence: the loop's last step
@@ -1348,7 +1365,7 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
     ReWY (rewy-math §4):  Λ = Aᵀ dR (product 1),  dT = −tril(Λ Rᵀ, −1) (product 2).
     WY (seven products):  dZ = Aᵀ dR,  dA = dR Zᵀ + dW Ēᵀ with dW Ēᵀ = −dR (Ē S0)ᵀ,
                           dT = −tril(Aᵀ dA Aᵀ, −1)   (dĒ = Aᵀ dW is formed in bwd_leaf).
-    Both: dA_qk = tril(dO Rᵀ).
+    Both: dA_qk = scale · tril(dO Rᵀ) (``Shape.scaled``).
     No gate enters these products (only WY's Ē), so they run on whole-chunk [C, ·] tiles
     (one matmul each) rather than 16-row sub-chunk blocks: far fewer live accumulators.
     Returns Λ [B,Tp,H,V] in ``lam_dtype`` (= dz), dT and dA_qk [B,H,N,C,C] in ``dt_dtype``
@@ -1388,7 +1405,7 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
             A = A.astype(F32)
             dT = -dot(dot(A, dT, prec, ta=True), A, prec, tb=True)  # −Aᵀ dA Aᵀ
         dT_ref[...] = jnp.where(c < r, dT, 0.0).astype(dT_ref.dtype)
-        dAqk_ref[...] = jnp.where(c <= r, dAqk, 0.0).astype(dAqk_ref.dtype)
+        dAqk_ref[...] = jnp.where(c <= r, s.scaled(dAqk), 0.0).astype(dAqk_ref.dtype)
 
     full_v = pl.BlockSpec((None, C, None, V), lambda n_, bh: (bh // s.H, n_, bh % s.H, 0))
     ins = [A, R, dO, dR] + ([e, z] + ([] if mode == "none" else [G]) + [S0] if wy else [])
@@ -1409,7 +1426,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     are independent (rewy-math §5–§6, raw frame):
 
         dĒ_state = −Λ S0ᵀ (ReWY product 3)  or  Aᵀ dW, dW = −dR S0ᵀ (WY)
-        de = γ ⊙ dĒ_state + apply(dT, k)          dq = γ ⊙ dO S0ᵀ + apply(dA_qk, k)
+        de = γ ⊙ dĒ_state + apply(dT, k)          dq = scale · γ ⊙ dO S0ᵀ + apply(dA_qk, k)
         dk = apply_t(dT, e) + apply_t(dA_qk, q) + y,   y = e^{G_C − G} ⊙ R dSᵀ
     and the gate gradient's two parts (chunk_algebra._leaf_grads: the terms with
     decay factor 1 — dA_qk's diagonal, each row's own path y into the end state — kept out):
@@ -1466,6 +1483,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             else:
                 lS, dOS = state_dots(i, [(lam_ref, S0_ref), (dO_ref, S0_ref)])
                 dEs = -lS
+            dOS = s.scaled(dOS)
             if shared:  # dT and dA_qk meet the same decay factors: form them once
                 de_k, dq_k = gt.applies([dT, dAqk], i, ks, k_ref, prec)
                 dk_x = gt.apply_t_sum([(dT, es, e_ref), (dAqk, qs, q_ref)], i, prec, n)
@@ -1527,7 +1545,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             dEs = dot(A_ref[...].astype(F32), dW, prec, ta=True)
         else:
             dEs = -dot_stored(lam_ref[...], S0, prec, tb=True)
-        dOS = dot_stored(dO_ref[...], S0, prec, tb=True)
+        dOS = s.scaled(dot_stored(dO_ref[...], S0, prec, tb=True))
         RdS = dot_stored(R_ref[...], dSe, prec, tb=True)
         if gam is not None:
             dEs, dOS, RdS_t = gam * dEs, gam * dOS, tail * RdS

@@ -338,7 +338,8 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     q, k, e, z, g, G, h0, reset, end, seq, dO, v, beta = _inputs(mode, B, T, H, D)
     cfg = api.Config(64, "recompute", backward, interpret, BV,
                      variant in ("centred", "cw4", "qcent"),
-                     one_seq=True)  # one sequence per row: the metadata of _inputs
+                     one_seq=True,  # one sequence per row: the metadata of _inputs
+                     scale=D ** -0.5)  # applied in-kernel, as the op does (kernels.Shape.scaled)
     s = api._shape(cfg, q, z, G, h0)
     it = interpret
     rows = {}
