@@ -430,9 +430,9 @@ def test_interpret_qk_gram_centred(monkeypatch):
 @pytest.mark.parametrize("backward,keep", [("rewy", True), ("wy", True), ("rewy", False)])
 def test_interpret_backward_row_scaled_wu(backward, keep, monkeypatch):
     """DEFAULTS "backward.row_scaled_wu": the backward re-forms W, U from k, v and β like the
-    forward (v kept instead of z; z re-formed where the seven-product backward reads it), for
-    kept or re-formed chunk matrices — the key gradients come closer to the float64 recurrence
-    and every check passes (DeltaNet, packed sequences, β in [0, 2])."""
+    forward (off: from βk, βv rounded to bf16), for kept or re-formed chunk matrices — the key
+    gradients come closer to the float64 recurrence and every check passes (DeltaNet, packed
+    sequences, β in [0, 2])."""
     from pallas_kernels.gpu import api, kernels
 
     inp, _, kw = _bf16_case("deltanet", "none", 83, {"n_seqs": 2, "backward": backward})
@@ -441,22 +441,38 @@ def test_interpret_backward_row_scaled_wu(backward, keep, monkeypatch):
         inp[n] = (x / jnp.linalg.norm(x, axis=-1, keepdims=True)).astype(jnp.bfloat16)
     kw["use_qk_l2norm"] = False
     monkeypatch.setitem(kernels.TUNE, "recompute.keep_chunk_matrices", keep)
-    residuals = []
-    fwd = api._fwd
-    monkeypatch.setattr(api, "_fwd", lambda *a: (lambda out: residuals.append(out[1]) or out)(
-        fwd(*a)))
-    api.general_delta.defvjp(api._fwd, api._bwd)
+    in_bwd, rows_seen = [False], []  # whether each W, U re-formation of the backward got rows
+
+    def spy(real):
+        def call(*a, rows=None, **kw):
+            if in_bwd[0]:
+                rows_seen.append(rows is not None)
+            return real(*a, rows=rows, **kw)
+        return call
+
+    monkeypatch.setattr(api, "_wu", spy(api._wu))
+    monkeypatch.setattr(api, "_intra", spy(api._intra))
+    bwd = api._bwd
+
+    def bwd_spy(*a):
+        in_bwd[0] = True
+        try:
+            return bwd(*a)
+        finally:
+            in_bwd[0] = False
+
+    api.general_delta.defvjp(api._fwd, bwd_spy)
     reps = {}
     try:
         for on in (False, True):
             monkeypatch.setitem(kernels.TUNE, "backward.row_scaled_wu", on)
             jax.clear_caches()
-            residuals.clear()
+            rows_seen.clear()
             reps[on] = testing.accuracy_report("deltanet", inp, **kw)
             _check(reps[on])
-            assert residuals and all((len(r[-1]) == 2) == on for r in residuals), on
+            assert rows_seen and all(r == on for r in rows_seen), (on, rows_seen)
     finally:
-        api.general_delta.defvjp(fwd, api._bwd)
+        api.general_delta.defvjp(api._fwd, bwd)
     assert reps[True]["dk"][0] < reps[False]["dk"][0], reps
 
 

@@ -9,12 +9,14 @@
               chunk-local inclusive cumsum G is what the kernels read
     h0      : [B, H, n_seq + 1, K, V] fp32 initial states (last slot: padding chunks)
     reset, end, seq : int32 [N] chunk metadata (kernels.py docstring)
+    rows    : None, or (βe, βz) [B, Tp, H] fp32 with e None and z = v: Ē = βe ⊙ k, Z = βz ⊙ v
+              formed and differentiated in-kernel (one β per row: DeltaNet, GDN, KDA)
 
 It returns ``o [B, Tp, H, V]`` (z's dtype) and ``final [B, H, n_seq + 1, K, V]`` fp32, and is
-differentiable in q, k, e, z, g and h0 (dg summed per token from the leaf kernel's two parts,
-``_gate_grad``). ``delta_rule_call`` adapts a backend call of ``rewy_jax`` (leaf maps
-e = b ⊙ k, z = w ⊙ v are plain JAX, so their VJPs — dβ, db, dw — come from autodiff around the
-kernels).
+differentiable in q, k, e, z, g, h0 and rows (dg summed per token from the leaf kernel's two
+parts, ``_gate_grad``). ``delta_rule_call`` adapts a backend call of ``rewy_jax``: with per-row
+gates it passes rows; per-channel ones (GDN2) go as e = b ⊙ k, z = w ⊙ v in plain JAX, whose
+VJPs — db, dw — come from autodiff around the kernels.
 """
 
 from __future__ import annotations
@@ -175,14 +177,12 @@ def _fused_pass_dtypes(dtype, mode):
 def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True, rows=None):
     """(o, final, (A, W, S0, R, P)); without ``keep_states`` (nothing will read S0 and R) the
     output may be fused into the state pass (DEFAULTS "fwd_pass.fused_output", K ≤ 128), and
-    W, S0, R then come back as None. rows = (v, βe, βz): per-row scales of k and v, from which
-    the kernels form Ē and Z exactly instead of reading e, z (DEFAULTS
-    "forward.row_scaled_ez")."""
+    W, S0, R then come back as None. rows = (βe, βz) with e None and z = v: the kernels form
+    Ē = βe ⊙ k and Z = βz ⊙ v exactly (``general_delta``)."""
     s = _shape(cfg, q, z, G, h0)
     fd = _forward_dtypes(q.dtype, s.K, s.mode)
     if rows is not None:
-        v, be, bz = rows
-        e, z, rows = k, v, (be, bz)
+        e = k  # the kernels' rows convention: e, z as stored, scaled by βe, βz in-kernel
     A, W, U, P = _intra(s, q, k, e, z, G, cfg.interpret, dtypes=(fd["W"], fd["U"]), rows=rows)
     # K = 256: the pass holds one pipeline stage there (kernels._pass_stages) and the fused form
     # measured slower (run h200-7: DeltaNet (8,2048,32,256) forward 12.2 -> 13.9 ms).
@@ -201,9 +201,11 @@ def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True, rows=Non
 def general_delta(cfg: Config, q, k, e, z, g, h0, reset, end, seq, rows=None):
     """The op on laid-out chunks: (o [B,Tp,H,V], final [B,H,n_seq1,K,V]).
 
-    rows: None, or (v, βe, βz) with e = βe ⊙ k and z = βz ⊙ v (βe, βz [B,Tp,H] fp32): the
-    forward then forms Ē, Z in-kernel from them, exactly, while e, z (rounded to the inputs'
-    dtype) serve the backward. Its gradient is declared through e and z, so rows gets none.
+    rows: None (e, z as given), or per-row scales (βe, βz) [B,Tp,H] fp32 with e None and z the
+    values v: the op's Ē = βe ⊙ k and Z = βz ⊙ v are then formed in-kernel in fp32 — exactly,
+    never stored — and differentiated there too, so the gradient comes back for k, v and
+    (βe, βz) directly (DEFAULTS "forward.row_scaled_ez": DeltaNet, GDN and KDA, whose β is one
+    number per row).
     """
     o, final, _ = _forward(cfg, q, k, e, z, _cum_gates(g, cfg.chunk_size), h0, reset, end, seq,
                            keep_states=False, rows=rows)
@@ -222,15 +224,7 @@ def _fwd(cfg, q, k, e, z, g, h0, reset, end, seq, rows=None):
         A, _, _, _, P = saved
         P = P if _mode(g) == "vector" else None
         saved = (A, P) if kn.setting("recompute.keep_chunk_matrices") else None
-    if rows is None or not kn.setting("backward.row_scaled_wu"):
-        # the marker says whether rows came (leafless: residuals are pytrees of arrays)
-        return (o, final), (q, k, e, z, g, h0, reset, end, seq, saved,
-                            None if rows is None else ())
-    # the backward re-forms W, U from k, v and the row scales too (DEFAULTS
-    # "backward.row_scaled_wu"); no other kernel of the ReWY backward reads z, so v takes its
-    # place among the residuals
-    v, be, bz = rows
-    return (o, final), (q, k, e, v, g, h0, reset, end, seq, saved, (be, bz))
+    return (o, final), (q, k, e, z, g, h0, reset, end, seq, saved, rows)
 
 
 def _stored_dtypes(dtype):
@@ -247,12 +241,13 @@ def _stored_dtypes(dtype):
 
 
 def _bwd(cfg, res, cts):
-    q, k, e, z, g, h0, reset, end, seq, saved, rows_marker = res
+    q, k, e, z, g, h0, reset, end, seq, saved, rows = res
     we, wz, wu_rows = e, z, None  # what W, U are re-formed from
-    if rows_marker:  # (βe, βz): the residual z is v (``_fwd``)
-        we, wz, wu_rows = k, z, rows_marker
-        # z itself only for the seven-product backward's bwd_dlam (dead code otherwise)
-        z = (rows_marker[1][..., None] * wz.astype(F32)).astype(wz.dtype)
+    if rows is not None and kn.setting("backward.row_scaled_wu"):  # Ē, Z from k, v exactly
+        we, wu_rows = k, rows
+    elif rows is not None:  # from Ē, Z rounded to the inputs' dtype (the older path)
+        we = (rows[0][..., None] * k.astype(F32)).astype(k.dtype)
+        wz = (rows[1][..., None] * z.astype(F32)).astype(z.dtype)
     dO, dfin = cts
     G = _cum_gates(g, cfg.chunk_size)
     s = _shape(cfg, q, z, G, h0)
@@ -281,13 +276,12 @@ def _bwd(cfg, res, cts):
                                               bwd_dtypes=(sd["dS"], sd["dR"]))
     else:
         dSe, dR, dh0 = kn.bwd_pass(s, *bwd_args, interpret=it, dtypes=(sd["dS"], sd["dR"]))
-    dq, dk, de, dz, dg = kn.bwd_chunk(s, q, k, e, z, G, A, S0, dSe, R, dO, dR,
-                                      backward=cfg.backward,
-                                      dtypes=(q.dtype, k.dtype, e.dtype, z.dtype), interpret=it,
-                                      lam_dtype=sd["lam"], dt_dtype=sd["dT"])
+    dq, dk, de, dz, dg, drows = kn.bwd_chunk(
+        s, q, k, e, z, G, A, S0, dSe, R, dO, dR, backward=cfg.backward,
+        dtypes=(q.dtype, k.dtype, k.dtype if e is None else e.dtype, z.dtype), interpret=it,
+        lam_dtype=sd["lam"], dt_dtype=sd["dT"], rows=rows)
     dg = None if dg is None else _gate_grad(dg, cfg.chunk_size)
-    return dq, dk, de, dz, dg, dh0, None, None, None, (
-        None if rows_marker is None else (None, None, None))
+    return dq, dk, de, dz, dg, dh0, None, None, None, drows
 
 
 general_delta.defvjp(_fwd, _bwd)
@@ -335,13 +329,17 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
     dt = call.out_dtype  # inputs' dtype (q, k may arrive in fp32 after L2 normalisation)
     q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
     C = chunk_size
-    e = (_expand(b, 4).astype(F32) * k.astype(F32)).astype(dt)
-    z = (_expand(w, 4).astype(F32) * v.astype(F32)).astype(dt)
     g = None if g is None else g.astype(F32)
-    # per-row erase and write gates (DeltaNet, GDN, KDA): the forward forms Ē = β ⊙ k and
-    # Z = β ⊙ v in-kernel, exactly (DEFAULTS "forward.row_scaled_ez"); e, z above, rounded to dt,
-    # are the backward's
+    # per-row erase and write gates (DeltaNet, GDN, KDA): the kernels form Ē = β ⊙ k and
+    # Z = β ⊙ v themselves, exactly, and return dk, dv, dβ through them (DEFAULTS
+    # "forward.row_scaled_ez"); otherwise e, z are formed here, rounded to the inputs' dtype
     row_scaled = kn.setting("forward.row_scaled_ez") and b.ndim == 3 and w.ndim == 3
+    if row_scaled:
+        e, z, rows = None, v, (b.astype(F32), w.astype(F32))
+    else:
+        e = (_expand(b, 4).astype(F32) * k.astype(F32)).astype(dt)
+        z = (_expand(w, 4).astype(F32) * v.astype(F32)).astype(dt)
+        rows = None
 
     if plan is None or plan.gather is None:
         N = -(-T // C)
@@ -378,9 +376,8 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
                and gate_lower_bound >= CENTRED_MIN_GATE)
     cfg = Config(C, policy, backward, bool(interpret), BV or DEFAULT_BV, centred, n_seq is None,
                  float(call.scale) if static_scale else 1.0)
-    rows = (lay(v), lay(b.astype(F32)), lay(w.astype(F32))) if row_scaled else None
     o, final = general_delta(cfg, lay(q), lay(k), lay(e), lay(z), lay(g), h0x, reset, end, seq,
-                             rows)
+                             None if rows is None else tuple(map(lay, rows)))
     if n_seq is None:
         return o[:, :T], final[:, :, 0]
     return o[:, plan.scatter], jnp.moveaxis(final[0, :, :n_seq], 1, 0)

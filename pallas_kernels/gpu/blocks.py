@@ -519,21 +519,27 @@ class Rows:
 
 class Blocks:
     """Lazy [16, 16] blocks of a [C, C] ref: ``Blocks(ref)[i, j]``; with ``zero_diagonal`` the
-    matrix's diagonal reads as 0 (``diagonal(i)`` gives it, [BS, 1])."""
+    matrix's diagonal reads as 0 (``diagonal(i)`` gives it, [BS, 1]); with ``row_scale`` (a [C]
+    ref) row r is multiplied by row_scale[r] — diag(β) M, so that Mᵀ (β ⊙ x) = (diag(β) M)ᵀ x
+    reads x as stored."""
 
-    def __init__(self, ref, zero_diagonal=False):
+    def __init__(self, ref, zero_diagonal=False, row_scale=None):
         self.ref = ref
         self.zero_diagonal = zero_diagonal
+        self.row_scale = row_scale
 
     def __getitem__(self, ij):
         i, j = ij
         blk = self.ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)].astype(F32)
         if self.zero_diagonal and i == j:
             blk = jnp.where(iota((BS, BS), 0) == iota((BS, BS), 1), 0.0, blk)
+        if self.row_scale is not None:
+            blk = load_rows(self.row_scale, i * BS)[:, None] * blk
         return blk
 
     def diagonal(self, i):
-        return Gates._diag_of(self.ref[pl.ds(i * BS, BS), pl.ds(i * BS, BS)].astype(F32))
+        d = Gates._diag_of(self.ref[pl.ds(i * BS, BS), pl.ds(i * BS, BS)].astype(F32))
+        return d if self.row_scale is None else load_rows(self.row_scale, i * BS)[:, None] * d
 
 
 def inv_diag(T, unroll=False):

@@ -1359,7 +1359,7 @@ def twin_pass(s: Shape, fwd_args, bwd_args, *, interpret, fwd_dtypes, bwd_dtypes
 
 
 def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dtype=F32,
-             dt_dtype=F32):
+             dt_dtype=F32, rows=None):
     """The state-free core of the chunk backward, grid (N, B·H), a loop over value tiles.
 
     ReWY (rewy-math §4):  Λ = Aᵀ dR (product 1),  dT = −tril(Λ Rᵀ, −1) (product 2).
@@ -1370,33 +1370,56 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
     (one matmul each) rather than 16-row sub-chunk blocks: far fewer live accumulators.
     Returns Λ [B,Tp,H,V] in ``lam_dtype`` (= dz), dT and dA_qk [B,H,N,C,C] in ``dt_dtype``
     (masked; formed in fp32).
+
+    rows = (βe, βz) [B,Tp,H] fp32: e, z are k, v as stored and Ē = βe ⊙ k, Z = βz ⊙ v (formed
+    here in fp32 where WY reads them). Then also the leaf gradients of Z = βz ⊙ v, from Λ in
+    fp32: dv = βz ⊙ Λ [B,Tp,H,V] in v's dtype and dβz = Σ_v Λ ⊙ v [B,Tp,H] fp32 — so the op
+    needs no XLA pass over Λ and v for them (``api.general_delta``).
     """
     C, prec, mode, V, BV = s.C, s.prec, s.mode, s.V, s.BV
     wy = backward == "wy"
+    with_rows = rows is not None
 
     def kernel(*refs):
         refs = list(refs)
-        if not wy:
-            refs[4:4] = [None, None, None, None]  # e, z, G, S0
+        be_ref = bz_ref = dv_ref = dbz_ref = None
+        if with_rows:  # inputs (…, βe, βz) and outputs (…, dv, dβz)
+            dv_ref, dbz_ref = refs[-2:]
+            be_ref, bz_ref = refs[n_in - 2:n_in]
+            del refs[-2:]
+            del refs[n_in - 2:n_in]
+        if not wy:  # ReWY reads no e, G, S0 (and z = v only with rows)
+            refs[4:4] = [None] if with_rows else [None, None]  # e (, z)
+            refs[6:6] = [None, None]  # G, S0
         elif mode == "none":
             refs.insert(6, None)
         A_ref, R_ref, dO_ref, dR_ref, e_ref, z_ref, G_ref, S0_ref, lam_ref, dT_ref, dAqk_ref = refs
         A = A_ref[...]  # as stored: bf16 under backward.low_precision "A"
         r, c = iota((C, C), 0), iota((C, C), 1)
+        bz = None if bz_ref is None else load_rows(bz_ref, 0, C)[:, None]  # [C, 1]
         if wy:
             Gc = None if mode == "none" else load_rows(G_ref, 0, C)
-            Eg = _qg(mode, Gc, load_rows(e_ref, 0, C))  # Ē = γ ⊙ E (exponents ≤ 0)
-        dT = dAqk = None
+            Ec = load_rows(e_ref, 0, C)
+            if be_ref is not None:
+                Ec = load_rows(be_ref, 0, C)[:, None] * Ec
+            Eg = _qg(mode, Gc, Ec)  # Ē = γ ⊙ E (exponents ≤ 0)
+        dT = dAqk = dbz = None
         for t in range(V // BV):
             vs = pl.ds(t * BV, BV)
             R_s = R_ref[:, vs]  # as stored: bf16 under backward.low_precision "R"
             R_t, dR_t = R_s.astype(F32), dR_ref[:, vs].astype(F32)
             lam = dot_stored(A, dR_ref[:, vs], prec, ta=True)
             lam_ref[:, vs] = lam.astype(lam_ref.dtype)
+            if with_rows:  # Z = βz ⊙ v: dv = βz ⊙ Λ, dβz = Σ_v Λ ⊙ v
+                v_t = z_ref[:, vs].astype(F32)
+                dv_ref[:, vs] = (bz * lam).astype(dv_ref.dtype)
+                x = jnp.sum(lam * v_t, axis=1)
+                dbz = x if dbz is None else dbz + x
             x = dot_stored(dO_ref[:, vs], R_s, prec, tb=True)
             dAqk = x if dAqk is None else dAqk + x
             if wy:
-                ZmES = z_ref[:, vs].astype(F32) - dot(Eg, S0_ref[:, vs].astype(F32), prec)
+                Z_t = z_ref[:, vs].astype(F32) if bz is None else bz * v_t
+                ZmES = Z_t - dot(Eg, S0_ref[:, vs].astype(F32), prec)
                 x = dot(dR_t, ZmES, prec, tb=True)  # dA
             else:
                 x = -dot(lam, R_t, prec, tb=True)
@@ -1406,22 +1429,34 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
             dT = -dot(dot(A, dT, prec, ta=True), A, prec, tb=True)  # −Aᵀ dA Aᵀ
         dT_ref[...] = jnp.where(c < r, dT, 0.0).astype(dT_ref.dtype)
         dAqk_ref[...] = jnp.where(c <= r, s.scaled(dAqk), 0.0).astype(dAqk_ref.dtype)
+        if with_rows:
+            dbz_ref[...] = dbz
 
     full_v = pl.BlockSpec((None, C, None, V), lambda n_, bh: (bh // s.H, n_, bh % s.H, 0))
-    ins = [A, R, dO, dR] + ([e, z] + ([] if mode == "none" else [G]) + [S0] if wy else [])
-    in_specs = [s.chunk_mat(C, C)] + [full_v] * 3 + (
-        [s.chunk_tok(s.K), full_v] + ([] if mode == "none" else [s.chunk_gate()]) +
-        [s.chunk_mat(s.K, V)] if wy else [])
-    return _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
-                 out_specs=[full_v, s.chunk_mat(C, C), s.chunk_mat(C, C)],
-                 out_shape=[s.sds_tok(V, lam_dtype),
-                            jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), dt_dtype),
-                            jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), dt_dtype)],
-                 interpret=interpret, num_warps=s.warps("bwd_dlam"), name="rewy_bwd_dlam")(*ins)
+    if wy:
+        ins = [A, R, dO, dR, e, z] + ([] if mode == "none" else [G]) + [S0]
+        in_specs = [s.chunk_mat(C, C)] + [full_v] * 3 + [s.chunk_tok(s.K), full_v] + (
+            [] if mode == "none" else [s.chunk_gate()]) + [s.chunk_mat(s.K, V)]
+    else:  # v itself only for the row scales' gradients
+        ins = [A, R, dO, dR] + ([z] if with_rows else [])
+        in_specs = [s.chunk_mat(C, C)] + [full_v] * (4 if with_rows else 3)
+    n_in = len(ins) + (2 if with_rows else 0)
+    out_specs = [full_v, s.chunk_mat(C, C), s.chunk_mat(C, C)]
+    out_shape = [s.sds_tok(V, lam_dtype),
+                 jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), dt_dtype),
+                 jax.ShapeDtypeStruct((s.B, s.H, s.N, C, C), dt_dtype)]
+    if with_rows:
+        ins += list(rows)
+        in_specs += [s.chunk_row()] * 2
+        out_specs += [full_v, s.chunk_row()]
+        out_shape += [s.sds_tok(V, z.dtype), jax.ShapeDtypeStruct((s.B, s.Tp, s.H), F32)]
+    return _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs, out_specs=out_specs,
+                 out_shape=out_shape, interpret=interpret, num_warps=s.warps("bwd_dlam"),
+                 name="rewy_bwd_dlam")(*ins)
 
 
 def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, backward, dtypes,
-             interpret):
+             interpret, be=None):
     """Leaf gradients, grid (N, B·H, K/BK): every map below acts per key channel, so key tiles
     are independent (rewy-math §5–§6, raw frame):
 
@@ -1436,6 +1471,11 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     path (``api._bwd``). Returns dq, dk, de [B,Tp,H,K] and (pairs, path) fp32: [B,Tp,H,K] per
     channel for vector gates, [B,Tp,H,K/BK] summed over each key tile's channels for scalar
     gates; None without gates.
+
+    be: βe [B,Tp,H] fp32 with e None — Ē = βe ⊙ k (``bwd_dlam``'s rows). dT then meets k as
+    diag(βe) dT (dTᵀ Ē = (diag(βe) dT)ᵀ k), and the leaf map e = βe ⊙ k is differentiated here:
+    dk gains βe ⊙ de, and instead of de the third output is dβe's part Σ de ⊙ k over each key
+    tile, [B,Tp,H,K/BK] fp32 (summed outside).
     """
     n, C, prec, mode, K, V = s.n, s.C, s.prec, s.mode, s.K, s.V
     BK = s.BK
@@ -1444,22 +1484,33 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     rowgrid = mode == "vector" and bool(setting("rewy_bwd_leaf.rowgrid"))
     diag = "centred" if s.centred else setting("rewy_bwd_leaf.exact_diag")
     shared = bool(setting("rewy_bwd_leaf.shared_decay"))
+    with_be = be is not None
 
     def kernel(*refs):
         refs = list(refs)
+        be_ref = dbe_ref = None
+        if with_be:  # input βe last, output dβe's part last; no e, no de
+            dbe_ref = refs.pop()
+            be_ref = refs.pop(n_in - 1)
+            refs.insert(2, None)  # e
         if mode == "none":
             refs.insert(3, None)
         if not wy:
             refs.insert(4, None)  # A
+        if with_be:
+            refs.insert(15, None)  # de
         (q_ref, k_ref, e_ref, G_ref, A_ref, S0_ref, dSe_ref, lam_ref, R_ref, dO_ref, dR_ref,
          dT_ref, dAqk_ref, dq_ref, dk_ref, de_ref) = refs[:16]
         dg_refs = refs[16:18] if mode != "none" else None
         if mode != "vector":
-            return _leaf_full(refs[:16], dg_refs)
+            return _leaf_full(refs[:16], dg_refs, be_ref, dbe_ref)
         pairs_ref, path_ref = dg_refs
         gt = Gates(mode, G_ref, 0, C, diag)
-        qs, ks, es = Rows(q_ref), Rows(k_ref), Rows(e_ref)
+        qs, ks = Rows(q_ref), Rows(k_ref)
         dT, dAqk = Blocks(dT_ref), Blocks(dAqk_ref, zero_diagonal=True)
+        # what dT meets in dk: Ē's rows as stored, or k's with βe on dT's rows
+        dT_e, es, e_src = ((dT, Rows(e_ref), e_ref) if be_ref is None
+                           else (Blocks(dT_ref, row_scale=be_ref), ks, k_ref))
         A = Blocks(A_ref) if wy else None
         dW_memo = {}
 
@@ -1486,23 +1537,30 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             dOS = s.scaled(dOS)
             if shared:  # dT and dA_qk meet the same decay factors: form them once
                 de_k, dq_k = gt.applies([dT, dAqk], i, ks, k_ref, prec)
-                dk_x = gt.apply_t_sum([(dT, es, e_ref), (dAqk, qs, q_ref)], i, prec, n)
+                dk_x = gt.apply_t_sum([(dT_e, es, e_src), (dAqk, qs, q_ref)], i, prec, n)
             else:
                 de_k, dq_k = (gt.apply(dT, i, ks, k_ref, prec), gt.apply(dAqk, i, ks, k_ref, prec))
-                dk_x = gt.apply_t(dT, i, es, e_ref, prec, n) + gt.apply_t(dAqk, i, qs, q_ref, prec, n)
+                dk_x = gt.apply_t(dT_e, i, es, e_src, prec, n) + gt.apply_t(dAqk, i, qs, q_ref, prec, n)
             de = gt.head(i, dEs) + de_k
             dq = gt.head(i, dOS) + dq_k  # both without dA_qk's diagonal (dAqk reads it as 0)
             y = gt.tail(i, state_dots(i, [(R_ref, dSe_ref)])[0])  # e^{G_C − G} ⊙ R_i dS_endᵀ
             d_i = dAqk.diagonal(i)  # [BS, 1]: its pairs (r, r) have decay factor 1
-            pairs = de * es[i] - dk_x * ks[i] + dq * qs[i]
+            be_i = None if be_ref is None else load_rows(be_ref, i * BS)[:, None]
+            e_i = es[i] if be_i is None else be_i * ks[i]
+            pairs = de * e_i - dk_x * ks[i] + dq * qs[i]
             if i == n - 1:  # the start state's decay γ_C into the end state, on the last row
                 sd = jnp.sum(dSe_ref[...].astype(F32) * S0_ref[...].astype(F32),
                              axis=1)[None, :]  # [1, BK]
                 pairs = pairs + jnp.where(iota((BS, 1), 0) == BS - 1, exp(gt.glast()) * sd, 0.0)
             rows = pl.ds(i * BS, BS)
             dq_ref[rows, :] = (dq + d_i * ks[i]).astype(dq_ref.dtype)
-            dk_ref[rows, :] = (dk_x + y + d_i * qs[i]).astype(dk_ref.dtype)
-            de_ref[rows, :] = de.astype(de_ref.dtype)
+            dk = dk_x + y + d_i * qs[i]
+            if be_i is None:
+                de_ref[rows, :] = de.astype(de_ref.dtype)
+            else:  # through Ē = βe ⊙ k
+                dk = dk + be_i * de
+                dbe_ref[rows, :] = jnp.sum(de * ks[i], axis=1, keepdims=True)
+            dk_ref[rows, :] = dk.astype(dk_ref.dtype)
             pairs_ref[rows, :] = pairs
             path_ref[rows, :] = y * ks[i]
 
@@ -1517,14 +1575,16 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             for i in range(n):
                 row_block(i)
 
-    def _leaf_full(refs, dg_refs):
+    def _leaf_full(refs, dg_refs, be_ref, dbe_ref):
         """No or scalar gates: every decay is one [C, C] matrix D_rs = e^{G_r − G_s} (s < r,
         masked before exp; the diagonal's factor is 1), so the leaf maps are whole-chunk
         matmuls (no sub-chunk frames)."""
         (q_ref, k_ref, e_ref, G_ref, A_ref, S0_ref, dSe_ref, lam_ref, R_ref, dO_ref, dR_ref,
          dT_ref, dAqk_ref, dq_ref, dk_ref, de_ref) = refs
         r, c = iota((C, C), 0), iota((C, C), 1)
-        qc, kc, ec = load_rows(q_ref, 0, C), load_rows(k_ref, 0, C), load_rows(e_ref, 0, C)
+        qc, kc = load_rows(q_ref, 0, C), load_rows(k_ref, 0, C)
+        be = None if be_ref is None else load_rows(be_ref, 0, C)[:, None]  # [C, 1]
+        ec = load_rows(e_ref, 0, C) if be is None else be * kc
         S0, dSe = S0_ref[...], dSe_ref[...]  # as stored (backward.low_precision)
         if mode == "none":
             D, gam, tail, gl = None, None, None, None
@@ -1552,30 +1612,44 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         else:
             RdS_t = RdS
         # dT, dA_qk as stored: in bf16 (backward.low_precision "dT") and ungated they multiply
-        # the stored 16-bit k, e, q natively
-        ks_, es_, qs_ = (load_rows(x, 0, C, None) for x in (k_ref, e_ref, q_ref))
+        # the stored 16-bit k, e, q natively; with βe, dT meets k as diag(βe) dT (in dT's dtype,
+        # so ungated it stays a native product: one rounding, as e's own was)
+        ks_, qs_ = load_rows(k_ref, 0, C, None), load_rows(q_ref, 0, C, None)
+        if be is None:
+            es_, dT_e = load_rows(e_ref, 0, C, None), dT
+        else:
+            es_, dT_e = ks_, (be * dT.astype(F32)).astype(dT.dtype)
         de = dEs + dot_stored(dT, ks_, prec)
         dq = dOS + dot_stored(dAqk, ks_, prec)
+
+        def store_de():  # de, or through Ē = βe ⊙ k: dβe's part (dk's share is added to dk)
+            if be is None:
+                de_ref[...] = de.astype(de_ref.dtype)
+            else:
+                dbe_ref[...] = jnp.sum(de * kc, axis=1, keepdims=True)
+
+        dk_e = None if be is None else be * de
         if mode == "none":
             early = bool(setting("rewy_bwd_leaf.store_early"))
             if early:  # dq, de out before dk's products are staged: fewer live [C, K] tiles
                 dq_ref[...] = dq.astype(dq_ref.dtype)
-                de_ref[...] = de.astype(de_ref.dtype)
-            dk = dot_stored(dT, es_, prec, ta=True) + dot_stored(dAqk, qs_, prec, ta=True) + RdS_t
-            dk_ref[...] = dk.astype(dk_ref.dtype)
+                store_de()
+            dk = dot_stored(dT_e, es_, prec, ta=True) + dot_stored(dAqk, qs_, prec, ta=True) + RdS_t
+            dk_ref[...] = (dk if dk_e is None else dk + dk_e).astype(dk_ref.dtype)
             if not early:
                 dq_ref[...] = dq.astype(dq_ref.dtype)
-                de_ref[...] = de.astype(de_ref.dtype)
+                store_de()
             return
         # each result stored as soon as it is whole (fewer live [C, K] tiles); the gate
         # gradient's parts summed over this tile's channels (one decay per row)
         pairs_ref, path_ref = dg_refs
-        de_ref[...] = de.astype(de_ref.dtype)
+        store_de()
         dq_ref[...] = (dq + dot_stored(d_qk, ks_, prec)).astype(dq_ref.dtype)
         pairs = de * ec + dq * qc
         path_ref[...] = jnp.sum(RdS_t * kc, axis=1, keepdims=True)
-        dk = dot_stored(dT, es_, prec, ta=True) + dot_stored(dAqk, qs_, prec, ta=True)
-        dk_ref[...] = (dk + RdS_t + dot_stored(d_qk, qs_, prec, ta=True)).astype(dk_ref.dtype)
+        dk = dot_stored(dT_e, es_, prec, ta=True) + dot_stored(dAqk, qs_, prec, ta=True)
+        dk_all = dk + RdS_t + dot_stored(d_qk, qs_, prec, ta=True)
+        dk_ref[...] = (dk_all if dk_e is None else dk_all + dk_e).astype(dk_ref.dtype)
         sd = jnp.sum(dSe.astype(F32) * S0.astype(F32), axis=1)[None, :]
         pairs = pairs - dk * kc + jnp.where(iota((C, 1), 0) == C - 1, exp(gl) * sd, 0.0)
         pairs_ref[...] = jnp.sum(pairs, axis=1, keepdims=True)
@@ -1589,41 +1663,59 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     tok_v = pl.BlockSpec((None, C, None, V), lambda m, bh, kt: (bh // H, ch(m), bh % H, 0))
     st_k = pl.BlockSpec((None, None, None, BK, V), lambda m, bh, kt: (bh // H, bh % H, ch(m), kt, 0))
     mat = pl.BlockSpec((None, None, None, C, C), lambda m, bh, kt: (bh // H, bh % H, ch(m), 0, 0))
-    gate = (pl.BlockSpec((None, C, None), lambda m, bh, kt: (bh // H, ch(m), bh % H))
-            if mode == "scalar" else tok_k)
-    ins = [q, k, e] + ([] if mode == "none" else [G]) + ([A] if wy else []) + [
-        S0, dSe, lam, R, dO, dR, dT, dAqk]
-    in_specs = [tok_k] * 3 + ([] if mode == "none" else [gate]) + ([mat] if wy else []) + [
-        st_k, st_k, tok_v, tok_v, tok_v, tok_v, mat, mat]
+    row = pl.BlockSpec((None, C, None), lambda m, bh, kt: (bh // H, ch(m), bh % H))
+    gate = row if mode == "scalar" else tok_k
+    ins = [q, k] + ([] if with_be else [e]) + ([] if mode == "none" else [G]) + (
+        [A] if wy else []) + [S0, dSe, lam, R, dO, dR, dT, dAqk] + ([be] if with_be else [])
+    in_specs = [tok_k] * (2 if with_be else 3) + ([] if mode == "none" else [gate]) + (
+        [mat] if wy else []) + [st_k, st_k, tok_v, tok_v, tok_v, tok_v, mat, mat] + (
+        [row] if with_be else [])
+    n_in = len(ins)
     qd, kd, ed = dtypes
-    # the gate gradient's two parts: per channel (vector gates) or per key tile (scalar)
+    # per key tile: a [C, 1] column per (chunk, head, tile) of [B,Tp,H,K/BK] fp32
     n_kt = K // BK
-    gate_part = (tok_k, s.sds_tok(K)) if mode == "vector" else (
-        pl.BlockSpec((None, C, None, 1), lambda m, bh, kt: (bh // H, ch(m), bh % H, kt)),
-        jax.ShapeDtypeStruct((s.B, s.Tp, H, n_kt), F32))
-    out_shape = [s.sds_tok(K, qd), s.sds_tok(K, kd), s.sds_tok(K, ed)] + (
+    tile_part = (pl.BlockSpec((None, C, None, 1), lambda m, bh, kt: (bh // H, ch(m), bh % H, kt)),
+                 jax.ShapeDtypeStruct((s.B, s.Tp, H, n_kt), F32))
+    # the gate gradient's two parts: per channel (vector gates) or per key tile (scalar)
+    gate_part = (tok_k, s.sds_tok(K)) if mode == "vector" else tile_part
+    out_specs = [tok_k] * (2 if with_be else 3) + ([] if mode == "none" else [gate_part[0]] * 2)
+    out_shape = [s.sds_tok(K, qd), s.sds_tok(K, kd)] + ([] if with_be else [s.sds_tok(K, ed)]) + (
         [] if mode == "none" else [gate_part[1]] * 2)
-    outs = _call(kernel, grid=(s.N * (n if rowgrid else 1), s.B * H, K // BK), in_specs=in_specs,
-                 out_specs=[tok_k] * 3 + ([] if mode == "none" else [gate_part[0]] * 2),
-                 out_shape=out_shape, interpret=interpret,
-                 num_warps=s.leaf_warps, name="rewy_bwd_leaf", tile_axis=2)(*ins)
-    return list(outs[:3]) + [None if mode == "none" else tuple(outs[3:])]
+    if with_be:
+        out_specs.append(tile_part[0])
+        out_shape.append(tile_part[1])
+    outs = list(_call(kernel, grid=(s.N * (n if rowgrid else 1), s.B * H, K // BK),
+                      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                      interpret=interpret, num_warps=s.leaf_warps, name="rewy_bwd_leaf",
+                      tile_axis=2)(*ins))
+    third = outs.pop() if with_be else outs.pop(2)  # dβe's parts, or de
+    return outs[:2] + [third, None if mode == "none" else tuple(outs[2:])]
 
 
 def bwd_chunk(s: Shape, q, k, e, z, G, A, S0, dSe, R, dO, dR, *, backward, dtypes, interpret,
-              lam_dtype=F32, dt_dtype=F32):
-    """Per-chunk cotangents (raw frame): dq, dk, de [B,Tp,H,K], dz [B,Tp,H,V], and the gate
-    gradient's two parts (pairs, path) per token ([B,Tp,H] for scalar gates; ``bwd_leaf``), or
-    None.
+              lam_dtype=F32, dt_dtype=F32, rows=None):
+    """Per-chunk cotangents (raw frame): dq, dk, de [B,Tp,H,K], dz [B,Tp,H,V], the gate
+    gradient's two parts (pairs, path) per token ([B,Tp,H] for scalar gates; ``bwd_leaf``) or
+    None, and None.
     lam_dtype, dt_dtype: how Λ and dT, dA_qk are stored between the two kernels.
+    rows = (βe, βz) [B,Tp,H] fp32, e None and z = v: Ē = βe ⊙ k and Z = βz ⊙ v, differentiated
+    in-kernel — then (dq, dk, None, dv, dg parts, (dβe, dβz)), dk and dv through Ē and Z too.
 
     Two kernels, so that neither holds a chunk's worth of [C, K] and [C, V] blocks at once:
     bwd_dlam (the C×C core: Λ, dT, dA_qk) then bwd_leaf (key-tiled leaf maps and dg's parts).
     """
-    lam, dT, dAqk = bwd_dlam(s, A, R, dO, dR, e, z, G, S0, backward=backward, interpret=interpret,
-                             lam_dtype=lam_dtype, dt_dtype=dt_dtype)
+    kw = dict(backward=backward, interpret=interpret)
+    if rows is None:
+        lam, dT, dAqk = bwd_dlam(s, A, R, dO, dR, e, z, G, S0, lam_dtype=lam_dtype,
+                                 dt_dtype=dt_dtype, **kw)
+        dz, drows = lam.astype(dtypes[3]), None
+    else:
+        lam, dT, dAqk, dz, dbz = bwd_dlam(s, A, R, dO, dR, k, z, G, S0, lam_dtype=lam_dtype,
+                                          dt_dtype=dt_dtype, rows=rows, **kw)
     dq, dk, de, dg_parts = bwd_leaf(s, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk,
-                                    backward=backward, dtypes=dtypes[:3], interpret=interpret)
+                                    dtypes=dtypes[:3], be=None if rows is None else rows[0], **kw)
+    if rows is not None:  # de's place holds dβe's per-key-tile parts
+        de, drows = None, (jnp.sum(de, axis=-1), dbz)
     if dg_parts is not None and s.mode == "scalar":
         dg_parts = tuple(jnp.sum(x, axis=-1) for x in dg_parts)
-    return dq, dk, de, lam.astype(dtypes[3]), dg_parts
+    return dq, dk, de, dz, dg_parts, drows

@@ -425,32 +425,43 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
                                                               dtypes=(sd["dS"], sd["dR"])))
     rows["bwd_pass"] = _bench(f, q, k, G, W, dO, dRl, dfin)
     dSe, dR, dh0 = f(q, k, G, W, dO, dRl, dfin)
-    f = jax.jit(lambda A, R, dO, dR, e, z, G, S0: kn.bwd_dlam(s, A, R, dO, dR, e, z, G, S0,
-                                                             backward=backward, interpret=it,
-                                                             lam_dtype=sd["lam"],
-                                                             dt_dtype=sd["dT"]))
-    rows["bwd_dlam"] = _bench(f, A, R, dO, dR, e, z, G, S0)
-    lam, dT, dAqk = f(A, R, dO, dR, e, z, G, S0)
+    # the backward's leaf kernels as the op runs them: under forward.row_scaled_ez they read k,
+    # v and β and return dk, dv, dβ through Ē = β ⊙ k and Z = β ⊙ v (api.general_delta's rows)
+    brows = (beta, beta) if ez_rows else None
+    de_in, dz_in = (None, v) if ez_rows else (e, z)
+    f = jax.jit(lambda A, R, dO, dR, e, z, G, S0, r: kn.bwd_dlam(
+        s, A, R, dO, dR, e, z, G, S0, backward=backward, interpret=it, lam_dtype=sd["lam"],
+        dt_dtype=sd["dT"], rows=r))
+    e_dlam = k if ez_rows else e
+    rows["bwd_dlam"] = _bench(f, A, R, dO, dR, e_dlam, dz_in, G, S0, brows)
+    lam, dT, dAqk = f(A, R, dO, dR, e_dlam, dz_in, G, S0, brows)[:3]
     bf = jnp.bfloat16
-    f = jax.jit(lambda q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk: kn.bwd_leaf(
+    f = jax.jit(lambda q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, be: kn.bwd_leaf(
         s, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, backward=backward,
-        dtypes=(bf, bf, bf), interpret=it))
-    rows["bwd_leaf"] = _bench(f, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk)
+        dtypes=(bf, bf, bf), interpret=it, be=be))
+    be_leaf = brows and brows[0]
+    rows["bwd_leaf"] = _bench(f, q, k, de_in, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, be_leaf)
 
-    def fwd(q, k, e, z, g, h0, r):
-        return api.general_delta(cfg, q, k, e, z, g, h0, reset, end, seq, r)[0]
+    def fwd(q, k, v, beta, g, h0):
+        """general_delta as the op calls it (api.delta_rule_call), as a function of the
+        op's k, v and β: the gradients are comparable between variants either way."""
+        if ez_rows:
+            return api.general_delta(cfg, q, k, None, v, g, h0, reset, end, seq,
+                                     (beta, beta))[0]
+        ez = [(beta[..., None] * x.astype(F32)).astype(x.dtype) for x in (k, v)]
+        return api.general_delta(cfg, q, k, *ez, g, h0, reset, end, seq)[0]
 
-    def loss(q, k, e, z, g, h0, r):
-        return jnp.sum(fwd(q, k, e, z, g, h0, r).astype(F32) * dO.astype(F32))
+    def loss(q, k, v, beta, g, h0):
+        return jnp.sum(fwd(q, k, v, beta, g, h0).astype(F32) * dO.astype(F32))
 
     argn = (0, 1, 2, 3, 5) if g is None else (0, 1, 2, 3, 4, 5)
-    rows["FWD (general_delta)"] = _bench(jax.jit(fwd), q, k, e, z, g, h0, ez_rows)
+    rows["FWD (general_delta)"] = _bench(jax.jit(fwd), q, k, v, beta, g, h0)
     vg = jax.jit(jax.value_and_grad(loss, argnums=argn))
-    rows["FWD+BWD (general_delta)"] = _bench(vg, q, k, e, z, g, h0, ez_rows)
-    grads = vg(q, k, e, z, g, h0, ez_rows)[1]
+    rows["FWD+BWD (general_delta)"] = _bench(vg, q, k, v, beta, g, h0)
+    grads = vg(q, k, v, beta, g, h0)[1]
     grads = (*grads[:-1], grads[-1][:, :, :1])  # dh0 without the padding slot (never written)
     # The same through the public op (rewy_jax), as the benchmark calls it: the difference is
-    # the op's XLA glue (e = βk, z = βv, the gate cumsum and its VJP, dβ/dg reductions).
+    # the op's XLA glue (the gate cumsum and its VJP, dg's and dβ's last sums, layout).
     op = {"none": "deltanet", "scalar": "gdn", "vector": "kda"}[mode]
     inp = testing.make_inputs(op, B, T, H, D, D, dtype=jnp.bfloat16, initial_state=False)
     kw = dict(backend="pallas_gpu", interpret=interpret, backward=backward)
