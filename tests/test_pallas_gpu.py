@@ -1105,6 +1105,18 @@ def test_interpret_varlen(op, small_tiles):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay", [("deltanet", "normal"), ("gdn", "strong"), ("kda", "strong"),
+                                      ("gdn2", "normal")])
+def test_interpret_fp16_inputs(op, decay, small_tiles):
+    """fp16 q, k, v (the backward then stores in bf16, whose range holds any state): every
+    output and gradient within the 16-bit thresholds, T not a multiple of the chunk."""
+    inp = testing.make_inputs(op, 1, 90, 2, 32, 32, dtype=jnp.float16, decay=decay, seed=41)
+    o, final = testing.run_op(op, inp, backend="pallas_gpu", interpret=True, chunk_size=32)
+    assert o.dtype == jnp.float16 and final.dtype == jnp.float32
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True, chunk_size=32))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 def test_scale_applied_in_kernel(monkeypatch):
     """A Python scale reaches the kernels as Config.scale and q as the caller's bf16 values:
     q·K^−½ rounded to bf16 would be a second rounding (K^−½ is not a power of two at K = 32).
