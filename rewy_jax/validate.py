@@ -64,8 +64,13 @@ def check_options(*, chunk_size, policy, backward, backend, scale):
 
 
 def check_scale(scale):
-    if scale is not None and not isinstance(scale, jax.core.Tracer) and not float(scale) > 0:
-        raise ValueError(f"scale must be a positive number; got {scale!r}")
+    if scale is None or isinstance(scale, jax.core.Tracer):
+        return
+    if np.size(scale) != 1:
+        raise ValueError(f"scale must be a positive number (one value); got shape "
+                         f"{np.shape(scale)}")
+    if not 0 < float(np.reshape(scale, ())) < float("inf"):
+        raise ValueError(f"scale must be a positive number (finite); got {scale!r}")
 
 
 def check_gate_lower_bound(bound, g, floor):

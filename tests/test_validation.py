@@ -178,7 +178,8 @@ def test_bad_backend_name(gdn, backend):
         _gdn(gdn, backend=backend)
 
 
-@pytest.mark.parametrize("scale", [-1.0, 0.0, -0.125, float("nan"), np.float32(-2.0)])
+@pytest.mark.parametrize("scale", [-1.0, 0.0, -0.125, float("nan"), float("inf"),
+                                   np.float32(-2.0), np.array([0.5, 0.5])])
 def test_scale_must_be_positive(gdn, scale):
     with pytest.raises(ValueError, match=r"^scale must be a positive number"):
         _gdn(gdn, scale=scale)
