@@ -16,8 +16,11 @@ cumsum, ``[B, Tp, H]`` (scalar), ``[B, Tp, H, K]`` (vector) or None.
     bwd_pass   grid (B·H, V/BV)   reverse loop: dS_end, dR = Pᵀ dO + K_tail dS_end,
                                   dS0 = γ_C dS_end + Qγᵀ dO − Wᵀ dR   (Ēᵀ Λ = Wᵀ dR), dh0
     bwd_dlam   grid (N, B·H)      Λ = Aᵀ dR, dT = −tril(Λ Rᵀ, −1), dA_qk = tril(dO Rᵀ)
-                                  (or the seven-product WY form of dT, backward="wy")
-    bwd_leaf   grid (N, B·H, K/BK) −Λ S0ᵀ, the leaf maps (dq, dk, de) and dg's two parts per key tile
+                                  (or the seven-product WY form of dT, backward="wy"); with a
+                                  per-row β also dv = β ⊙ Λ and dβ's Σ_v Λ ⊙ v
+    bwd_leaf   grid (N, B·H, K/BK) −Λ S0ᵀ, the leaf maps (dq, dk, de) and dg's two parts per key
+                                  tile; with a per-row β, dk through Ē = β ⊙ k and dβ's part
+                                  instead of de
 
 q arrives unscaled and the op's scale multiplies the fp32 result of every product of q or dO
 (``Shape.scaled``: O above, and in the backward Pᵀ dO, Qγᵀ dO, dO Rᵀ and dO S0ᵀ), so that q is not
@@ -1227,7 +1230,8 @@ def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
 # Backward
 # ----------------------------------------------------------------------------------------------
 def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32):
-    """scale · Pᵀ dO per chunk (``Shape.scaled``), [B,Tp,H,V] in ``dtype``. Grid (N, B·H, V/BV); P as in ``output``."""
+    """scale · Pᵀ dO per chunk (``Shape.scaled``), [B,Tp,H,V] in ``dtype``. Grid (N, B·H,
+    V/BV); P as in ``output``."""
     C, prec, mode, BV = s.C, s.prec, s.mode, s.BV
     given_P = P is not None
 
@@ -1291,7 +1295,7 @@ def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):
             raw = None if mode == "none" else F32
             dOc = load_rows(dO_ref, base, C, raw)
             Qg = _qg(mode, Gc, load_rows(q_ref, base, C, raw))
-            dS0 = (s.scaled(dot_stored(Qg, dOc, prec, ta=True)) - _pass_dot(  # W as stored when native
+            dS0 = (s.scaled(dot_stored(Qg, dOc, prec, ta=True)) - _pass_dot(  # W as stored
                 load_rows(W_ref, base, C, None if dR_dt else F32), dR, prec, dR_dt, ta=True))
             dS0 = dS0 + (dS if mode == "none" else _col(exp(gl)) * dS)
             if end_after:  # chunk 0 starts the only sequence: the loop's last step
@@ -1540,7 +1544,8 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
                 dk_x = gt.apply_t_sum([(dT_e, es, e_src), (dAqk, qs, q_ref)], i, prec, n)
             else:
                 de_k, dq_k = (gt.apply(dT, i, ks, k_ref, prec), gt.apply(dAqk, i, ks, k_ref, prec))
-                dk_x = gt.apply_t(dT_e, i, es, e_src, prec, n) + gt.apply_t(dAqk, i, qs, q_ref, prec, n)
+                dk_x = (gt.apply_t(dT_e, i, es, e_src, prec, n)
+                        + gt.apply_t(dAqk, i, qs, q_ref, prec, n))
             de = gt.head(i, dEs) + de_k
             dq = gt.head(i, dOS) + dq_k  # both without dA_qk's diagonal (dAqk reads it as 0)
             y = gt.tail(i, state_dots(i, [(R_ref, dSe_ref)])[0])  # e^{G_C − G} ⊙ R_i dS_endᵀ
