@@ -247,8 +247,9 @@ VARIANTS = {
     "gdnlp": ({"forward.low_precision_modes": {"scalar": ("W", "S0", "R")}}, 64, None, None),
     # qk_gram's diagonal blocks centred under the declared bound (g ≥ −5 here, as "centred")
     "qcent": ({"rewy_qk_gram.centred": True}, 64, None, None),
-    # the forward reading e = βk, z = βv rounded to bf16 (before forward.row_scaled_ez), or
-    # only the backward's wu reading them (backward.row_scaled_wu)
+    # the op forming e = βk, z = βv rounded to bf16 and differentiating them in XLA (before
+    # forward.row_scaled_ez: every in-kernel row-scale change at once), or only the backward's
+    # wu reading them (backward.row_scaled_wu; the backward then forms them in XLA, one pass)
     "noezrows": ({"forward.row_scaled_ez": False}, 64, None, None),
     "nobwdrows": ({"backward.row_scaled_wu": False}, 64, None, None),
     # the per-chunk kernels ptxas compiles at 2 warps without spills (DeltaNet, KDA: intra 255
