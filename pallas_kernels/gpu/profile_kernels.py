@@ -259,6 +259,9 @@ VARIANTS = {
     # K > 128 only (launch.wide_warps): KDA's state passes at 8 warps, the output at 8
     "widew8v": ({"launch.wide_warps": {"fwd_pass:vector": 8}}, 64, None, None),
     "widewo8": ({"launch.wide_warps": {"output": 8}}, 64, None, None),
+    # bwd_dlam at 8 warps at K > 128: with dv = β ⊙ Λ and Σ_v Λ ⊙ v in it (nineteenth session)
+    # ptxas (K = V = 256) finds 172 B of spills at 4 warps (32 before), none at 8 (210 registers)
+    "widedl8": ({"launch.wide_warps": {"bwd_dlam": 8}}, 64, None, None),
     "wideb2": ({"state_pass.wide_stages": {"native": 1, "bwd": 2}}, 64, None, None),
     "out8": ({"rewy_output.warps": 8}, 64, None, None),
     # W, U from the kept inverse on column tiles (rewy_wu.col_tile): the backward's alone
