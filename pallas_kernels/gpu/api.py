@@ -246,8 +246,7 @@ def _bwd(cfg, res, cts):
     if rows is not None and kn.setting("backward.row_scaled_wu"):  # Ē, Z from k, v exactly
         we, wu_rows = k, rows
     elif rows is not None:  # from Ē, Z rounded to the inputs' dtype (the older path)
-        we = (rows[0][..., None] * k.astype(F32)).astype(k.dtype)
-        wz = (rows[1][..., None] * z.astype(F32)).astype(z.dtype)
+        we, wz = leaf_product(rows[0], k), leaf_product(rows[1], z)
     dO, dfin = cts
     G = _cum_gates(g, cfg.chunk_size)
     s = _shape(cfg, q, z, G, h0)
@@ -308,8 +307,12 @@ def supports(call, chunk_size, interpret):
     return None
 
 
-def _expand(x, ndim):
-    return x if x.ndim == ndim else x[..., None]
+def leaf_product(gate, x):
+    """gate ⊙ x formed in fp32 and rounded to x's dtype — e = b ⊙ k or z = w ⊙ v as the kernels
+    read them where they do not form them (per-channel gates; DEFAULTS "forward.row_scaled_ez"
+    off). gate: [B,T,H] (one per row) or x's shape."""
+    gate = gate if gate.ndim == x.ndim else gate[..., None]
+    return (gate.astype(F32) * x.astype(F32)).astype(x.dtype)
 
 
 def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None, BV=None,
@@ -337,9 +340,7 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
     if row_scaled:
         e, z, rows = None, v, (b.astype(F32), w.astype(F32))
     else:
-        e = (_expand(b, 4).astype(F32) * k.astype(F32)).astype(dt)
-        z = (_expand(w, 4).astype(F32) * v.astype(F32)).astype(dt)
-        rows = None
+        e, z, rows = leaf_product(b, k), leaf_product(w, v), None
 
     if plan is None or plan.gather is None:
         N = -(-T // C)

@@ -302,9 +302,9 @@ def _inputs(mode, B, T, H, D, C=64, seed=0):
     q = nrm(ks[0], (B, T, H, D), D ** -0.5 * D ** 0.5)
     k = nrm(ks[1], (B, T, H, D))
     b = jax.random.uniform(ks[2], (B, T, H, 1), F32, 0.0, 1.0)
-    e = (b * k.astype(F32)).astype(bf)
+    e = api.leaf_product(b, k)
     v = jax.random.normal(ks[3], (B, T, H, D), F32).astype(bf)
-    z = (v.astype(F32) * b).astype(bf)
+    z = api.leaf_product(b, v)
     g = G = None
     if mode != "none":
         gshape = (B, T, H) if mode == "scalar" else (B, T, H, D)
@@ -452,8 +452,8 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
         if ez_rows:
             return api.general_delta(cfg, q, k, None, v, g, h0, reset, end, seq,
                                      (beta, beta))[0]
-        ez = [(beta[..., None] * x.astype(F32)).astype(x.dtype) for x in (k, v)]
-        return api.general_delta(cfg, q, k, *ez, g, h0, reset, end, seq)[0]
+        return api.general_delta(cfg, q, k, api.leaf_product(beta, k), api.leaf_product(beta, v),
+                                 g, h0, reset, end, seq)[0]
 
     def loss(q, k, v, beta, g, h0):
         return jnp.sum(fwd(q, k, v, beta, g, h0).astype(F32) * dO.astype(F32))
