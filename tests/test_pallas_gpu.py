@@ -288,6 +288,40 @@ def test_interpret_full_recompute(op, decay, kw, small_tiles, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+def test_row_scales_keep_no_products(monkeypatch):
+    """With a per-row β (general_delta's rows) the backward's residuals hold k, v and β — no
+    e = βk or z = βv — and the gradient comes back for k, v, β themselves: dk, dv in their
+    dtypes, dβ fp32, none for e."""
+    from pallas_kernels.gpu import api
+
+    residuals = []
+    fwd = api._fwd
+    monkeypatch.setattr(api, "_fwd", lambda *a: (lambda out: residuals.append(out[1]) or out)(
+        fwd(*a)))
+    api.general_delta.defvjp(api._fwd, api._bwd)
+    try:
+        inp = testing.make_inputs("kda", 1, 40, 2, 16, 16, dtype=jnp.bfloat16, seed=3)
+        kw = dict(backend="pallas_gpu", interpret=True, chunk_size=16)
+
+        def loss(k, v, beta):
+            o, _ = rewy_jax.chunk_kda(inp["q"], k, v, inp["g"], beta, **kw)
+            return jnp.sum(o.astype(jnp.float32))
+
+        dk, dv, dbeta = jax.grad(loss, argnums=(0, 1, 2))(inp["k"], inp["v"], inp["beta"])
+    finally:
+        api.general_delta.defvjp(fwd, api._bwd)
+    (res,) = residuals
+    q, k, e, z, *_, rows = res
+    assert e is None  # z is v itself, and rows β twice (erase and write), laid out (T 40 -> 48)
+    np.testing.assert_array_equal(np.asarray(z[:, :40], np.float32),
+                                  np.asarray(inp["v"], np.float32))
+    for r in rows:
+        np.testing.assert_array_equal(np.asarray(r[:, :40]), np.asarray(inp["beta"]))
+    assert dk.dtype == dv.dtype == jnp.bfloat16 and dbeta.dtype == jnp.float32
+    assert all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in (dk, dv, dbeta))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("mode", ["none", "scalar", "vector"])
 def test_recompute_keeps_chunk_matrices_not_states(mode):
     """Policy "recompute" keeps A (and P for vector gates) for the backward and no chunk state;
