@@ -288,6 +288,21 @@ def test_interpret_full_recompute(op, decay, kw, small_tiles, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "normal", {}), ("gdn", "strong", {}),
+                                         ("kda", "strong", {}),
+                                         ("kda", "normal", {"backward": "wy", "policy": "save"})])
+def test_interpret_leaf_maps_in_kernel(op, decay, kw, small_tiles, monkeypatch):
+    """DEFAULTS "backward.leaf_maps_in_kernel" (off): bwd_dlam and bwd_leaf differentiate
+    Ē = β ⊙ k and Z = β ⊙ v themselves — every gradient to fp32 accuracy, both backwards."""
+    from pallas_kernels.gpu import kernels
+
+    monkeypatch.setitem(kernels.TUNE, "backward.leaf_maps_in_kernel", True)
+    inp = testing.make_inputs(op, 2, 40, 2, 16, 32, decay=decay, seed=9)
+    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True, chunk_size=16,
+                                   **kw))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 def test_row_scales_keep_no_products(monkeypatch):
     """With a per-row β (general_delta's rows) the backward's residuals hold k, v and β — no
     e = βk or z = βv — and the gradient comes back for k, v, β themselves: dk, dv in their

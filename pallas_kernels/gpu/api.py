@@ -275,10 +275,20 @@ def _bwd(cfg, res, cts):
                                               bwd_dtypes=(sd["dS"], sd["dR"]))
     else:
         dSe, dR, dh0 = kn.bwd_pass(s, *bwd_args, interpret=it, dtypes=(sd["dS"], sd["dR"]))
+    # β's leaf maps Ē = βe ⊙ k, Z = βz ⊙ v differentiated in the kernels, or (DEFAULTS
+    # "backward.leaf_maps_in_kernel" off, measured faster) by the kernels' e, z path and XLA
+    leaf_in_kernel = rows is not None and kn.setting("backward.leaf_maps_in_kernel")
+    if rows is not None and not leaf_in_kernel:
+        e, z_v, z = leaf_product(rows[0], k), z, leaf_product(rows[1], z)
     dq, dk, de, dz, dg, drows = kn.bwd_chunk(
         s, q, k, e, z, G, A, S0, dSe, R, dO, dR, backward=cfg.backward,
         dtypes=(q.dtype, k.dtype, k.dtype if e is None else e.dtype, z.dtype), interpret=it,
-        lam_dtype=sd["lam"], dt_dtype=sd["dT"], rows=rows)
+        lam_dtype=sd["lam"], dt_dtype=sd["dT"], rows=rows if leaf_in_kernel else None)
+    if rows is not None and not leaf_in_kernel:  # the VJP of e = βe ⊙ k, z = βz ⊙ v
+        (be, bz), de32, dz32 = rows, de.astype(F32), dz.astype(F32)
+        drows = (jnp.sum(de32 * k.astype(F32), axis=-1), jnp.sum(dz32 * z_v.astype(F32), axis=-1))
+        dk = (dk.astype(F32) + be[..., None] * de32).astype(k.dtype)
+        de, dz = None, (bz[..., None] * dz32).astype(z_v.dtype)
     dg = None if dg is None else _gate_grad(dg, cfg.chunk_size)
     return dq, dk, de, dz, dg, dh0, None, None, None, drows
 

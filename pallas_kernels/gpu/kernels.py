@@ -407,6 +407,13 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               5.82e-3, dβ 8.02e-3 -> 7.26e-3; (16, 128) dk 7.46e-3 -> 6.77e-3 (the tightest
 #               checks of the suite). The default backward wu (intra given A) multiplies in
 #               TF32 either way; the whole-chunk wu loses its native bf16 products. Default.
+#   backward.leaf_maps_in_kernel  with a per-row β (api.general_delta's rows): bwd_dlam and
+#               bwd_leaf also differentiate Ē = β ⊙ k and Z = β ⊙ v (dv = β ⊙ Λ from fp32 Λ,
+#               dk + β ⊙ de, dβ), so no XLA pass touches e, de or dz. More accurate
+#               (interpret-accuracy-14: DeltaNet (8, 64) dk 7.89e-3 -> 7.60e-3) but profile-20
+#               (H200, anchor): bwd_leaf 0.198 -> 0.282 ms, bwd_dlam 0.101 -> 0.135 (DeltaNet),
+#               1.69 -> 1.82 and 0.102 -> 0.130 (KDA) — more than the glue it removes. Off: the
+#               backward forms e = β ⊙ k (api.leaf_product) and the leaf maps' VJP in XLA.
 #   forward.low_precision_modes  {gate mode: names} added to "forward.low_precision" at
 #               K ≤ 128 for that mode (api._forward_dtypes): {"scalar": ("W", "S0", "R")} gives
 #               GDN's unfused forward the K = 256 treatment — bf16 storage and native products
@@ -458,7 +465,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False,
             "rewy_wu.col_tile": 0, "launch.wide_warps": {}, "forward.row_scaled_ez": True,
             "forward.low_precision_modes": {}, "rewy_qk_gram.centred": False,
-            "backward.row_scaled_wu": True}
+            "backward.row_scaled_wu": True, "backward.leaf_maps_in_kernel": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed

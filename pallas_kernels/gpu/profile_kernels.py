@@ -252,6 +252,8 @@ VARIANTS = {
     # wu reading them (backward.row_scaled_wu; the backward then forms them in XLA, one pass)
     "noezrows": ({"forward.row_scaled_ez": False}, 64, None, None),
     "nobwdrows": ({"backward.row_scaled_wu": False}, 64, None, None),
+    # β's leaf maps differentiated in bwd_dlam and bwd_leaf (profile-20: slower, off)
+    "leafk": ({"backward.leaf_maps_in_kernel": True}, 64, None, None),
     # the per-chunk kernels ptxas compiles at 2 warps without spills (DeltaNet, KDA: intra 255
     # registers, wu 146, bwd_local 176), as FLA's autotune picks for several of its own
     "w2": ({"rewy_intra.warps": 2, "rewy_wu.warps": 2, "rewy_bwd_local.warps": 2}, 64, None,
