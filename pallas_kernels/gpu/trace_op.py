@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python3 pallas_kernels/gpu/trace_op.py [--ops deltanet,gdn,kda,gdn2]
         [--shape 2x4096x16x128] [--gate-lower-bound -5] [--iters 5] [--out-dir DIR]
+        [--variants base,wut,w2]
 
 For each op: ``jax.grad`` of Σ o·dO through the public op (``backend="pallas_gpu"``, bf16 inputs,
 as the benchmark calls it), warmed up, then ``--iters`` calls under ``jax.profiler.trace``. The
@@ -9,6 +10,13 @@ Perfetto trace is summed per device event name (our kernels are named ``rewy_*``
 XLA glue: the e = b⊙k products, gate cumsums, padding, dβ/dg reductions) and printed as ms per
 call, so the gap between ``profile_kernels.py``'s kernels and the benchmark's op time gets names.
 Writes ``<out-dir>/trace-<op>.txt`` (the table; with ``--keep-traces`` also the raw Perfetto trace).
+
+``--variants`` (names of ``profile_kernels.VARIANTS``) traces the op once per variant and prints
+one table of device ms per kernel, variants side by side, with the op's wall time per call. This
+is the way to compare variants of the small kernels: ``profile_kernels.py`` times each kernel as
+a host loop of jitted calls, whose dispatch sets a floor near 0.1 ms at the anchor (profile-11:
+wu 0.101 ms there against 0.065 by ncu, bwd_dlam 0.114 against 0.061), so variants of a
+60-µs kernel read the same there. Variants named like ``centred`` declare g ≥ −5 for KDA/GDN2.
 Kernel-work tooling, not the peer benchmark (benchmarks/).
 """
 
@@ -22,6 +30,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +68,9 @@ def device_times(trace_path: str, iters: int) -> tuple[dict, str]:
 
 
 def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=False,
-             keep_trace=False):
-    """Trace ``iters`` fwd+bwd calls of ``op``; returns (table text, {name: ms per call})."""
+             keep_trace=False, tag_suffix="", wall_iters=0):
+    """Trace ``iters`` fwd+bwd calls of ``op``; returns (table text, {name: ms per call}), with
+    "WALL" the wall ms per call of ``wall_iters`` more calls when that is > 0."""
     B, T, H, D = shape
     inp = testing.make_inputs(op, B, T, H, D, D, dtype=jnp.bfloat16, initial_state=False)
     dO = jax.random.normal(jax.random.PRNGKey(7), inp["v"].shape, F32).astype(jnp.bfloat16)
@@ -80,12 +90,19 @@ def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=F
         for _ in range(iters):
             jax.block_until_ready(f(inp))
     path = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-    tag = op + ("" if gate_lower_bound is None else f"-g{gate_lower_bound:g}")
+    tag = op + ("" if gate_lower_bound is None else f"-g{gate_lower_bound:g}") + tag_suffix
     if keep_trace:  # the device tool returns at most 8 files: raw traces only on request
         shutil.copy(path, os.path.join(out_dir, f"trace-{tag}.json.gz"))
     times, tracks = device_times(path, iters)
+    if wall_iters:  # the op's wall time per call, back to back (what the benchmark sees)
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(wall_iters):
+            out = f(inp)
+        jax.block_until_ready(out)
+        times["WALL"] = 1e3 * (time.perf_counter() - t0) / wall_iters
     ours = sum(v for k, v in times.items() if k.startswith("rewy_"))
-    glue = {k: v for k, v in times.items() if not k.startswith("rewy_")}
+    glue = {k: v for k, v in times.items() if not k.startswith("rewy_") and k != "WALL"}
     lines = [f"{tag} {shape} bf16 fwd+bwd, ms per call over {iters} calls (tracks: {tracks})",
              f"  our kernels {ours:.3f}  |  everything else {sum(glue.values()):.3f}"]
     for name, ms in sorted(times.items(), key=lambda kv: -kv[1])[:30]:
@@ -97,6 +114,49 @@ def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=F
     return text, times
 
 
+def with_variant(variant, fn):
+    """``fn()`` under a ``profile_kernels.VARIANTS`` entry: kernels.TUNE and api's tile widths
+    set for the call, and put back after it."""
+    from pallas_kernels.gpu import api
+    from pallas_kernels.gpu import kernels as kn
+    from pallas_kernels.gpu.profile_kernels import VARIANTS
+
+    tune, BV, BVs, BK = VARIANTS[variant]
+    saved = dict(kn.TUNE), (api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK)
+    kn.TUNE.clear()
+    kn.TUNE.update(tune)
+    api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = BV, BVs, BK
+    try:
+        return fn()
+    finally:
+        kn.TUNE.clear()
+        kn.TUNE.update(saved[0])
+        api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = saved[1]
+
+
+BOUNDED_VARIANTS = ("centred", "cw4", "qcent")  # as profile_kernels: g >= -5 declared
+
+
+def compare_table(op, shape, results):
+    """Device ms per kernel (rows) under each variant (columns), from {variant: times}."""
+    names = sorted({k for t in results.values() for k in t if k.startswith("rewy_")})
+    cols = list(results)
+    lines = [f"{op} {'x'.join(map(str, shape))} bf16 fwd+bwd, device ms per call",
+             "| kernel | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+
+    def row(label, get):
+        lines.append(f"| {label} | " + " | ".join(
+            "—" if get(results[c]) is None else f"{get(results[c]):.4f}" for c in cols) + " |")
+
+    for n in names:
+        row(n, lambda t, n=n: t.get(n))
+    row("our kernels", lambda t: sum(v for k, v in t.items() if k.startswith("rewy_")))
+    row("XLA glue", lambda t: sum(v for k, v in t.items()
+                                  if not k.startswith("rewy_") and k != "WALL"))
+    row("wall per call", lambda t: t.get("WALL"))
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", default="deltanet,gdn,kda,gdn2")
@@ -106,14 +166,38 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out-dir", default=".")
     ap.add_argument("--keep-traces", action="store_true")
+    ap.add_argument("--variants", default=None,
+                    help="profile_kernels.VARIANTS names: one trace each, compared in one table")
+    ap.add_argument("--wall-iters", type=int, default=20)
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     a = ap.parse_args()
     shape = tuple(int(x) for x in a.shape.split("x"))
     os.makedirs(a.out_dir, exist_ok=True)
     for op in a.ops.split(","):
-        bound = a.gate_lower_bound if op in ("kda", "gdn2") else None
-        text, _ = trace_op(op, shape, bound, a.iters, a.out_dir, a.interpret, a.keep_traces)
-        print(text, flush=True)
+        vector = op in ("kda", "gdn2")
+        bound = a.gate_lower_bound if vector else None
+        if not a.variants:
+            text, _ = trace_op(op, shape, bound, a.iters, a.out_dir, a.interpret, a.keep_traces)
+            print(text, flush=True)
+            continue
+        results = {}
+        for var in a.variants.split(","):
+            b = -5.0 if vector and var in BOUNDED_VARIANTS else bound
+            t0 = time.perf_counter()
+            try:
+                text, times = with_variant(var, lambda b=b, var=var: trace_op(
+                    op, shape, b, a.iters, a.out_dir, a.interpret, a.keep_traces,
+                    tag_suffix=f"-{var}", wall_iters=a.wall_iters))
+            except Exception as ex:  # noqa: BLE001 — one failing variant must not hide the rest
+                print(f"{op} {var} ERROR {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+                continue
+            results[var] = times
+            print(f"{op} {var}: {time.perf_counter() - t0:.0f}s incl. compile, wall "
+                  f"{times.get('WALL', float('nan')):.4f} ms", flush=True)
+        table = compare_table(op, shape, results)
+        with open(os.path.join(a.out_dir, f"compare-{op}.md"), "w") as fh:
+            fh.write(table + "\n")
+        print(table, flush=True)
 
 
 if __name__ == "__main__":
