@@ -1507,7 +1507,7 @@ def test_trace_script_sums_stream_kernels(tmp_path):
     import gzip
     import json
 
-    from pallas_kernels.gpu import trace_op
+    from pallas_kernels.gpu import kernels, trace_op
 
     ev = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
           {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
@@ -1527,3 +1527,14 @@ def test_trace_script_sums_stream_kernels(tmp_path):
     text, times = trace_op.trace_op("gdn", (1, 64, 1, 16), iters=1, out_dir=str(tmp_path),
                                     interpret=True)
     assert (tmp_path / "trace-gdn.txt").read_text().startswith("gdn ") and times
+    # variants side by side: each kernel's device ms under each variant, kernels summed apart
+    # from the glue, and the wall time per call
+    table = trace_op.compare_table("gdn", (1, 64, 1, 16), {
+        "base": {"rewy_wu": 0.1, "rewy_intra": 0.2, "fusion": 0.05, "WALL": 0.5},
+        "wut": {"rewy_wu": 0.07, "rewy_intra": 0.2, "WALL": 0.45}})
+    assert "| rewy_wu | 0.1000 | 0.0700 |" in table
+    assert "| our kernels | 0.3000 | 0.2700 |" in table
+    assert "| XLA glue | 0.0500 | 0.0000 |" in table and "| wall per call | 0.5000 | 0.4500 |" in table
+    saved = dict(kernels.TUNE)
+    assert trace_op.with_variant("wut", lambda: kernels.setting("rewy_wu.col_tile")) == 64
+    assert kernels.TUNE == saved
