@@ -32,6 +32,8 @@ def _stages(**kw):
     return dict(kn.DEFAULTS["state_pass.stages"], **kw)
 
 
+# variants that declare g >= -5 for the vector-gate ops (the centred diagonal blocks)
+BOUNDED_VARIANTS = ("centred", "cw4", "qcent", "qw2")
 # name -> (kernels.TUNE, api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK)
 VARIANTS = {
     "base": ({}, 64, None, None),
@@ -268,6 +270,20 @@ VARIANTS = {
     "out8": ({"rewy_output.warps": 8}, 64, None, None),
     # W, U from the kept inverse on column tiles (rewy_wu.col_tile): the backward's alone
     # (wut, wut32), and the forward's too, its intra forming only the inverse (splitt, splitt32)
+    # the small per-chunk kernels' warps, timed from device events (trace_op.py --variants;
+    # twentieth session): intra and the backward's wu at 2 (bwd_local kept at 4), or intra at 1;
+    # bwd_local and bwd_dlam at 2 or 8; with qcent for KDA under the declared bound
+    "w2i": ({"rewy_intra.warps": 2, "rewy_wu.warps": 2}, 64, None, None),
+    "w2nb": ({"rewy_intra.warps": 2, "rewy_wu.warps": 2, "backward.row_scaled_wu": False}, 64,
+             None, None),
+    "w2t32": ({"rewy_intra.warps": 2, "rewy_wu.warps": 2, "rewy_wu.whole_chunk": True,
+               "rewy_wu.col_tile": 32}, 64, None, None),
+    "i1": ({"rewy_intra.warps": 1, "rewy_wu.warps": 2}, 64, None, None),
+    "bl8": ({"rewy_bwd_local.warps": 8}, 64, None, None),
+    "dl2": ({"rewy_bwd_dlam.warps": 2}, 64, None, None),
+    "dl8": ({"rewy_bwd_dlam.warps": 8}, 64, None, None),
+    "qw2": ({"rewy_qk_gram.centred": True, "rewy_intra.warps": 2, "rewy_wu.warps": 2}, 64, None,
+            None),
     "wut": ({"rewy_wu.whole_chunk": True, "rewy_wu.col_tile": 64}, 64, None, None),
     "wut32": ({"rewy_wu.whole_chunk": True, "rewy_wu.col_tile": 32}, 64, None, None),
     "splitt": ({"rewy_wu.whole_chunk": True, "rewy_intra.split_wu": True,
@@ -343,7 +359,7 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     B, T, H, D = shape
     q, k, e, z, g, G, h0, reset, end, seq, dO, v, beta = _inputs(mode, B, T, H, D)
     cfg = api.Config(64, "recompute", backward, interpret, BV,
-                     variant in ("centred", "cw4", "qcent"),
+                     variant in BOUNDED_VARIANTS,
                      one_seq=True,  # one sequence per row: the metadata of _inputs
                      scale=D ** -0.5)  # applied in-kernel, as the op does (kernels.Shape.scaled)
     s = api._shape(cfg, q, z, G, h0)

@@ -134,9 +134,6 @@ def with_variant(variant, fn):
         api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = saved[1]
 
 
-BOUNDED_VARIANTS = ("centred", "cw4", "qcent")  # as profile_kernels: g >= -5 declared
-
-
 def compare_table(op, shape, results):
     """Device ms per kernel (rows) under each variant (columns), from {variant: times}."""
     names = sorted({k for t in results.values() for k in t if k.startswith("rewy_")})
@@ -182,6 +179,7 @@ def main():
             continue
         results = {}
         for var in a.variants.split(","):
+            from pallas_kernels.gpu.profile_kernels import BOUNDED_VARIANTS
             b = -5.0 if vector and var in BOUNDED_VARIANTS else bound
             t0 = time.perf_counter()
             try:
