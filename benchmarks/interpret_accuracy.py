@@ -46,13 +46,15 @@ def reference(op: str, shape: Shape):
     return inp, cts, ref
 
 
-def check(op: str, H: int, D: int, T: int = 512, tune: dict | None = None) -> dict:
+def check(op: str, H: int, D: int, T: int = 512, tune: dict | None = None,
+          gate_bound: float | None = None) -> dict:
     """{"bf16-backward" | "fp32-backward" [| "bf16-backward + tune"]: accuracy.compare's report}
-    at (1, T, H, D); ``tune``: kernel settings (kernels.TUNE) for a third row, on the defaults."""
+    at (1, T, H, D); ``tune``: kernel settings (kernels.TUNE) for a third row, on the defaults;
+    ``gate_bound``: declare g ≥ it (vector gates), as the benchmark's "g≥-5" rows do."""
     from pallas_kernels.gpu import kernels
 
     inp, cts, ref = reference(op, Shape(1, T, H, D))
-    impl = OursInterpret("pallas_gpu", "rewy", "recompute")
+    impl = OursInterpret("pallas_gpu", "rewy", "recompute", gate_bound)
     rows = {"bf16-backward": {}, "fp32-backward": {"backward.low_precision": ()}}
     if tune:
         rows["bf16-backward + " + " ".join(f"{k}={v}" for k, v in tune.items())] = tune
@@ -80,6 +82,8 @@ def main(argv=None):
     ap.add_argument("--tf32", choices=("truncate", "round"), default=None,
                     help="multiply fp32 operands as TF32 (as the GPU does for 16-bit inputs): "
                          "their 13 low mantissa bits truncated or rounded")
+    ap.add_argument("--gate-bound", type=float, default=None,
+                    help="declare g ≥ this (kda, gdn2): the centred diagonal blocks")
     a = ap.parse_args(argv)
     from pallas_kernels.gpu import blocks, kernels
 
@@ -87,10 +91,11 @@ def main(argv=None):
     t0 = time.time()
     saved, blocks.TF32_EMULATION = blocks.TF32_EMULATION, a.tf32
     try:
-        reports = check(a.op, a.H, a.D, a.T, tune)
+        reports = check(a.op, a.H, a.D, a.T, tune, a.gate_bound)
     finally:
         blocks.TF32_EMULATION = saved
-    tf32 = f" (TF32 {a.tf32})" if a.tf32 else ""
+    tf32 = (f" (TF32 {a.tf32})" if a.tf32 else "") + (
+        "" if a.gate_bound is None else f" g≥{a.gate_bound:g}")
     for name, rep in reports.items():
         print(f"{a.op} (1, {a.T}, {a.H}, {a.D}) {name}{tf32}: {rep['status']} " + " ".join(
             f"{n}={r:.2e}/{t:.0e}" for n, (r, t) in rep["ratios"].items()), flush=True)

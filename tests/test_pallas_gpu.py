@@ -443,6 +443,40 @@ def _bf16_case(op, decay, seed, kw):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("K", [32, 128])
+def test_interpret_gate_kernels(K):
+    """kernels.cum_gates / gate_grad (vector gates' G and dg, in-kernel since profile-21)
+    against the plain-JAX cumsums of chunk_algebra in float64, over several chunks, heads and
+    key tiles, with strong decays (g down to −60) and gradient parts of mixed sign."""
+    from pallas_kernels.chunk_algebra import exclusive_cumsum, reverse_cumsum
+    from pallas_kernels.gpu import api, kernels
+
+    C, shape = 16, (2, 48, 3, K)
+    ks = jax.random.split(jax.random.PRNGKey(K), 3)
+    g = -jax.random.uniform(ks[0], shape, jnp.float32, 0.0, 60.0) ** 2 / 60.0
+    pairs = 30.0 * jax.random.normal(ks[1], shape, jnp.float32)
+    path = jax.random.normal(ks[2], shape, jnp.float32)
+    f64 = lambda x: np.asarray(x, np.float64).reshape(2, 3, C, 3, K)  # noqa: E731
+    G = kernels.cum_gates(g, C, interpret=True)
+    np.testing.assert_allclose(np.asarray(G).reshape(2, 3, C, 3, K),
+                               np.cumsum(f64(g), axis=2), rtol=1e-6, atol=1e-5)
+    dg = kernels.gate_grad(pairs, path, C, interpret=True)
+    ref = np.flip(np.cumsum(np.flip(f64(pairs), 2), 2), 2) + np.cumsum(f64(path), 2) - f64(path)
+    err = np.linalg.norm(np.asarray(dg, np.float64).reshape(ref.shape) - ref) / np.linalg.norm(ref)
+    assert err < 1e-6, err
+    # the dispatch: vector gates through the kernels, scalar gates in jnp (same sums)
+    assert np.array_equal(api._cum_gates(g, C, True), G)
+    np.testing.assert_allclose(api._gate_grad((pairs, path), C, True), dg)
+    gs = g[..., 0]
+    np.testing.assert_allclose(api._cum_gates(gs, C, True), G[..., 0], rtol=1e-6, atol=1e-5)
+    sc = api._gate_grad((pairs[..., 0], path[..., 0]), C, True)
+    c = lambda x: api._chunks(x, C)  # noqa: E731
+    np.testing.assert_allclose(
+        sc, (reverse_cumsum(c(pairs[..., 0]), 2) + exclusive_cumsum(c(path[..., 0]), 2)
+             ).reshape(sc.shape), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 def test_interpret_qk_gram_centred(monkeypatch):
     """DEFAULTS "rewy_qk_gram.centred": under a declared gate bound qk_gram's diagonal blocks as
     centred frame products give P and T as the exact loop does, to fp32 rounding, with every
@@ -454,10 +488,12 @@ def test_interpret_qk_gram_centred(monkeypatch):
     kq, kg = jax.random.split(key)
     q = (jax.random.normal(kq, k.shape) / k.shape[-1] ** 0.5).astype(jnp.bfloat16)
     g = -jax.random.uniform(kg, k.shape, jnp.float32, 0.0, 5.0).at[:, ::7].set(-5.0)
-    G = api._cum_gates(g, s.C)
+    G = api._cum_gates(g, s.C, True)
     h0 = jnp.zeros((1, 2, 2, 32, 32), jnp.float32)
     centred = api._shape(api.Config(s.C, "recompute", "rewy", True, 64, centred=True,
                                     one_seq=True), k, k, G, h0)
+    assert kernels.DEFAULTS["rewy_qk_gram.centred"]  # default since profile-21
+    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.centred", False)
     exact = kernels.qk_gram(centred, q, k, G, e=e, interpret=True)
     seen = []
     gates = kernels.Gates
@@ -894,7 +930,7 @@ def _wu_case(mode, K, V, seed):
     if mode != "none":
         g = -jax.random.uniform(ks[2], (B, T, H) if mode == "scalar" else (B, T, H, K),
                                 jnp.float32, 0.01, 3.0)
-        G = api._cum_gates(g, C)
+        G = api._cum_gates(g, C, True)
     h0 = jnp.zeros((B, H, 2, K, V), jnp.float32)
     s = api._shape(api.Config(C, "recompute", "rewy", True, 64, one_seq=True), k, z, G, h0)
     return s, k, e, z, G, ks[3]
@@ -1407,13 +1443,18 @@ def test_wide_warps(monkeypatch):
     def warps(K, mode, kernel):
         return kernels.Shape(1, 64, 1, K, K, 64, 1, mode, None, 64).warps(kernel)
 
-    assert kernels.DEFAULTS["launch.wide_warps"] == {}
+    # the defaults: intra and the backward's wu at 2 warps at K ≤ 128 (wu at 4 for vector
+    # gates: WARPS's "<kernel>:<gate mode>" entry), both at 4 at K > 128
+    assert kernels.DEFAULTS["launch.wide_warps"] == {"intra": 4, "wu": 4}
+    assert warps(128, "none", "intra") == 2 and warps(256, "none", "intra") == 4
+    assert warps(128, "none", "wu") == 2 and warps(128, "vector", "wu") == 4
+    assert warps(256, "scalar", "wu") == 4
     assert warps(256, "vector", "fwd_pass") == kernels.WARPS["fwd_pass"]
     monkeypatch.setitem(kernels.TUNE, "launch.wide_warps",
                         {"fwd_pass:vector": 8, "fwd_pass": 2, "output": 8})
     assert warps(256, "vector", "fwd_pass") == 8 and warps(256, "none", "fwd_pass") == 2
     assert warps(128, "vector", "fwd_pass") == kernels.WARPS["fwd_pass"]
-    assert warps(256, "scalar", "output") == 8 and warps(256, "none", "intra") == 4
+    assert warps(256, "scalar", "output") == 8 and warps(256, "none", "intra") == 2
     launched = {}
     call = kernels._call
     monkeypatch.setattr(kernels, "_call", lambda k, **kw: launched.update(
@@ -1424,6 +1465,7 @@ def test_wide_warps(monkeypatch):
         jax.clear_caches()
         testing.run_op("deltanet", inp, backend="pallas_gpu", interpret=True, chunk_size=16)
         assert launched["rewy_fwd_pass"] == (2 if K > 128 else kernels.WARPS["fwd_pass"]), launched
+        assert launched["rewy_intra"] == 2, launched  # WARPS: no "intra" entry in the TUNE
 
 
 def test_pass_stages():

@@ -63,16 +63,23 @@ def _chunks(x, C):
     return x.reshape((x.shape[0], x.shape[1] // C, C) + x.shape[2:])
 
 
-def _cum_gates(g, C):
-    """G: the chunk-local inclusive cumsum of the log-decays g (None stays None)."""
-    return None if g is None else jnp.cumsum(_chunks(g, C), axis=2).reshape(g.shape)
+def _cum_gates(g, C, interpret):
+    """G: the chunk-local inclusive cumsum of the log-decays g (None stays None); vector gates
+    by a kernel (``kernels.cum_gates``: XLA's scan was the slowest of KDA's glue)."""
+    if g is None:
+        return None
+    if g.ndim == 4:
+        return kn.cum_gates(g, C, interpret=interpret)
+    return jnp.cumsum(_chunks(g, C), axis=2).reshape(g.shape)
 
 
-def _gate_grad(parts, C):
+def _gate_grad(parts, C, interpret):
     """g's gradient from ``kernels.bwd_leaf``'s two parts (pairs, path): per chunk, the reverse
     cumsum of pairs (the terms that cross every earlier token) plus the exclusive cumsum of path
     (each row's path into the end state crosses only the later tokens). Summed so, no term
-    enters with both signs (chunk_algebra._leaf_grads)."""
+    enters with both signs (chunk_algebra._leaf_grads). Vector gates by ``kernels.gate_grad``."""
+    if parts[0].ndim == 4:
+        return kn.gate_grad(*parts, C, interpret=interpret)
     pairs, path = (_chunks(x, C) for x in parts)
     return (reverse_cumsum(pairs, 2) + exclusive_cumsum(path, 2)).reshape(parts[0].shape)
 
@@ -207,14 +214,15 @@ def general_delta(cfg: Config, q, k, e, z, g, h0, reset, end, seq, rows=None):
     (βe, βz) directly (DEFAULTS "forward.row_scaled_ez": DeltaNet, GDN and KDA, whose β is one
     number per row).
     """
-    o, final, _ = _forward(cfg, q, k, e, z, _cum_gates(g, cfg.chunk_size), h0, reset, end, seq,
-                           keep_states=False, rows=rows)
+    G = _cum_gates(g, cfg.chunk_size, cfg.interpret)
+    o, final, _ = _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=False, rows=rows)
     return o, final
 
 
 def _fwd(cfg, q, k, e, z, g, h0, reset, end, seq, rows=None):
-    o, final, saved = _forward(cfg, q, k, e, z, _cum_gates(g, cfg.chunk_size), h0, reset, end,
-                               seq, keep_states=cfg.policy == "save", rows=rows)
+    G = _cum_gates(g, cfg.chunk_size, cfg.interpret)
+    o, final, saved = _forward(cfg, q, k, e, z, G, h0, reset, end, seq,
+                               keep_states=cfg.policy == "save", rows=rows)
     if cfg.policy == "recompute":
         # Keep the [C, C] chunk matrices (A, and P for vector gates: C/K of a key tensor each)
         # unless told not to: the backward then re-forms W, U with two matmuls per row block
@@ -248,7 +256,7 @@ def _bwd(cfg, res, cts):
     elif rows is not None:  # from Ē, Z rounded to the inputs' dtype (the older path)
         we, wz = leaf_product(rows[0], k), leaf_product(rows[1], z)
     dO, dfin = cts
-    G = _cum_gates(g, cfg.chunk_size)
+    G = _cum_gates(g, cfg.chunk_size, cfg.interpret)
     s = _shape(cfg, q, z, G, h0)
     it = cfg.interpret
     sd = _stored_dtypes(q.dtype)
@@ -289,7 +297,7 @@ def _bwd(cfg, res, cts):
         drows = (jnp.sum(de32 * k.astype(F32), axis=-1), jnp.sum(dz32 * z_v.astype(F32), axis=-1))
         dk = (dk.astype(F32) + be[..., None] * de32).astype(k.dtype)
         de, dz = None, (bz[..., None] * dz32).astype(z_v.dtype)
-    dg = None if dg is None else _gate_grad(dg, cfg.chunk_size)
+    dg = None if dg is None else _gate_grad(dg, cfg.chunk_size, cfg.interpret)
     return dq, dk, de, dz, dg, dh0, None, None, None, drows
 
 

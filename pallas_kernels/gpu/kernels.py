@@ -10,6 +10,7 @@ cumsum, ``[B, Tp, H]`` (scalar), ``[B, Tp, H, K]`` (vector) or None.
     wu         grid (N, B·H)      W = AĒγ, U = AZ from A as two whole-chunk products ("rewy_wu";
                                   DEFAULTS "rewy_wu.whole_chunk", "rewy_intra.split_wu")
     qk_gram    grid (N, B·H)      vector gates only: P = tril(Qγ K̄ᵀ) (output, bwd_local read it)
+    cum_gates, gate_grad  grid (N, B·H, K/64)  vector gates only: G from g; dg from its parts
     fwd_pass   grid (B·H, V/BV)   loop over chunks: S0, R = U − W S0, S ← γ_C S0 + K_tailᵀ R
     output     grid (N, B·H)      O = Qγ S0 + P R
     bwd_local  grid (N, B·H)      Pᵀ dO (the state-free part of dR)
@@ -134,8 +135,15 @@ def grid_id(axis):
 # K = 256 that would need ~400 KB, so they drop to one stage there. qk_gram runs
 # 2 warps since it contracts in key slices (profile-10, below: [16, 16] output blocks keep
 # few warps busy, and at 2 warps its 153 registers leave room for more programs per SM).
-WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "bwd_pass": 8,
-         "bwd_dlam": 4, "bwd_leaf": 8, "twin_pass": 4}
+# Twentieth session, from device events (trace_op.py --variants; profile_kernels' host loop
+# has a ~0.1-ms dispatch floor that hid these, benchmarks/results/profile-21/): intra at 2
+# warps 0.209 -> 0.145 ms (DeltaNet), 0.243 -> 0.221 (KDA); the backward's W, U ("wu": intra
+# given A, or kernels.wu) at 2 0.080 -> 0.072 for DeltaNet but 0.117 -> 0.135 for KDA, so 4
+# there ("<kernel>:<gate mode>" entries win over "<kernel>"). bwd_local and bwd_dlam at 2 or 8,
+# and the twin pass at 8, were slower.
+WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4,
+         "bwd_local": 4, "bwd_pass": 8, "bwd_dlam": 4, "bwd_leaf": 8, "twin_pass": 4,
+         "gates": 4}
 # Algorithm choices of the vector-gate kernels, from profile-4 (H200, KDA at the anchor shape,
 # benchmarks/results/profile-4-256267b.txt):
 #   rowgrid     one program per 16-row block of a chunk instead of per chunk: bwd_leaf
@@ -429,7 +437,10 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               has taken the centred blocks under the bound since profile-4. qk_gram is KDA's
 #               largest forward kernel (0.545 ms of a 1.37-ms forward at the anchor, profile-10).
 #               Profile-4 timed centred diagonals in qk_gram before the key slices and the row
-#               grid (0.95 -> 1.0 ms): untimed since. Off: variant qcent.
+#               grid (0.95 -> 1.0 ms). Profile-21 (device events, KDA g ≥ −5 at the anchor):
+#               qk_gram 0.464 -> 0.336 ms, op 3.05 -> 2.92; accuracy (interpret, TF32 rounded,
+#               (1, 512, 16, 128)) o 1.71e-3 -> 1.72e-3, gradients unchanged. Default (variant
+#               qcent; "centred" now times the same).
 #   rewy_wu.col_tile  ``wu`` on column tiles of this width (0: whole rows), one program per
 #               (chunk, head, tile): a memory-bound kernel whose whole-row programs hold 114
 #               registers (4 per SM) and stall on loads (profile-11 ncu); 74 at 64, 46 at 32
@@ -437,7 +448,9 @@ WARPS = {"intra": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4, "bwd_local": 4, "
 #               backward's), splitt, splitt32 (and the forward's, with split_wu).
 #   launch.wide_warps  warps per kernel at K > 128, by "<kernel>" or "<kernel>:<gate mode>"
 #               (Shape.warps): e.g. {"fwd_pass:vector": 8}, where ptxas finds KDA's pass
-#               spilling at 4 warps and DeltaNet's measured slower at 8. Empty: WARPS.
+#               spilling at 4 warps and DeltaNet's measured slower at 8. intra and wu stay
+#               at 4 there: at 2 (their K ≤ 128 count) ptxas finds 700–1200 B of spills in
+#               intra and 200–450 B in wu at K = 256.
 #   rewy_qk_gram.exact_diag "outer"  (blocks.DIAG_METHODS) all pairs of a diagonal block at once:
 #               profile-9 with exp2, qk_gram 1.45 (loop) -> 1.53: slower, not the default.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
@@ -463,8 +476,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "forward.native_pass_dots": True, "forward.native_fused_dots": False,
             "fwd_pass.split_w": False,
             "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False,
-            "rewy_wu.col_tile": 0, "launch.wide_warps": {}, "forward.row_scaled_ez": True,
-            "forward.low_precision_modes": {}, "rewy_qk_gram.centred": False,
+            "rewy_wu.col_tile": 0, "launch.wide_warps": {"intra": 4, "wu": 4}, "forward.row_scaled_ez": True,
+            "forward.low_precision_modes": {}, "rewy_qk_gram.centred": True,
             "backward.row_scaled_wu": True, "backward.leaf_maps_in_kernel": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
@@ -629,17 +642,19 @@ class Shape:
         return x if self.scale == 1.0 else x * self.scale
 
     def warps(self, kernel):
-        """Warps of ``kernel`` (a key of WARPS): WARPS, or at K > 128 DEFAULTS
+        """Warps of ``kernel`` (a key of WARPS): WARPS's "<kernel>:<gate mode>" or "<kernel>"
+        entry, or at K > 128 DEFAULTS
         "launch.wide_warps"'s entry "<kernel>:<gate mode>" or "<kernel>" where it has one —
         ptxas (sm_90, K = 256, KDA) finds the state passes spilling at their K ≤ 128 warp
         counts (fwd_pass 300–328 B at 4 warps, none at 8), while DeltaNet's measured slower
         at 8 (profile-12)."""
+        keys = (f"{kernel}:{self.mode}", kernel)
         if self.K > 128:
             wide = setting("launch.wide_warps")
-            for key in (f"{kernel}:{self.mode}", kernel):
+            for key in keys:
                 if key in wide:
                     return wide[key]
-        return WARPS[kernel]
+        return next(WARPS[key] for key in keys if key in WARPS)
 
     # BlockSpecs ---------------------------------------------------------------------------
     def chunk_tok(self, D):
@@ -846,7 +861,8 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
     P_out = ([s.chunk_mat(C, C)], [mat.update(dtype=F32)]) if with_P else ([], [])
     out = _call(kernel, grid=(s.N, s.B * s.H), in_specs=in_specs,
                 out_specs=mats + P_out[0], out_shape=sds + P_out[1], interpret=interpret,
-                num_warps=s.warps("intra"), name="rewy_wu" if given_A else "rewy_intra")(*ins)
+                num_warps=s.warps("wu" if given_A else "intra"),
+                name="rewy_wu" if given_A else "rewy_intra")(*ins)
     return tuple(out)
 
 
@@ -928,7 +944,7 @@ def wu(s: Shape, k, e, z, G, A, *, interpret, dtypes=(F32, F32), a_copy=None, ro
             [row] * len(extra)),
         out_specs=[tok(BK, nk), tok(BV, nv)] + copy[0],
         out_shape=[s.sds_tok(K, dtypes[0]), s.sds_tok(V, dtypes[1])] + copy[1],
-        interpret=interpret, num_warps=s.warps("intra"), name="rewy_wu",
+        interpret=interpret, num_warps=s.warps("wu"), name="rewy_wu",
         tile_axis=2 if nt > 1 else None)(
             k, e, z, *([] if mode == "none" else [G]), A, *extra))
 
@@ -1017,6 +1033,54 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None, e_rows=None):
                 out_specs=[mat] * (2 if with_T else 1), out_shape=[sds] * (2 if with_T else 1),
                 interpret=interpret, num_warps=s.warps("qk_gram"), name="rewy_qk_gram")(*ins)
     return tuple(out) if with_T else out[0]
+
+
+def _gate_tile(K):
+    """Key-tile width of the gate kernels: [C, 64] fp32 blocks at most."""
+    return min(K, 64)
+
+
+def cum_gates(g, C, *, interpret):
+    """Vector gates' chunk-local inclusive cumsum G [B,Tp,H,K] fp32 of the log-decays g (same
+    shape), one program per (chunk, head, key tile): one read and one write of g. In XLA the
+    cumsum and the gate gradient's two cumsums were the three slowest fusions of KDA's glue
+    (profile-21, anchor: 0.144 + 0.082 ms of device time plus 0.067 of slices; the scan lowers
+    to a reduce-window there, up to 64 reads per output)."""
+    B, Tp, H, K = g.shape
+    BK = _gate_tile(K)
+
+    def kernel(g_ref, G_ref):
+        G_ref[...] = jnp.cumsum(g_ref[...], axis=0)
+
+    spec = pl.BlockSpec((None, C, None, BK), lambda n, bh, t: (bh // H, n, bh % H, t))
+    return _call(kernel, grid=(Tp // C, B * H, K // BK), in_specs=[spec], out_specs=spec,
+                 out_shape=jax.ShapeDtypeStruct(g.shape, F32), interpret=interpret,
+                 num_warps=WARPS["gates"], name="rewy_cum_gates")(g)
+
+
+def gate_grad(pairs, path, C, *, interpret):
+    """Vector gates' dg [B,Tp,H,K] fp32 from ``bwd_leaf``'s two parts (same shape): per chunk
+    and channel, the suffix sum of pairs (terms that cross every earlier token) plus the strict
+    prefix sum of path (a row's path into the end state crosses only the later tokens), as
+
+        dg_r = Σ_s pairs_s + Σ_{s ≤ r} d_s − d_r,   d = path − pairs,
+
+    one scan (Triton's lowering has no reverse scan, and a product with a 0/1 triangle in IEEE
+    fp32 spills: ptxas, 255 registers at any tile width). The subtractions round at
+    2⁻²⁴ of the chunk's partial sums, not of each output as ``chunk_algebra.reverse_cumsum`` /
+    ``exclusive_cumsum`` do — 1e-7 of ‖dg‖, far below every threshold."""
+    B, Tp, H, K = pairs.shape
+    BK = _gate_tile(K)
+
+    def kernel(pairs_ref, path_ref, dg_ref):
+        pairs = pairs_ref[...]
+        d = path_ref[...] - pairs
+        dg_ref[...] = jnp.sum(pairs, axis=0, keepdims=True) + jnp.cumsum(d, axis=0) - d
+
+    spec = pl.BlockSpec((None, C, None, BK), lambda n, bh, t: (bh // H, n, bh % H, t))
+    return _call(kernel, grid=(Tp // C, B * H, K // BK), in_specs=[spec, spec], out_specs=spec,
+                 out_shape=jax.ShapeDtypeStruct(pairs.shape, F32), interpret=interpret,
+                 num_warps=WARPS["gates"], name="rewy_gate_grad")(pairs, path)
 
 
 def _chunk_decay(mode, G_ref, base, C):

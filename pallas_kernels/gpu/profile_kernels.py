@@ -282,6 +282,8 @@ VARIANTS = {
     "bl8": ({"rewy_bwd_local.warps": 8}, 64, None, None),
     "dl2": ({"rewy_bwd_dlam.warps": 2}, 64, None, None),
     "dl8": ({"rewy_bwd_dlam.warps": 8}, 64, None, None),
+    # the small kernels' warps before the twentieth session (intra and wu at 4)
+    "w4i": ({"rewy_intra.warps": 4, "rewy_wu.warps": 4}, 64, None, None),
     "qw2": ({"rewy_qk_gram.centred": True, "rewy_intra.warps": 2, "rewy_wu.warps": 2}, 64, None,
             None),
     "wut": ({"rewy_wu.whole_chunk": True, "rewy_wu.col_tile": 64}, 64, None, None),
@@ -327,7 +329,7 @@ def _inputs(mode, B, T, H, D, C=64, seed=0):
     if mode != "none":
         gshape = (B, T, H) if mode == "scalar" else (B, T, H, D)
         g = -jax.random.uniform(ks[4], gshape, F32, 0.005, 0.2)
-        G = api._cum_gates(g, C)
+        G = api._cum_gates(g, C, False)
     N = T // C
     h0 = jnp.zeros((B, H, 2, D, D), F32).at[:, :, 0].set(
         0.1 * jax.random.normal(ks[5], (B, H, D, D), F32))
