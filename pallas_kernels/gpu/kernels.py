@@ -1058,24 +1058,36 @@ def cum_gates(g, C, *, interpret):
                  num_warps=WARPS["gates"], name="rewy_cum_gates")(g)
 
 
+def _triangle_sum(tri, x):
+    """``tri @ x`` for a 0/1 [C, C] matrix ``tri`` (bf16, exact) and fp32 ``x`` [C, ·]: x split
+    into three bf16 parts (hi + mid + lo = x to the last bit or so), three native products with
+    fp32 accumulation. Each output sums only the terms its row of ``tri`` selects, in fp32, as
+    a cumsum does; an IEEE fp32 product spills (ptxas: 255 registers at any tile width)."""
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(F32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(F32)).astype(jnp.bfloat16)
+    prec = lax.Precision.DEFAULT
+    return dot(tri, lo, prec) + dot(tri, mid, prec) + dot(tri, hi, prec)
+
+
 def gate_grad(pairs, path, C, *, interpret):
     """Vector gates' dg [B,Tp,H,K] fp32 from ``bwd_leaf``'s two parts (same shape): per chunk
     and channel, the suffix sum of pairs (terms that cross every earlier token) plus the strict
-    prefix sum of path (a row's path into the end state crosses only the later tokens), as
-
-        dg_r = Σ_s pairs_s + Σ_{s ≤ r} d_s − d_r,   d = path − pairs,
-
-    one scan (Triton's lowering has no reverse scan, and a product with a 0/1 triangle in IEEE
-    fp32 spills: ptxas, 255 registers at any tile width). The subtractions round at
-    2⁻²⁴ of the chunk's partial sums, not of each output as ``chunk_algebra.reverse_cumsum`` /
-    ``exclusive_cumsum`` do — 1e-7 of ‖dg‖, far below every threshold."""
+    prefix sum of path (a row's path into the end state crosses only the later tokens), each a
+    product with a 0/1 triangle (``_triangle_sum``; Triton's lowering has no reverse scan).
+    Every output sums only its own terms, so nothing cancels — as in
+    ``chunk_algebra.reverse_cumsum`` / ``exclusive_cumsum``: a chunk-wide total minus a prefix
+    would put 2⁻²⁴ of the total into outputs that are ~0 (a fully decayed sequence's dg)."""
     B, Tp, H, K = pairs.shape
     BK = _gate_tile(K)
 
     def kernel(pairs_ref, path_ref, dg_ref):
-        pairs = pairs_ref[...]
-        d = path_ref[...] - pairs
-        dg_ref[...] = jnp.sum(pairs, axis=0, keepdims=True) + jnp.cumsum(d, axis=0) - d
+        r, c = iota((C, C), 0), iota((C, C), 1)
+        suffix = jnp.where(c >= r, 1.0, 0.0).astype(jnp.bfloat16)
+        strict_prefix = jnp.where(c < r, 1.0, 0.0).astype(jnp.bfloat16)
+        dg_ref[...] = (_triangle_sum(suffix, pairs_ref[...])
+                       + _triangle_sum(strict_prefix, path_ref[...]))
 
     spec = pl.BlockSpec((None, C, None, BK), lambda n, bh, t: (bh // H, n, bh % H, t))
     return _call(kernel, grid=(Tp // C, B * H, K // BK), in_specs=[spec, spec], out_specs=spec,
