@@ -477,6 +477,34 @@ def test_interpret_gate_kernels(K):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,dtype", [("deltanet", jnp.float32), ("kda", jnp.bfloat16)])
+def test_interpret_row_vjp_kernel(op, dtype, monkeypatch):
+    """DEFAULTS "backward.row_vjp_kernel": the VJP of e = β ⊙ k, z = β ⊙ v by
+    kernels.row_scale_vjp gives the gradients of XLA's three fusions (the same fp32
+    arithmetic; the row sums may round in another order), and the kernel runs."""
+    from pallas_kernels.gpu import kernels
+
+    assert kernels.DEFAULTS["backward.row_vjp_kernel"]
+    inp = testing.make_inputs(op, 2, 40, 2, 32, 16, dtype=dtype, seed=3)
+    rng = np.random.default_rng(0)
+    cts = {"o": jnp.asarray(rng.standard_normal((2, 40, 2, 16)), jnp.float32),
+           "final_state": jnp.asarray(rng.standard_normal((2, 2, 32, 16)), jnp.float32)}
+    kw = dict(backend="pallas_gpu", interpret=True, chunk_size=16, use_qk_l2norm=True)
+    launched = []
+    call = kernels._call
+    monkeypatch.setattr(kernels, "_call", lambda k, **kw_: launched.append(kw_["name"]) or
+                        call(k, **kw_))
+    jax.clear_caches()
+    _, _, g1 = testing.loss_and_grads(op, inp, cts, **kw)
+    assert "rewy_row_vjp" in launched
+    monkeypatch.setitem(kernels.TUNE, "backward.row_vjp_kernel", False)
+    jax.clear_caches()
+    _, _, g2 = testing.loss_and_grads(op, inp, cts, **kw)
+    for name in g1:
+        assert _rel(g1[name], g2[name]) < 1e-5, (name, _rel(g1[name], g2[name]))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 def test_interpret_qk_gram_centred(monkeypatch):
     """DEFAULTS "rewy_qk_gram.centred": under a declared gate bound qk_gram's diagonal blocks as
     centred frame products give P and T as the exact loop does, to fp32 rounding, with every

@@ -292,7 +292,10 @@ def _bwd(cfg, res, cts):
         s, q, k, e, z, G, A, S0, dSe, R, dO, dR, backward=cfg.backward,
         dtypes=(q.dtype, k.dtype, k.dtype if e is None else e.dtype, z.dtype), interpret=it,
         lam_dtype=sd["lam"], dt_dtype=sd["dT"], rows=rows if leaf_in_kernel else None)
-    if rows is not None and not leaf_in_kernel:  # the VJP of e = βe ⊙ k, z = βz ⊙ v
+    if rows is not None and not leaf_in_kernel and kn.setting("backward.row_vjp_kernel"):
+        dk, dz, dbe, dbz = kn.row_scale_vjp(dk, de, k, dz, z_v, *rows, C=s.C, interpret=it)
+        de, drows = None, (dbe, dbz)
+    elif rows is not None and not leaf_in_kernel:  # the VJP of e = βe ⊙ k, z = βz ⊙ v
         (be, bz), de32, dz32 = rows, de.astype(F32), dz.astype(F32)
         drows = (jnp.sum(de32 * k.astype(F32), axis=-1), jnp.sum(dz32 * z_v.astype(F32), axis=-1))
         dk = (dk.astype(F32) + be[..., None] * de32).astype(k.dtype)

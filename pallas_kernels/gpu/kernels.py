@@ -422,6 +422,11 @@ WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2, "fwd_pass": 4, "outp
 #               (H200, anchor): bwd_leaf 0.198 -> 0.282 ms, bwd_dlam 0.101 -> 0.135 (DeltaNet),
 #               1.69 -> 1.82 and 0.102 -> 0.130 (KDA) — more than the glue it removes. Off: the
 #               backward forms e = β ⊙ k (api.leaf_product) and the leaf maps' VJP in XLA.
+#   backward.row_vjp_kernel  with leaf_maps_in_kernel off: the VJP of e = β ⊙ k, z = β ⊙ v
+#               (dk + β ⊙ de, β ⊙ dz, dβ's two row sums) by ``row_scale_vjp``, one read or write
+#               of each tensor, instead of XLA's three fusions (0.054 + 0.027 + 0.022 ms of
+#               device time for DeltaNet at the anchor, profile-21; ~0.036 ms of bytes at
+#               3.26 TB/s). The same fp32 arithmetic. Default; untimed (variant norowvjp).
 #   forward.low_precision_modes  {gate mode: names} added to "forward.low_precision" at
 #               K ≤ 128 for that mode (api._forward_dtypes): {"scalar": ("W", "S0", "R")} gives
 #               GDN's unfused forward the K = 256 treatment — bf16 storage and native products
@@ -478,7 +483,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_wu.whole_chunk": False, "rewy_intra.split_wu": False,
             "rewy_wu.col_tile": 0, "launch.wide_warps": {"intra": 4, "wu": 4}, "forward.row_scaled_ez": True,
             "forward.low_precision_modes": {}, "rewy_qk_gram.centred": True,
-            "backward.row_scaled_wu": True, "backward.leaf_maps_in_kernel": False}
+            "backward.row_scaled_wu": True, "backward.leaf_maps_in_kernel": False,
+            "backward.row_vjp_kernel": True}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -1093,6 +1099,44 @@ def gate_grad(pairs, path, C, *, interpret):
     return _call(kernel, grid=(Tp // C, B * H, K // BK), in_specs=[spec, spec], out_specs=spec,
                  out_shape=jax.ShapeDtypeStruct(pairs.shape, F32), interpret=interpret,
                  num_warps=WARPS["gates"], name="rewy_gate_grad")(pairs, path)
+
+
+def row_scale_vjp(dk, de, k, dz, v, be, bz, *, C, interpret):
+    """The VJP of the per-row leaf maps e = βe ⊙ k, z = βz ⊙ v in one pass (DEFAULTS
+    "backward.row_vjp_kernel"; ``api._bwd`` when the kernels read the rounded e, z): from
+    bwd_chunk's dk, de [B,Tp,H,K] and dz [B,Tp,H,V] (16-bit), k, v as stored and βe, βz
+    [B,Tp,H] fp32, returns
+
+        dk + βe ⊙ de  (k's dtype),   βz ⊙ dz  (v's dtype),   Σ_k de ⊙ k,  Σ_v dz ⊙ v  (fp32),
+
+    all formed in fp32. One program per (chunk, head): each tensor is read or written once
+    (XLA ran these as three fusions, 0.10 ms of device time at the anchor: profile-21)."""
+    B, Tp, H, K = k.shape
+    V = v.shape[-1]
+
+    def kernel(dk_ref, de_ref, k_ref, dz_ref, v_ref, be_ref, bz_ref,
+               dk_out, dv_out, dbe_out, dbz_out):
+        de = de_ref[...].astype(F32)
+        dz = dz_ref[...].astype(F32)
+        be, bz = be_ref[...], bz_ref[...]
+        dk_out[...] = (dk_ref[...].astype(F32) + be[:, None] * de).astype(dk_out.dtype)
+        dv_out[...] = (bz[:, None] * dz).astype(dv_out.dtype)
+        dbe_out[...] = jnp.sum(de * k_ref[...].astype(F32), axis=1)
+        dbz_out[...] = jnp.sum(dz * v_ref[...].astype(F32), axis=1)
+
+    def tok(D):
+        return pl.BlockSpec((None, C, None, D), lambda n, bh: (bh // H, n, bh % H, 0))
+
+    row = pl.BlockSpec((None, C, None), lambda n, bh: (bh // H, n, bh % H))
+    return _call(kernel, grid=(Tp // C, B * H),
+                 in_specs=[tok(K), tok(K), tok(K), tok(V), tok(V), row, row],
+                 out_specs=[tok(K), tok(V), row, row],
+                 out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                            jax.ShapeDtypeStruct(v.shape, v.dtype),
+                            jax.ShapeDtypeStruct((B, Tp, H), F32),
+                            jax.ShapeDtypeStruct((B, Tp, H), F32)],
+                 interpret=interpret, num_warps=WARPS["gates"], name="rewy_row_vjp")(
+                     dk, de, k, dz, v, be, bz)
 
 
 def _chunk_decay(mode, G_ref, base, C):
