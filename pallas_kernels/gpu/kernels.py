@@ -143,7 +143,7 @@ def grid_id(axis):
 # and the twin pass at 8, were slower.
 WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4,
          "bwd_local": 4, "bwd_pass": 8, "bwd_dlam": 4, "bwd_leaf": 8, "twin_pass": 4,
-         "gates": 4}
+         "gates": 4, "row_vjp": 8}
 # Algorithm choices of the vector-gate kernels, from profile-4 (H200, KDA at the anchor shape,
 # benchmarks/results/profile-4-256267b.txt):
 #   rowgrid     one program per 16-row block of a chunk instead of per chunk: bwd_leaf
@@ -1135,7 +1135,7 @@ def row_scale_vjp(dk, de, k, dz, v, be, bz, *, C, interpret):
                             jax.ShapeDtypeStruct(v.shape, v.dtype),
                             jax.ShapeDtypeStruct((B, Tp, H), F32),
                             jax.ShapeDtypeStruct((B, Tp, H), F32)],
-                 interpret=interpret, num_warps=WARPS["gates"], name="rewy_row_vjp")(
+                 interpret=interpret, num_warps=WARPS["row_vjp"], name="rewy_row_vjp")(
                      dk, de, k, dz, v, be, bz)
 
 

@@ -286,6 +286,7 @@ VARIANTS = {
     "w4i": ({"rewy_intra.warps": 4, "rewy_wu.warps": 4}, 64, None, None),
     # the VJP of e = β ⊙ k, z = β ⊙ v in XLA (three fusions) instead of kernels.row_scale_vjp
     "norowvjp": ({"backward.row_vjp_kernel": False}, 64, None, None),
+    "rv4": ({"rewy_row_vjp.warps": 4}, 64, None, None),  # its warps (ptxas: 191 registers at 4)
     "qw2": ({"rewy_qk_gram.centred": True, "rewy_intra.warps": 2, "rewy_wu.warps": 2}, 64, None,
             None),
     "wut": ({"rewy_wu.whole_chunk": True, "rewy_wu.col_tile": 64}, 64, None, None),
