@@ -426,7 +426,10 @@ WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2, "fwd_pass": 4, "outp
 #               (dk + β ⊙ de, β ⊙ dz, dβ's two row sums) by ``row_scale_vjp``, one read or write
 #               of each tensor, instead of XLA's three fusions (0.054 + 0.027 + 0.022 ms of
 #               device time for DeltaNet at the anchor, profile-21; ~0.036 ms of bytes at
-#               3.26 TB/s). The same fp32 arithmetic. Default; untimed (variant norowvjp).
+#               3.26 TB/s). The same fp32 arithmetic. Profile-21 call 3 (DeltaNet, anchor):
+#               the kernel takes 0.069 ms (1.7 TB/s; 0.068 at 4 warps) against the 0.055 of
+#               glue it removes, wall 1.045 -> 1.069 ms: off (variant rowvjp). Run h200-18 ran
+#               with it on.
 #   forward.low_precision_modes  {gate mode: names} added to "forward.low_precision" at
 #               K ≤ 128 for that mode (api._forward_dtypes): {"scalar": ("W", "S0", "R")} gives
 #               GDN's unfused forward the K = 256 treatment — bf16 storage and native products
@@ -484,7 +487,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_wu.col_tile": 0, "launch.wide_warps": {"intra": 4, "wu": 4}, "forward.row_scaled_ez": True,
             "forward.low_precision_modes": {}, "rewy_qk_gram.centred": True,
             "backward.row_scaled_wu": True, "backward.leaf_maps_in_kernel": False,
-            "backward.row_vjp_kernel": True}
+            "backward.row_vjp_kernel": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed

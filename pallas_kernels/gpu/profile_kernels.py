@@ -284,9 +284,11 @@ VARIANTS = {
     "dl8": ({"rewy_bwd_dlam.warps": 8}, 64, None, None),
     # the small kernels' warps before the twentieth session (intra and wu at 4)
     "w4i": ({"rewy_intra.warps": 4, "rewy_wu.warps": 4}, 64, None, None),
-    # the VJP of e = β ⊙ k, z = β ⊙ v in XLA (three fusions) instead of kernels.row_scale_vjp
+    # the VJP of e = β ⊙ k, z = β ⊙ v in XLA (three fusions) or by kernels.row_scale_vjp (at
+    # 8 warps, or 4: ptxas 191 registers there); profile-21: the kernel is slower, off
     "norowvjp": ({"backward.row_vjp_kernel": False}, 64, None, None),
-    "rv4": ({"rewy_row_vjp.warps": 4}, 64, None, None),  # its warps (ptxas: 191 registers at 4)
+    "rowvjp": ({"backward.row_vjp_kernel": True}, 64, None, None),
+    "rv4": ({"backward.row_vjp_kernel": True, "rewy_row_vjp.warps": 4}, 64, None, None),
     "qw2": ({"rewy_qk_gram.centred": True, "rewy_intra.warps": 2, "rewy_wu.warps": 2}, 64, None,
             None),
     "wut": ({"rewy_wu.whole_chunk": True, "rewy_wu.col_tile": 64}, 64, None, None),
