@@ -1480,6 +1480,7 @@ def test_wide_warps(monkeypatch):
     assert warps(128, "none", "intra") == 2 and warps(256, "none", "intra") == 4
     assert warps(128, "none", "wu") == 2 and warps(128, "vector", "wu") == 4
     assert warps(256, "scalar", "wu") == 4
+    assert warps(128, "scalar", "intra") == 4 and warps(128, "scalar", "wu") == 4  # untimed
     assert warps(256, "vector", "fwd_pass") == kernels.WARPS["fwd_pass"]
     monkeypatch.setitem(kernels.TUNE, "launch.wide_warps",
                         {"fwd_pass:vector": 8, "fwd_pass": 2, "output": 8})

@@ -140,8 +140,10 @@ def grid_id(axis):
 # warps 0.209 -> 0.145 ms (DeltaNet), 0.243 -> 0.221 (KDA); the backward's W, U ("wu": intra
 # given A, or kernels.wu) at 2 0.080 -> 0.072 for DeltaNet but 0.117 -> 0.135 for KDA, so 4
 # there ("<kernel>:<gate mode>" entries win over "<kernel>"). bwd_local and bwd_dlam at 2 or 8,
-# and the twin pass at 8, were slower.
-WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2, "fwd_pass": 4, "output": 4,
+# and the twin pass at 8, were slower. Scalar gates (GDN) keep 4 for intra and wu until timed:
+# ptxas finds GDN's intra spilling 92 B at 2 warps (none at 4; DeltaNet 12 B, KDA 8 B).
+WARPS = {"intra": 2, "intra:scalar": 4, "wu": 2, "wu:scalar": 4, "wu:vector": 4, "qk_gram": 2,
+         "fwd_pass": 4, "output": 4,
          "bwd_local": 4, "bwd_pass": 8, "bwd_dlam": 4, "bwd_leaf": 8, "twin_pass": 4,
          "gates": 4, "row_vjp": 8}
 # Algorithm choices of the vector-gate kernels, from profile-4 (H200, KDA at the anchor shape,
