@@ -8,8 +8,10 @@
 * :mod:`pallas_kernels.gpu.api` — ``general_delta`` (the kernels behind ``jax.custom_vjp``) and
   the adapter that ``rewy_jax.backends`` registers as backend ``"pallas_gpu"``.
 * Device-session tools (import rewy_jax; never imported by the library): ``bench_kernels.py``
-  (accuracy and timing against the xla backend), ``profile_kernels.py`` (per-kernel times under
-  tuning variants), ``trace_op.py`` (one op's fwd+bwd per kernel and XLA fusion, from a trace),
+  (accuracy and timing against the xla backend), ``trace_op.py`` (one op's fwd+bwd per kernel
+  and XLA fusion from a trace; ``--variants`` compares tuning variants by device time — the
+  way to time kernels under ~0.2 ms), ``profile_kernels.py`` (the variants' table, and each
+  kernel jitted alone as a host loop, whose dispatch floor is ~0.1 ms at the anchor),
   ``resource_report.py`` (ptxas registers/spills without a GPU); findings in ``PERF.md``.
 
 Nothing here is imported by ``import rewy_jax``; the backend imports it on first use.

@@ -9,6 +9,10 @@ gaps hide behind the previous kernel; the whole forward and forward+backward of
 ``api.general_delta`` are timed the same way, and fwd+bwd through the public op (deltanet, gdn
 or kda for the three gate modes) — the gap to general_delta is the op's XLA glue. Variants set ``kernels.TUNE`` and the tile widths
 of ``api`` before tracing. Kernel-work tooling, not the peer benchmark (benchmarks/).
+
+The host loop's dispatch costs ~0.1 ms a call at the anchor, so kernels faster than that all
+read ~0.1 ms here (profile-11: wu 0.101 against ncu's 0.065): compare variants of small kernels
+with ``trace_op.py --variants``, which sums device events (profile-21). ``VARIANTS`` serves both.
 """
 
 from __future__ import annotations
