@@ -1610,5 +1610,6 @@ def test_trace_script_sums_stream_kernels(tmp_path):
     assert "| our kernels | 0.3000 | 0.2700 |" in table
     assert "| XLA glue | 0.0500 | 0.0000 |" in table and "| wall per call | 0.5000 | 0.4500 |" in table
     saved = dict(kernels.TUNE)
-    assert trace_op.with_variant("wut", lambda: kernels.setting("rewy_wu.col_tile")) == 64
+    from pallas_kernels.gpu.profile_kernels import with_variant
+    assert with_variant("wut", lambda: kernels.setting("rewy_wu.col_tile")) == 64
     assert kernels.TUNE == saved

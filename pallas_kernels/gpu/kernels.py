@@ -1046,9 +1046,15 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None, e_rows=None):
     return tuple(out) if with_T else out[0]
 
 
-def _gate_tile(K):
-    """Key-tile width of the gate kernels: [C, 64] fp32 blocks at most."""
-    return min(K, 64)
+def _gate_call(kernel, xs, C, name, *, interpret):
+    """A gate kernel on [B,Tp,H,K] fp32 tensors ``xs``, one [C, ≤64] block of each per program
+    (grid (N, B·H, key tiles)), returning one tensor of their shape."""
+    B, Tp, H, K = xs[0].shape
+    BK = min(K, 64)
+    spec = pl.BlockSpec((None, C, None, BK), lambda n, bh, t: (bh // H, n, bh % H, t))
+    return _call(kernel, grid=(Tp // C, B * H, K // BK), in_specs=[spec] * len(xs),
+                 out_specs=spec, out_shape=jax.ShapeDtypeStruct(xs[0].shape, F32),
+                 interpret=interpret, num_warps=WARPS["gates"], name=name)(*xs)
 
 
 def cum_gates(g, C, *, interpret):
@@ -1057,16 +1063,10 @@ def cum_gates(g, C, *, interpret):
     cumsum and the gate gradient's two cumsums were the three slowest fusions of KDA's glue
     (profile-21, anchor: 0.144 + 0.082 ms of device time plus 0.067 of slices; the scan lowers
     to a reduce-window there, up to 64 reads per output)."""
-    B, Tp, H, K = g.shape
-    BK = _gate_tile(K)
-
     def kernel(g_ref, G_ref):
         G_ref[...] = jnp.cumsum(g_ref[...], axis=0)
 
-    spec = pl.BlockSpec((None, C, None, BK), lambda n, bh, t: (bh // H, n, bh % H, t))
-    return _call(kernel, grid=(Tp // C, B * H, K // BK), in_specs=[spec], out_specs=spec,
-                 out_shape=jax.ShapeDtypeStruct(g.shape, F32), interpret=interpret,
-                 num_warps=WARPS["gates"], name="rewy_cum_gates")(g)
+    return _gate_call(kernel, [g], C, "rewy_cum_gates", interpret=interpret)
 
 
 def _triangle_sum(tri, x):
@@ -1090,9 +1090,6 @@ def gate_grad(pairs, path, C, *, interpret):
     Every output sums only its own terms, so nothing cancels — as in
     ``chunk_algebra.reverse_cumsum`` / ``exclusive_cumsum``: a chunk-wide total minus a prefix
     would put 2⁻²⁴ of the total into outputs that are ~0 (a fully decayed sequence's dg)."""
-    B, Tp, H, K = pairs.shape
-    BK = _gate_tile(K)
-
     def kernel(pairs_ref, path_ref, dg_ref):
         r, c = iota((C, C), 0), iota((C, C), 1)
         suffix = jnp.where(c >= r, 1.0, 0.0).astype(jnp.bfloat16)
@@ -1100,10 +1097,7 @@ def gate_grad(pairs, path, C, *, interpret):
         dg_ref[...] = (_triangle_sum(suffix, pairs_ref[...])
                        + _triangle_sum(strict_prefix, path_ref[...]))
 
-    spec = pl.BlockSpec((None, C, None, BK), lambda n, bh, t: (bh // H, n, bh % H, t))
-    return _call(kernel, grid=(Tp // C, B * H, K // BK), in_specs=[spec, spec], out_specs=spec,
-                 out_shape=jax.ShapeDtypeStruct(pairs.shape, F32), interpret=interpret,
-                 num_warps=WARPS["gates"], name="rewy_gate_grad")(pairs, path)
+    return _gate_call(kernel, [pairs, path], C, "rewy_gate_grad", interpret=interpret)
 
 
 def row_scale_vjp(dk, de, k, dz, v, be, bz, *, C, interpret):

@@ -349,21 +349,29 @@ def _inputs(mode, B, T, H, D, C=64, seed=0):
     return q, k, e, z, g, G, h0, reset, end, seq, dO, v, b[..., 0]
 
 
-def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, runs=5):
-    """({kernel or whole pass: ms}, general_delta's gradients) for one gate mode ("none",
-    "scalar", "vector") and variant."""
-    saved = dict(kn.TUNE), (api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK)
+def with_variant(variant, fn):
+    """``fn()`` under ``VARIANTS[variant]``: kernels.TUNE and api's tile widths set for the
+    call, and the module settings put back after it (also used by trace_op.py)."""
     tune, BV, BVs, BK = VARIANTS[variant]
+    saved = dict(kn.TUNE), (api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK)
     kn.TUNE.clear()
     kn.TUNE.update(tune)
     api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = BV, BVs, BK
     try:
-        return _profile(mode, variant, shape, backward, interpret, BV,
-                        lambda f, *a: _bench(f, *a, reps=reps, runs=runs))  # (rows, grads)
-    finally:  # leave the module settings as they were
+        return fn()
+    finally:
         kn.TUNE.clear()
         kn.TUNE.update(saved[0])
         api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = saved[1]
+
+
+def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, runs=5):
+    """({kernel or whole pass: ms}, general_delta's gradients) for one gate mode ("none",
+    "scalar", "vector") and variant."""
+    BV = VARIANTS[variant][1]
+    return with_variant(variant, lambda: _profile(
+        mode, variant, shape, backward, interpret, BV,
+        lambda f, *a: _bench(f, *a, reps=reps, runs=runs)))  # (rows, grads)
 
 
 def _profile(mode, variant, shape, backward, interpret, BV, _bench):

@@ -114,26 +114,6 @@ def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=F
     return text, times
 
 
-def with_variant(variant, fn):
-    """``fn()`` under a ``profile_kernels.VARIANTS`` entry: kernels.TUNE and api's tile widths
-    set for the call, and put back after it."""
-    from pallas_kernels.gpu import api
-    from pallas_kernels.gpu import kernels as kn
-    from pallas_kernels.gpu.profile_kernels import VARIANTS
-
-    tune, BV, BVs, BK = VARIANTS[variant]
-    saved = dict(kn.TUNE), (api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK)
-    kn.TUNE.clear()
-    kn.TUNE.update(tune)
-    api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = BV, BVs, BK
-    try:
-        return fn()
-    finally:
-        kn.TUNE.clear()
-        kn.TUNE.update(saved[0])
-        api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = saved[1]
-
-
 def compare_table(op, shape, results):
     """Device ms per kernel (rows) under each variant (columns), from {variant: times}."""
     names = sorted({k for t in results.values() for k in t if k.startswith("rewy_")})
@@ -170,6 +150,8 @@ def main():
     a = ap.parse_args()
     shape = tuple(int(x) for x in a.shape.split("x"))
     os.makedirs(a.out_dir, exist_ok=True)
+    from pallas_kernels.gpu.profile_kernels import BOUNDED_VARIANTS, with_variant
+
     for op in a.ops.split(","):
         vector = op in ("kda", "gdn2")
         bound = a.gate_lower_bound if vector else None
@@ -179,7 +161,6 @@ def main():
             continue
         results = {}
         for var in a.variants.split(","):
-            from pallas_kernels.gpu.profile_kernels import BOUNDED_VARIANTS
             b = -5.0 if vector and var in BOUNDED_VARIANTS else bound
             t0 = time.perf_counter()
             try:
