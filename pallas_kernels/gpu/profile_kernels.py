@@ -286,6 +286,10 @@ VARIANTS = {
     "bl8": ({"rewy_bwd_local.warps": 8}, 64, None, None),
     "dl2": ({"rewy_bwd_dlam.warps": 2}, 64, None, None),
     "dl8": ({"rewy_bwd_dlam.warps": 8}, 64, None, None),
+    # DeltaNet's forward as pass + output kernel (profile-9/13 judged the fused pass faster by
+    # the host loop), and the fused pass reading P from intra instead of rebuilding it
+    "unfused": ({"fwd_pass.fused_output": ("vector",)}, 64, None, None),
+    "emitP": ({"rewy_intra.emit_P": ("none",)}, 64, None, None),
     # the small kernels' warps before the twentieth session (intra and wu at 4)
     "w4i": ({"rewy_intra.warps": 4, "rewy_wu.warps": 4}, 64, None, None),
     # the VJP of e = β ⊙ k, z = β ⊙ v in XLA (three fusions) or by kernels.row_scale_vjp (at
