@@ -11,6 +11,10 @@
 # `bash benchmarks/update_autotune_cache.sh <files_at>/fla-autotune.tgz`.
 # Env: BENCH_TIMEOUT (s, default 480) bounds the Python run; BENCH_SPLIT and BENCH_STEM run
 # several processes side by side (below).
+# A carried .whl/triton-*-slim.tar.xz (benchmarks/slim_triton.sh: Triton 3.7.1, which FLA needs
+# for GDN/GDN2's backward on Hopper) is unpacked to /tmp/triton-new and put first on PYTHONPATH
+# of the BENCH_SPLIT processes whose ops name gdn (BENCH_NEW_TRITON=all: every process; =none:
+# none). JAX never imports it; FLA's DeltaNet/KDA keep the machine's Triton and autotune cache.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/bench-out}"
@@ -22,6 +26,24 @@ else
   echo "no .whl/: peers will be skipped"; export PYTHONPATH="$PWD"
 fi
 [ -d .tcache ] || tar xzf benchmarks/fla-autotune-cache.tgz
+new_triton=""
+slim=$(ls .whl/triton-*-slim.tar.xz 2>/dev/null | tail -1)
+if [ -n "$slim" ] && [ "${BENCH_NEW_TRITON:-gdn}" != none ]; then
+  mkdir -p /tmp/triton-new && tar -xJf "$slim" -C /tmp/triton-new \
+    && new_triton=/tmp/triton-new && echo "newer Triton for FLA: $slim" \
+    || echo "warning: could not unpack $slim; every process keeps the machine's Triton"
+  # the slim package has no ptxas (slim_triton.sh): the machine's Triton's, checked by version
+  bin=/tmp/triton-new/triton/backends/nvidia/bin
+  own=$(python3 -c "import os, triton; print(os.path.dirname(triton.__file__))")/backends/nvidia/bin/ptxas
+  if [ -n "$new_triton" ] && [ -x "$own" ]; then
+    ln -sf "$own" "$bin/ptxas"
+    [ "$("$own" --version | tail -1)" = "$(cat "$bin/ptxas.version")" ] \
+      || echo "warning: the machine's ptxas ($("$own" --version | tail -1)) is not the one" \
+              "Triton $slim came with ($(cat "$bin/ptxas.version"))"
+  elif [ -n "$new_triton" ]; then
+    echo "warning: no ptxas at $own; GDN/GDN2 processes keep the machine's Triton"; new_triton=""
+  fi
+fi
 export TRITON_CACHE_DIR="$PWD/.tcache" FLA_DISABLE_BACKEND_DISPATCH=1 PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/nvidia-smi.txt"
@@ -50,7 +72,11 @@ if [ -n "${BENCH_SPLIT:-}" ]; then
   for item in $BENCH_SPLIT; do
     part=(--ops "${item%%@*}")
     [[ "$item" == *@* ]] && part+=(--shapes "${item#*@}")
-    timeout -k 10 "${BENCH_TIMEOUT:-480}" python3 -m benchmarks.run --out-dir "$OUT" \
+    env_new=()  # TRITON_BACKENDS_IN_TREE: its own backends, not the machine's Triton's entry points
+    if [ -n "$new_triton" ] && { [ "${BENCH_NEW_TRITON:-gdn}" = all ] || [[ "${item%%@*}" == *gdn* ]]; }; then
+      env_new=(env PYTHONPATH="$new_triton:$PYTHONPATH" TRITON_BACKENDS_IN_TREE=1)
+    fi
+    timeout -k 10 "${BENCH_TIMEOUT:-480}" ${env_new[@]+"${env_new[@]}"} python3 -m benchmarks.run --out-dir "$OUT" \
       --gpu-lock "$lock" --stem "$stem-p$i" "${part[@]}" "$@" > "$OUT/bench-p$i.log" 2>&1 &
     pids+=($!) i=$((i + 1))
   done
@@ -64,6 +90,9 @@ if [ -n "${BENCH_SPLIT:-}" ]; then
   (cd "$OUT" && tar czf parts.tgz bench-p*.log "$stem"-p*.* && rm -f bench-p*.log "$stem"-p*.*)
   [ -f "$OUT/$stem.md" ] && sed -n "/^## Headline/,/^## All rows/p" "$OUT/$stem.md"
 else
+  if [ -n "$new_triton" ] && [ "${BENCH_NEW_TRITON:-gdn}" = all ]; then
+    export PYTHONPATH="$new_triton:$PYTHONPATH" TRITON_BACKENDS_IN_TREE=1
+  fi
   timeout -k 10 "${BENCH_TIMEOUT:-480}" python3 -m benchmarks.run --out-dir "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
   rc=$?
 fi

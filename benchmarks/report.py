@@ -73,6 +73,15 @@ def merge(results: list[dict]) -> dict:
     meta = dict(metas[-1]) if metas else {}
     if len(metas) > 1:
         meta["merged_from"] = [m.get("command", "?") for m in metas]
+        # parts may run under different versions (gpu_run.sh gives GDN/GDN2's processes a newer
+        # Triton for FLA): each version that any part ran under is named
+        versions = {}
+        for m in metas:
+            for k, v in m.get("versions", {}).items():
+                versions.setdefault(k, [])
+                if v not in versions[k]:
+                    versions[k].append(v)
+        meta["versions"] = {k: " / ".join(v) for k, v in versions.items()}
     return {"meta": meta, "runs": runs, "rows": add_derived(rows)}
 
 
@@ -129,7 +138,8 @@ def stamp_lines(meta: dict, runs: dict | None = None) -> list[str]:
         lines.append("* merged from: " + "; ".join(f"`{m}`" for m in meta["merged_from"]))
     if runs and len(runs) > 1:
         for rid, m in runs.items():
-            lines.append(f"  * run {rid}: {m.get('date', '?')} `{m.get('command', '?')}`")
+            triton = f" (triton {m['triton']})" if m.get("triton") else ""
+            lines.append(f"  * run {rid}: {m.get('date', '?')}{triton} `{m.get('command', '?')}`")
     return lines
 
 

@@ -196,7 +196,9 @@ def main(argv=None):
     with gpu_turn(a.gpu_lock):
         meta["ceilings"] = roofline.measure_ceilings()
     log("ceilings", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in meta["ceilings"].items()})
-    result = {"meta": meta, "runs": {run_id: {"date": meta["date"], "command": meta["command"]}}, "rows": []}
+    result = {"meta": meta, "runs": {run_id: {"date": meta["date"], "command": meta["command"],
+                                              "triton": meta["versions"].get("triton")}},
+              "rows": []}
 
     refs = None
     if not a.no_accuracy:

@@ -105,11 +105,16 @@ def test_smoke_run_times_and_checks(smoke):
 
 
 def test_merge_keeps_newest_rows_and_own_ratios(smoke, tmp_path):
-    _, res = smoke
+    res = copy.deepcopy(smoke[1])
     newer = copy.deepcopy(res)
     rid = "newer000"
-    newer["runs"] = {rid: {"date": "later", "command": "python -m benchmarks.run --ops gdn"}}
+    newer["runs"] = {rid: {"date": "later", "command": "python -m benchmarks.run --ops gdn",
+                           "triton": "3.7.1"}}
     newer["meta"]["command"] = "python -m benchmarks.run --ops gdn"
+    # a part under another Triton (gpu_run.sh's newer one for FLA's GDN): both are named
+    old_triton = res["meta"]["versions"].get("triton", "absent")
+    res["meta"]["versions"]["triton"] = old_triton
+    newer["meta"]["versions"]["triton"] = "3.7.1"
     for r in newer["rows"]:
         r["run_id"] = rid
     # the newer run measured only a new implementation "X" (ours skipped there)
@@ -134,6 +139,9 @@ def test_merge_keeps_newest_rows_and_own_ratios(smoke, tmp_path):
     assert len(m["meta"]["merged_from"]) == 2 and len(m["runs"]) == 2
     assert (tmp_path / "m.md").exists() and (tmp_path / "m.png").exists()
     assert "merged from" in (tmp_path / "m.md").read_text()
+    assert m["meta"]["versions"]["triton"] == f"{old_triton} / 3.7.1"
+    assert m["meta"]["versions"]["jax"] == res["meta"]["versions"]["jax"]  # one value: as is
+    assert "(triton 3.7.1)" in (tmp_path / "m.md").read_text()
 
 
 def test_shape_parsing_and_accuracy_shape():
