@@ -422,6 +422,44 @@ def test_interpret_native_pass_dots(op, decay, kw, small_tiles, monkeypatch):
     assert not kernels._native_pass_dots((jnp.float32, jnp.bfloat16))
 
 
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
+                                         ("deltanet", "none", {}),
+                                         ("gdn", "strong", {"policy": "save"})])
+def test_interpret_chunk_qdo(op, decay, kw, small_tiles, monkeypatch):
+    """DEFAULTS "backward.chunk_qdo" (off until timed): bwd_local forms each chunk's Qγᵀ dO
+    and the reverse state pass (twin or alone) reads it instead of q and dO. Every gradient
+    stays within the bf16 thresholds against the float64 recurrence (initial states, packed
+    sequences, T not a multiple of the chunk, two value tiles), the forward is untouched bit for
+    bit, and the option takes effect: bwd_local returns the term, the pass reads no q."""
+    from pallas_kernels.gpu import kernels
+
+    assert not kernels.DEFAULTS["backward.chunk_qdo"]
+    n_seqs = kw.pop("n_seqs", None)
+    inp = testing.make_inputs(op, 1, 100, 2, 32, 32, dtype=jnp.bfloat16, decay=decay, seed=41,
+                              n_seqs=n_seqs)
+    kw = dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32)
+    ref = testing.accuracy_report(op, inp, **kw)
+    o_ref = testing.run_op(op, inp, **kw)[0]
+    monkeypatch.setitem(kernels.TUNE, "backward.chunk_qdo", True)
+    calls, call = {}, kernels._call
+
+    def recorded(kernel, **launch):
+        calls.setdefault(launch["name"], launch)
+        return call(kernel, **launch)
+
+    monkeypatch.setattr(kernels, "_call", recorded)
+    jax.clear_caches()
+    rep = testing.accuracy_report(op, inp, **kw)
+    _check(rep)
+    np.testing.assert_array_equal(np.asarray(testing.run_op(op, inp, **kw)[0]), np.asarray(o_ref))
+    assert any(rep[n][0] != ref[n][0] for n in rep if n.startswith("d"))  # it did take effect
+    reverse = calls.get("rewy_twin_pass", calls.get("rewy_bwd_pass"))
+    n_in = 8 if op == "deltanet" else 9  # [qdo, k, (G), W, dRl, dfin, reset, end, seq]
+    assert len(reverse["in_specs"]) == n_in + ("rewy_twin_pass" in calls) * (n_in - 1)
+    assert len(calls["rewy_bwd_local"]["out_shape"]) == 2
+
+
 def _same_runs(a, b):
     """Two runs' outputs and gradients (pytrees of arrays) agree bit for bit."""
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):

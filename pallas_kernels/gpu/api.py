@@ -277,14 +277,22 @@ def _bwd(cfg, res, cts):
             S0, R, _ = kn.fwd_pass(s, *fwd_args, interpret=it, dtypes=(sd["S0"], sd["R"]))
     else:
         A, W, S0, R, P = saved
-    dRl = kn.bwd_local(s, q, k, G, P, dO, interpret=it, dtype=sd["dRl"])
+    # each chunk's Qγᵀ dO formed beside Pᵀ dO (no or scalar gates: bwd_local rebuilds P from
+    # q, k), so that the reverse pass reads it instead of q and dO (DEFAULTS "backward.chunk_qdo")
+    qdo = None
+    if P is None and kn.setting("backward.chunk_qdo"):
+        dRl, qdo = kn.bwd_local(s, q, k, G, P, dO, interpret=it, dtype=sd["dRl"],
+                                qdo_dtype=sd["dS"])
+    else:
+        dRl = kn.bwd_local(s, q, k, G, P, dO, interpret=it, dtype=sd["dRl"])
     bwd_args = (q, k, G, W, dO, dRl, dfin.astype(F32), reset, end, seq)
     if twin:  # the recomputed forward pass and the reverse pass in one launch
         S0, R, _, dSe, dR, dh0 = kn.twin_pass(s, fwd_args, bwd_args, interpret=it,
                                               fwd_dtypes=(sd["S0"], sd["R"]),
-                                              bwd_dtypes=(sd["dS"], sd["dR"]))
+                                              bwd_dtypes=(sd["dS"], sd["dR"]), qdo=qdo)
     else:
-        dSe, dR, dh0 = kn.bwd_pass(s, *bwd_args, interpret=it, dtypes=(sd["dS"], sd["dR"]))
+        dSe, dR, dh0 = kn.bwd_pass(s, *bwd_args, interpret=it, dtypes=(sd["dS"], sd["dR"]),
+                                   qdo=qdo)
     # β's leaf maps Ē = βe ⊙ k, Z = βz ⊙ v differentiated in the kernels, or (DEFAULTS
     # "backward.leaf_maps_in_kernel" off, measured faster) by the kernels' e, z path and XLA
     leaf_in_kernel = rows is not None and kn.setting("backward.leaf_maps_in_kernel")

@@ -465,6 +465,20 @@ WARPS = {"intra": 2, "intra:scalar": 4, "wu": 2, "wu:scalar": 4, "wu:vector": 4,
 #               profile-9 with exp2, qk_gram 1.45 (loop) -> 1.53: slower, not the default.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
 # op 6.20 -> 5.86 ms, DeltaNet 2.01 -> 1.88, GDN 2.43 -> 2.16 at the anchor shape, jax.grad.)
+#   backward.chunk_qdo  no or scalar gates: bwd_local forms each chunk's state-free term
+#               scale · Qγᵀ dO [K, V] beside Pᵀ dO (it holds q and dO already) and the reverse
+#               state pass reads that [K, BVs] tile instead of q [C, K] and dO [C, BVs]. The
+#               aim is the twin pass's shared memory: ptxas (sm_90, K = 128, 4 warps, 2 stages)
+#               DeltaNet's twin 120 -> 80 KB — its backward half's double-buffered q was what
+#               held it to one program per SM, so at the anchor its 256 programs ran as two
+#               waves on 132 SMs — and 156 -> 148 registers; GDN's twin 102 -> 66 KB (103 at 3
+#               stages). bwd_local pays the product and a [K, V] store per chunk: 90 -> 138
+#               registers (DeltaNet), 90 -> 218 (GDN: Qγ in fp32). Memory: the term is a
+#               [B,H,N,K,V] tensor in the dS storage dtype (bf16: the size of dS_end) live from
+#               bwd_local through the reverse pass; it is not overwritten by dS_end (see
+#               bwd_pass). Accuracy (benchmarks.interpret_accuracy, TF32 rounded): DeltaNet
+#               (16, 128) dk 6.65e-3 both, dβ 6.18e-3 -> 6.16e-3; (8, 64) dk 7.79e-3 -> 7.82e-3;
+#               GDN (16, 128) dk 3.81e-3 -> 3.82e-3. Off, untimed: variants qdo, qdo3.
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
@@ -489,7 +503,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_wu.col_tile": 0, "launch.wide_warps": {"intra": 4, "wu": 4}, "forward.row_scaled_ez": True,
             "forward.low_precision_modes": {}, "rewy_qk_gram.centred": True,
             "backward.row_scaled_wu": True, "backward.leaf_maps_in_kernel": False,
-            "backward.row_vjp_kernel": False}
+            "backward.row_vjp_kernel": False, "backward.chunk_qdo": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -1355,19 +1369,29 @@ def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
 # ----------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------
-def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32):
+def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32, qdo_dtype=None):
     """scale · Pᵀ dO per chunk (``Shape.scaled``), [B,Tp,H,V] in ``dtype``. Grid (N, B·H,
-    V/BV); P as in ``output``."""
+    V/BV); P as in ``output``.
+
+    qdo_dtype (no or scalar gates, P rebuilt here; DEFAULTS "backward.chunk_qdo"): also each
+    chunk's state-free scale · Qγᵀ dO [B,H,N,K,V] in that dtype, for the reverse state pass to
+    read instead of q and dO (``bwd_pass``'s ``qdo``). Returns (Pᵀ dO, Qγᵀ dO) then."""
     C, prec, mode, BV = s.C, s.prec, s.mode, s.BV
     given_P = P is not None
+    with_qdo = qdo_dtype is not None
+    if with_qdo and given_P:
+        raise ValueError("bwd_local: qdo_dtype needs q (P is not given: no or scalar gates)")
 
     def kernel(*refs):
         if given_P:
             P_ref, dO_ref, out_ref = refs
             P = P_ref[...]
         else:
-            q_ref, k_ref, G_ref, dO_ref, out_ref = _split(refs, mode, 3)
+            q_ref, k_ref, G_ref, dO_ref, out_ref, *qdo_ref = _split(refs, mode, 3)
             _, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)
+            if with_qdo:
+                Gc, _ = _chunk_decay(mode, G_ref, 0, C)
+                qdo_ref[0][...] = _chunk_q_dO(s, Gc, q_ref, dO_ref, 0).astype(qdo_ref[0].dtype)
         out_ref[...] = s.scaled(dot(P, dO_ref[...].astype(F32), prec, ta=True)).astype(
             out_ref.dtype)
 
@@ -1377,33 +1401,55 @@ def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32):
         ins = [q, k] + ([] if mode == "none" else [G]) + [dO]
         in_specs = [s.chunk_tok3(s.K)] * 2 + ([] if mode == "none" else [s.chunk_gate3()]) + [
             s.chunk_tok_v(BV)]
+    out_specs, out_shape = s.chunk_tok_v(BV), s.sds_tok(s.V, dtype)
+    if with_qdo:
+        out_specs, out_shape = [out_specs, s.chunk_state_v(BV)], [
+            out_shape, jax.ShapeDtypeStruct((s.B, s.H, s.N, s.K, s.V), qdo_dtype)]
     return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
-                 out_specs=s.chunk_tok_v(BV), out_shape=s.sds_tok(s.V, dtype), interpret=interpret,
+                 out_specs=out_specs, out_shape=out_shape, interpret=interpret,
                  num_warps=s.warps("bwd_local"), name="rewy_bwd_local", tile_axis=2)(*ins)
 
 
+def _chunk_q_dO(s, Gc, q_ref, dO_ref, base):
+    """scale · Qγᵀ dO [K, BV] of the chunk at row ``base`` (the reverse state pass's
+    state-free term; ``bwd_pass`` or, ahead of it, ``bwd_local``). No gates: the product of
+    q and dO as stored (exact products, native rate); scalar gates: Qγ in fp32."""
+    raw = None if s.mode == "none" else F32
+    Qg = _qg(s.mode, Gc, load_rows(q_ref, base, s.C, raw))
+    return s.scaled(dot_stored(Qg, load_rows(dO_ref, base, s.C, raw), s.prec, ta=True))
+
+
 def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
-             dtypes=(F32, F32)):
+             dtypes=(F32, F32), qdo=None):
     """dS_end [B,H,N,K,V], dR [B,Tp,H,V] (stored in ``dtypes``; the pass carries dS in fp32),
-    dh0 [B,H,n_seq1,K,V] (fp32)."""
+    dh0 [B,H,n_seq1,K,V] (fp32).
+
+    qdo: None, or each chunk's scale · Qγᵀ dO [B,H,N,K,V] from ``bwd_local``: the pass then
+    reads it instead of q and dO. (Not written over by dS_end, though the shapes match: a
+    program's threads read and write a tile in different layouts, and nothing in the Triton
+    lowering orders one thread's read before another's write of the same chunk.)"""
     kernel, ins, in_specs, outputs = _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end,
-                                                     seq, dtypes)
+                                                     seq, dtypes, qdo)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=s.warps("bwd_pass"), name="rewy_bwd_pass",
                  num_stages=_pass_stages(s, "bwd"), tile_axis=1)(*ins)
 
 
-def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):
+def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes, qdo=None):
     """``bwd_pass``'s (kernel, inputs, in_specs, outputs) on the grid (B·H, V/BVs)."""
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
     one_seq = s.one_seq and setting("state_pass.one_seq_init")
     end_after = one_seq and setting("state_pass.end_after_loop")
     # K̄ dS and Wᵀ dR in the stored dtypes of dS and dR, or on fp32 values
     dS_dt, dR_dt = dtypes if _native_pass_dots(dtypes) else (None, None)
+    given_qdo = qdo is not None
 
     def kernel(*refs):
+        refs, qdo_ref = _split(refs, mode, 3), None
+        if given_qdo:  # [qdo, k, G, W, dRl, ...]: no q, no dO
+            qdo_ref, refs = refs[0], [None] + refs[1:4] + [None] + refs[4:]
         (q_ref, k_ref, G_ref, W_ref, dO_ref, dRl_ref, dfin_ref, reset_ref, end_ref, seq_ref,
-         dSe_ref, dR_ref, dh0_ref) = _split(refs, mode, 3)
+         dSe_ref, dR_ref, dh0_ref) = refs
 
         def body(m, carry):
             c = N - 1 - m
@@ -1417,12 +1463,10 @@ def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):
             Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
             dR = load_rows(dRl_ref, base, C) + _pass_dot(Kt, dS, prec, dS_dt)
             dR_ref[pl.ds(base, C), :] = dR.astype(dR_ref.dtype)
-            # no gates: Qᵀ dO of the inputs as stored (exact products, native rate)
-            raw = None if mode == "none" else F32
-            dOc = load_rows(dO_ref, base, C, raw)
-            Qg = _qg(mode, Gc, load_rows(q_ref, base, C, raw))
-            dS0 = (s.scaled(dot_stored(Qg, dOc, prec, ta=True)) - _pass_dot(  # W as stored
-                load_rows(W_ref, base, C, None if dR_dt else F32), dR, prec, dR_dt, ta=True))
+            qdo_c = (_chunk_q_dO(s, Gc, q_ref, dO_ref, base) if qdo_ref is None
+                     else qdo_ref[c].astype(F32))
+            dS0 = qdo_c - _pass_dot(  # W as stored
+                load_rows(W_ref, base, C, None if dR_dt else F32), dR, prec, dR_dt, ta=True)
             dS0 = dS0 + (dS if mode == "none" else _col(exp(gl)) * dS)
             if end_after:  # chunk 0 starts the only sequence: the loop's last step
                 return dS0
@@ -1442,10 +1486,15 @@ def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes):
     in_specs = [s.col_tok(K, False)] * 2 + ([] if mode == "none" else [s.col_gate()]) + [
         s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(s.V, True),
         s.col_states(s.n_seq1)] + [s.col_meta()] * 3
-    return kernel, ins, in_specs, s.pass_outputs(dtypes)
+    outputs = s.pass_outputs(dtypes)
+    if given_qdo:  # qdo first, in place of q; no dO
+        i_dO = 3 if mode == "none" else 4  # [q, k, (G), W, dO, ...]
+        del ins[i_dO], in_specs[i_dO]
+        ins[0], in_specs[0] = qdo, s.col_states(N)
+    return kernel, ins, in_specs, outputs
 
 
-def twin_pass(s: Shape, fwd_args, bwd_args, *, interpret, fwd_dtypes, bwd_dtypes):
+def twin_pass(s: Shape, fwd_args, bwd_args, *, interpret, fwd_dtypes, bwd_dtypes, qdo=None):
     """The backward's two state passes in one launch (DEFAULTS "backward.twin_pass"):
     ``fwd_pass(s, *fwd_args, dtypes=fwd_dtypes)`` (the recomputed S0, R) and ``bwd_pass(s,
     *bwd_args, dtypes=bwd_dtypes)`` (dS_end, dR) are independent — bwd_pass reads W, not S0 or
@@ -1453,10 +1502,11 @@ def twin_pass(s: Shape, fwd_args, bwd_args, *, interpret, fwd_dtypes, bwd_dtypes
     scheduler (profile-11, ncu). Launched apart they run one after the other; here a third grid
     axis picks the pass, so both share the SMs (two programs per SM where registers and shared
     memory allow). Returns (S0, R, final) + (dS_end, dR, dh0), as the two calls would.
+    qdo: as ``bwd_pass``'s.
     """
     kf, ins_f, specs_f, out_f = _fwd_pass_parts(s, *fwd_args, fwd_dtypes, None,
                                                  _native_pass_dots(fwd_dtypes))
-    kb, ins_b, specs_b, out_b = _bwd_pass_parts(s, *bwd_args, bwd_dtypes)
+    kb, ins_b, specs_b, out_b = _bwd_pass_parts(s, *bwd_args, bwd_dtypes, qdo)
     n_f, n_b, n_fo = len(ins_f), len(ins_b), len(out_f["out_shape"])
 
     def kernel(*refs):

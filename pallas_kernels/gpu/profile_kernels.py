@@ -287,9 +287,13 @@ VARIANTS = {
     "dl2": ({"rewy_bwd_dlam.warps": 2}, 64, None, None),
     "dl8": ({"rewy_bwd_dlam.warps": 8}, 64, None, None),
     # DeltaNet's forward as pass + output kernel (profile-9/13 judged the fused pass faster by
-    # the host loop), and the fused pass reading P from intra instead of rebuilding it
+    # the host loop; with "emitP" above, the fused pass reads P from intra)
     "unfused": ({"fwd_pass.fused_output": ("vector",)}, 64, None, None),
-    "emitP": ({"rewy_intra.emit_P": ("none",)}, 64, None, None),
+    # the reverse pass reading each chunk's Qγᵀ dO from bwd_local instead of q and dO
+    # (backward.chunk_qdo; ptxas: DeltaNet's twin 120 -> 80 KB, two programs per SM; GDN's
+    # 102 -> 66 KB at 2 stages, 103 KB at 3)
+    "qdo": ({"backward.chunk_qdo": True}, 64, None, None),
+    "qdo3": ({"backward.chunk_qdo": True, "rewy_twin_pass.stages": 3}, 64, None, None),
     # the small kernels' warps before the twentieth session (intra and wu at 4)
     "w4i": ({"rewy_intra.warps": 4, "rewy_wu.warps": 4}, 64, None, None),
     # the VJP of e = β ⊙ k, z = β ⊙ v in XLA (three fusions) or by kernels.row_scale_vjp (at
