@@ -28,7 +28,9 @@ fi
 [ -d .tcache ] || tar xzf benchmarks/fla-autotune-cache.tgz
 new_triton=""
 slim=$(ls .whl/triton-*-slim.tar.xz 2>/dev/null | tail -1)
-if [ -n "$slim" ] && [ "${BENCH_NEW_TRITON:-gdn}" != none ]; then
+wants=${BENCH_NEW_TRITON:-gdn}  # unpack only when some process will use it (~10 s)
+[ "$wants" = gdn ] && [[ "${BENCH_SPLIT:-}" != *gdn* ]] && wants=none
+if [ -n "$slim" ] && [ "$wants" != none ]; then
   mkdir -p /tmp/triton-new && tar -xJf "$slim" -C /tmp/triton-new \
     && new_triton=/tmp/triton-new && echo "newer Triton for FLA: $slim" \
     || echo "warning: could not unpack $slim; every process keeps the machine's Triton"
