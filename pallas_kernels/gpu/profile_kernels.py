@@ -289,6 +289,13 @@ VARIANTS = {
     # DeltaNet's forward as pass + output kernel (profile-9/13 judged the fused pass faster by
     # the host loop; with "emitP" above, the fused pass reads P from intra)
     "unfused": ({"fwd_pass.fused_output": ("vector",)}, 64, None, None),
+    # ... with S0, R stored in bf16 for the output kernel (FLA's h and v_new are), the pass's
+    # products still TF32: ptxas (K = 128, 4 warps, 3 stages) the pass 152 KB, 245 registers,
+    # no spills, SASS 1390 (the fused pass: 232 KB, 220 B of spills, 1946); interpret accuracy
+    # (TF32 rounded) DeltaNet o 1.77e-3 -> 2.69e-3 at (16, 128), 1.82e-3 -> 2.95e-3 at (8, 64)
+    # of 5e-3 (bf16 products too: 4.07e-3 — not that)
+    "unfused16": ({"fwd_pass.fused_output": ("vector",), "forward.low_precision": ("S0", "R"),
+                   "forward.native_pass_dots": False}, 64, None, None),
     # the reverse pass reading each chunk's Qγᵀ dO from bwd_local instead of q and dO
     # (backward.chunk_qdo; ptxas: DeltaNet's twin 120 -> 80 KB, two programs per SM; GDN's
     # 102 -> 66 KB at 2 stages, 103 KB at 3)
