@@ -292,9 +292,11 @@ VARIANTS = {
     # every forward unfused, S0 and R stored in bf16 for the output kernel (FLA's h and v_new
     # are), the pass's products still TF32. ptxas (K = 128, 4 warps): DeltaNet's pass 152 KB,
     # 245 registers, no spills, SASS 1390 at 3 stages (the fused pass: 232 KB, 220 B of
-    # spills, 1946); KDA's 145 KB, no spills, SASS 2009 at 2 (fused: 177 KB, 28 B, 2109).
+    # spills, 1946); KDA's 145 KB, no spills, SASS 2009 at 2 (fused: 177 KB, 28 B, 2109);
+    # GDN's (unfused already) 255 -> 234 registers, its output kernel 229 -> 188.
     # Interpret accuracy (TF32 rounded), o of 5e-3: DeltaNet 1.77e-3 -> 2.69e-3 at (16, 128),
-    # 1.82e-3 -> 2.95e-3 at (8, 64); KDA g >= -5 1.72e-3 -> 2.43e-3; gradients unchanged.
+    # 1.82e-3 -> 2.95e-3 at (8, 64); KDA g >= -5 1.72e-3 -> 2.43e-3; GDN 1.70e-3 -> 2.41e-3;
+    # gradients unchanged.
     # (bf16 products as well: DeltaNet o 4.07e-3 — not that.)
     "unfused16": ({"fwd_pass.fused_output": (), "forward.low_precision": ("S0", "R"),
                    "forward.native_pass_dots": False}, 64, None, None),
