@@ -1572,6 +1572,24 @@ def test_pass_stages():
             assert set(tune["state_pass.stages"]) == set(want), name
 
 
+def test_variants_name_known_settings():
+    """Every variant of profile_kernels / trace_op sets kernel settings that exist (DEFAULTS keys
+    or "<kernel>.warps" / ".stages"), so a misspelt one fails here and not on the GPU machine,
+    after its start; and the variants the device plan in PERF.md names are defined."""
+    import re
+    from pathlib import Path
+
+    from pallas_kernels.gpu import kernels, profile_kernels
+
+    for name, (tune, *_) in profile_kernels.VARIANTS.items():
+        for key in tune:
+            assert key in kernels.DEFAULTS or key.endswith((".warps", ".stages")), (name, key)
+    perf = (Path(kernels.__file__).parent / "PERF.md").read_text()
+    plan = perf[perf.index("## Next session"):]
+    named = {v for m in re.finditer(r"--variants ([\w,]+)", plan) for v in m.group(1).split(",")}
+    assert named and named <= set(profile_kernels.VARIANTS), named - set(profile_kernels.VARIANTS)
+
+
 def test_parse_tune():
     """kernels.parse_tune: the tooling's key=value settings, and clear errors."""
     from pallas_kernels.gpu import kernels
