@@ -700,6 +700,36 @@ def test_interpret_row_scaled_ez(op, decay, kw, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,qdo", [("deltanet", "none", False), ("gdn", "strong", True),
+                                          ("kda", "normal", False)])
+def test_interpret_bwd_local_tile_loop(op, decay, qdo, small_tiles, monkeypatch):
+    """DEFAULTS "rewy_bwd_local.tile_loop" (off until timed): bwd_local on one program per
+    (chunk, head) looping over the value tiles — P built (no or scalar gates, with the chunk's
+    Qγᵀ dO under "backward.chunk_qdo") or read (vector gates) once — gives the outputs and
+    every gradient bit for bit as one program per value tile (packed sequences, initial
+    states, T not a multiple of the chunk, two value tiles)."""
+    from pallas_kernels.gpu import kernels
+
+    inp, cts, kw = _bf16_case(op, decay, 43, {"n_seqs": 2})
+    monkeypatch.setitem(kernels.TUNE, "backward.chunk_qdo", qdo)
+    jax.clear_caches()
+    tiled = testing.loss_and_grads(op, inp, cts, **kw)
+    grids = []
+    call = kernels._call
+
+    def recorded(kernel, **launch):
+        if launch["name"] == "rewy_bwd_local":
+            grids.append(launch["grid"])
+        return call(kernel, **launch)
+
+    monkeypatch.setattr(kernels, "_call", recorded)
+    monkeypatch.setitem(kernels.TUNE, "rewy_bwd_local.tile_loop", True)
+    jax.clear_caches()
+    _same_runs(testing.loss_and_grads(op, inp, cts, **kw), tiled)
+    assert grids and all(len(g) == 2 for g in grids)
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
                                          ("gdn", "strong", {}),
                                          ("kda", "normal", {"policy": "save"})])

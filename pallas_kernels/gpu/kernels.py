@@ -479,6 +479,14 @@ WARPS = {"intra": 2, "intra:scalar": 4, "wu": 2, "wu:scalar": 4, "wu:vector": 4,
 #               bwd_pass). Accuracy (benchmarks.interpret_accuracy, TF32 rounded): DeltaNet
 #               (16, 128) dk 6.65e-3 both, dβ 6.18e-3 -> 6.16e-3; (8, 64) dk 7.79e-3 -> 7.82e-3;
 #               GDN (16, 128) dk 3.81e-3 -> 3.82e-3. Off, untimed: variants qdo, qdo3.
+#   rewy_bwd_local.tile_loop  bwd_local on the grid (N, B·H) with a loop over the value tiles
+#               instead of one program per tile: P = tril(Qγ K̄ᵀ) is built (no or scalar gates) or
+#               read (vector gates) once per chunk — at the anchor two tiles each rebuilt it, and
+#               FLA's dv_local (0.036 ms against our 0.059, profile-21) forms it once. ptxas
+#               (K = V = 128, 4 warps): DeltaNet 96 registers, 32 KB, 728 SASS (24 mma) for
+#               both tiles, against 90 / 512 (16 mma) per tile's program; with chunk_qdo 162
+#               registers, 1144 SASS against 138 / 704 per tile; GDN with chunk_qdo 206 against
+#               218; KDA 65 against 60. Bit-identical. Off, untimed: variants bltl, qdotl.
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
@@ -503,7 +511,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_wu.col_tile": 0, "launch.wide_warps": {"intra": 4, "wu": 4}, "forward.row_scaled_ez": True,
             "forward.low_precision_modes": {}, "rewy_qk_gram.centred": True,
             "backward.row_scaled_wu": True, "backward.leaf_maps_in_kernel": False,
-            "backward.row_vjp_kernel": False, "backward.chunk_qdo": False}
+            "backward.row_vjp_kernel": False, "backward.chunk_qdo": False,
+            "rewy_bwd_local.tile_loop": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -1370,17 +1379,19 @@ def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):
 # Backward
 # ----------------------------------------------------------------------------------------------
 def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32, qdo_dtype=None):
-    """scale · Pᵀ dO per chunk (``Shape.scaled``), [B,Tp,H,V] in ``dtype``. Grid (N, B·H,
-    V/BV); P as in ``output``.
+    """scale · Pᵀ dO per chunk (``Shape.scaled``), [B,Tp,H,V] in ``dtype``; P as in
+    ``output``. Grid (N, B·H, V/BV), or with DEFAULTS "rewy_bwd_local.tile_loop" (N, B·H) and a
+    loop over the value tiles, so that P is built (or read) once per chunk.
 
     qdo_dtype (no or scalar gates, P rebuilt here; DEFAULTS "backward.chunk_qdo"): also each
     chunk's state-free scale · Qγᵀ dO [B,H,N,K,V] in that dtype, for the reverse state pass to
     read instead of q and dO (``bwd_pass``'s ``qdo``). Returns (Pᵀ dO, Qγᵀ dO) then."""
-    C, prec, mode, BV = s.C, s.prec, s.mode, s.BV
+    C, prec, mode, BV, V = s.C, s.prec, s.mode, s.BV, s.V
     given_P = P is not None
     with_qdo = qdo_dtype is not None
     if with_qdo and given_P:
         raise ValueError("bwd_local: qdo_dtype needs q (P is not given: no or scalar gates)")
+    tile_loop = bool(setting("rewy_bwd_local.tile_loop")) and V > BV
 
     def kernel(*refs):
         if given_P:
@@ -1388,35 +1399,43 @@ def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32, qdo_dtype=None)
             P = P_ref[...]
         else:
             q_ref, k_ref, G_ref, dO_ref, out_ref, *qdo_ref = _split(refs, mode, 3)
-            _, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)
+            Gc, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec)
+        for vs in ([pl.ds(t * BV, BV) for t in range(V // BV)] if tile_loop else [slice(None)]):
+            dOt = dO_ref[:, vs]
+            out_ref[:, vs] = s.scaled(dot(P, dOt.astype(F32), prec, ta=True)).astype(
+                out_ref.dtype)
             if with_qdo:
-                Gc, _ = _chunk_decay(mode, G_ref, 0, C)
-                qdo_ref[0][...] = _chunk_q_dO(s, Gc, q_ref, dO_ref, 0).astype(qdo_ref[0].dtype)
-        out_ref[...] = s.scaled(dot(P, dO_ref[...].astype(F32), prec, ta=True)).astype(
-            out_ref.dtype)
+                qdo_ref[0][:, vs] = _chunk_q_dO(s, Gc, q_ref[...], dOt).astype(
+                    qdo_ref[0].dtype)
 
+    if tile_loop:  # whole rows of the chunk, one program per (chunk, head)
+        tok_v, tok_k, gate, mat = s.chunk_tok(V), s.chunk_tok(s.K), s.chunk_gate(), s.chunk_mat
+        grid, tile_axis = (s.N, s.B * s.H), None
+    else:
+        tok_v, tok_k, gate, mat = s.chunk_tok_v(BV), s.chunk_tok3(s.K), s.chunk_gate3(), s.chunk_mat3
+        grid, tile_axis = (s.N, s.B * s.H, V // BV), 2
     if given_P:
-        ins, in_specs = [P, dO], [s.chunk_mat3(C, C), s.chunk_tok_v(BV)]
+        ins, in_specs = [P, dO], [mat(C, C), tok_v]
     else:
         ins = [q, k] + ([] if mode == "none" else [G]) + [dO]
-        in_specs = [s.chunk_tok3(s.K)] * 2 + ([] if mode == "none" else [s.chunk_gate3()]) + [
-            s.chunk_tok_v(BV)]
-    out_specs, out_shape = s.chunk_tok_v(BV), s.sds_tok(s.V, dtype)
+        in_specs = [tok_k] * 2 + ([] if mode == "none" else [gate]) + [tok_v]
+    out_specs, out_shape = tok_v, s.sds_tok(V, dtype)
     if with_qdo:
-        out_specs, out_shape = [out_specs, s.chunk_state_v(BV)], [
-            out_shape, jax.ShapeDtypeStruct((s.B, s.H, s.N, s.K, s.V), qdo_dtype)]
-    return _call(kernel, grid=(s.N, s.B * s.H, s.V // BV), in_specs=in_specs,
-                 out_specs=out_specs, out_shape=out_shape, interpret=interpret,
-                 num_warps=s.warps("bwd_local"), name="rewy_bwd_local", tile_axis=2)(*ins)
+        out_specs, out_shape = [out_specs, mat(s.K, V) if tile_loop else s.chunk_state_v(BV)], [
+            out_shape, jax.ShapeDtypeStruct((s.B, s.H, s.N, s.K, V), qdo_dtype)]
+    return _call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                 interpret=interpret, num_warps=s.warps("bwd_local"), name="rewy_bwd_local",
+                 tile_axis=tile_axis)(*ins)
 
 
-def _chunk_q_dO(s, Gc, q_ref, dO_ref, base):
-    """scale · Qγᵀ dO [K, BV] of the chunk at row ``base`` (the reverse state pass's
-    state-free term; ``bwd_pass`` or, ahead of it, ``bwd_local``). No gates: the product of
-    q and dO as stored (exact products, native rate); scalar gates: Qγ in fp32."""
-    raw = None if s.mode == "none" else F32
-    Qg = _qg(s.mode, Gc, load_rows(q_ref, base, s.C, raw))
-    return s.scaled(dot_stored(Qg, load_rows(dO_ref, base, s.C, raw), s.prec, ta=True))
+def _chunk_q_dO(s, Gc, q, dO):
+    """scale · Qγᵀ dO [K, BV] of one chunk from its rows q [C, K] and dO [C, BV] as stored
+    (the reverse state pass's state-free term; ``bwd_pass`` or, ahead of it, ``bwd_local``).
+    No gates: the product of q and dO as stored (exact products, native rate); scalar gates:
+    Qγ in fp32."""
+    if s.mode != "none":
+        q, dO = _qg(s.mode, Gc, q.astype(F32)), dO.astype(F32)
+    return s.scaled(dot_stored(q, dO, s.prec, ta=True))
 
 
 def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
@@ -1463,7 +1482,8 @@ def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes, qdo=N
             Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
             dR = load_rows(dRl_ref, base, C) + _pass_dot(Kt, dS, prec, dS_dt)
             dR_ref[pl.ds(base, C), :] = dR.astype(dR_ref.dtype)
-            qdo_c = (_chunk_q_dO(s, Gc, q_ref, dO_ref, base) if qdo_ref is None
+            qdo_c = (_chunk_q_dO(s, Gc, load_rows(q_ref, base, C, None),
+                                 load_rows(dO_ref, base, C, None)) if qdo_ref is None
                      else qdo_ref[c].astype(F32))
             dS0 = qdo_c - _pass_dot(  # W as stored
                 load_rows(W_ref, base, C, None if dR_dt else F32), dR, prec, dR_dt, ta=True)

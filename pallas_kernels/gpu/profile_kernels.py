@@ -305,6 +305,12 @@ VARIANTS = {
     # 102 -> 66 KB at 2 stages, 103 KB at 3)
     "qdo": ({"backward.chunk_qdo": True}, 64, None, None),
     "qdo3": ({"backward.chunk_qdo": True, "rewy_twin_pass.stages": 3}, 64, None, None),
+    # bwd_local on one program per (chunk, head) over its value tiles: P built or read once
+    # (rewy_bwd_local.tile_loop; ptxas, K = V = 128, 4 warps: DeltaNet 96 registers and 728 SASS
+    # for both tiles against 90 and 512 per tile's program; with qdo 162 / 1144 against 138 /
+    # 704 per tile; GDN with qdo 206 against 218; KDA 65 against 60)
+    "bltl": ({"rewy_bwd_local.tile_loop": True}, 64, None, None),
+    "qdotl": ({"backward.chunk_qdo": True, "rewy_bwd_local.tile_loop": True}, 64, None, None),
     # the small kernels' warps before the twentieth session (intra and wu at 4)
     "w4i": ({"rewy_intra.warps": 4, "rewy_wu.warps": 4}, 64, None, None),
     # the VJP of e = β ⊙ k, z = β ⊙ v in XLA (three fusions) or by kernels.row_scale_vjp (at
