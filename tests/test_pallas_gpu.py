@@ -700,6 +700,39 @@ def test_interpret_row_scaled_ez(op, decay, kw, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw,setting", [("kda", "strong", {"n_seqs": 2}, True),
+                                                 ("gdn2", "normal", {"gate_lower_bound": -5.0},
+                                                  "kbar32")])
+def test_interpret_fwd_predecayed(op, decay, kw, setting, small_tiles, monkeypatch):
+    """DEFAULTS "fwd_pass.predecayed" (vector gates; off until timed): the fused forward pass
+    reads K̄ = e^{G_C − G} ⊙ k and Qγ = e^{G} ⊙ q from kernels.decayed_rows (Qγ rounded to the
+    inputs' 16 bits, K̄ too or kept in fp32) instead of forming them per value tile. The output and final state move by
+    that rounding only and stay within the bf16 thresholds against the float64 recurrence
+    (strong decays, packed sequences, initial states, T not a multiple of the chunk); the
+    gradients, which the backward recomputes, are unchanged bit for bit."""
+    from pallas_kernels.gpu import kernels
+
+    inp, cts, kw = _bf16_case(op, decay, 47, kw)
+    base = testing.loss_and_grads(op, inp, cts, **kw)
+    launched = []
+    call = kernels._call
+
+    def recorded(kernel, **launch):
+        launched.append(launch["name"])
+        return call(kernel, **launch)
+
+    monkeypatch.setattr(kernels, "_call", recorded)
+    monkeypatch.setitem(kernels.TUNE, "fwd_pass.predecayed", setting)
+    jax.clear_caches()
+    pre = testing.loss_and_grads(op, inp, cts, **kw)
+    assert "rewy_decayed_rows" in launched
+    _same_runs(pre[2], base[2])  # the gradients
+    assert 0 < _rel(pre[0], base[0]) < 1e-2  # o: Qγ's rounding to 16 bits
+    assert _rel(pre[1], base[1]) < 1e-2  # the final state: K̄'s (none for an fp32 K̄)
+    _check(testing.accuracy_report(op, inp, **kw))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,qdo", [("deltanet", "none", False), ("gdn", "strong", True),
                                           ("kda", "normal", False)])
 def test_interpret_bwd_local_tile_loop(op, decay, qdo, small_tiles, monkeypatch):
@@ -1413,7 +1446,13 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("kda", 64, 128, jnp.bfloat16, {"_fp32_backward": True}, False),
     ("gdn2", 128, 64, jnp.bfloat16, {"_expf": True}, False),
     ("deltanet", 128, 64, jnp.bfloat16, {"_unfused": True}, False),
+    ("deltanet", 128, 128, jnp.bfloat16, {"_tune": "qdotl"}, False),
+    ("gdn", 64, 128, jnp.bfloat16, {"_tune": "qdo", "policy": "save"}, True),
+    ("kda", 128, 128, jnp.bfloat16, {"_tune": "predecayed", "gate_lower_bound": -5.0}, False),
+    ("kda", 128, 64, jnp.bfloat16, {"_tune": "unfused16"}, False),
 ]
+# "_tune": kernel settings of profile_kernels.VARIANTS (off by default, untimed) that change
+# what the kernels lower to
 
 
 @pytest.mark.skipif(_ON_GPU, reason="the GPU tests above run the real kernels")
@@ -1450,6 +1489,12 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
     unfused = kw.pop("_unfused", False)  # the forward's output kernel instead of the fused pass
     if unfused:
         monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", False)
+    if "_tune" in kw:
+        from pallas_kernels.gpu import profile_kernels
+
+        for key, value in profile_kernels.VARIANTS[kw.pop("_tune")][0].items():
+            monkeypatch.setitem(kernels.TUNE, key, value)
+        unfused = not kernels.fused_output({"deltanet": "none", "gdn": "scalar"}.get(op, "vector"))
     vmapped = kw.pop("_vmap", False)  # the gradient under jax.vmap: one more grid axis
     inp = testing.make_inputs(op, 1, 100, 2, K, V, dtype=dtype, n_seqs=3 if varlen else None)
     diff = {n: x for n, x in inp.items() if n != "cu_seqlens"}

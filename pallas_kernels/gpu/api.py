@@ -194,8 +194,13 @@ def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True, rows=Non
     # K = 256: the pass holds one pipeline stage there (kernels._pass_stages) and the fused form
     # measured slower (run h200-7: DeltaNet (8,2048,32,256) forward 12.2 -> 13.9 ms).
     if not keep_states and kn.fused_output(s.mode) and s.K <= 128:
+        out = (q, P, q.dtype)
+        predecayed = kn.setting("fwd_pass.predecayed")
+        if s.mode == "vector" and predecayed:  # K̄, Qγ formed once (K̄ in fp32: "kbar32")
+            out += (kn.decayed_rows(k, q, G, s.C, interpret=cfg.interpret,
+                                    kbar_dtype=F32 if predecayed == "kbar32" else None),)
         o, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret,
-                               out=(q, P, q.dtype), forward=True,
+                               out=out, forward=True,
                                dtypes=_fused_pass_dtypes(q.dtype, s.mode))
         return o, final, (A, None, None, None, P)
     S0, R, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret,

@@ -487,6 +487,18 @@ WARPS = {"intra": 2, "intra:scalar": 4, "wu": 2, "wu:scalar": 4, "wu:vector": 4,
 #               both tiles, against 90 / 512 (16 mma) per tile's program; with chunk_qdo 162
 #               registers, 1144 SASS against 138 / 704 per tile; GDN with chunk_qdo 206 against
 #               218; KDA 65 against 60. Bit-identical. Off, untimed: variants bltl, qdotl.
+#   fwd_pass.predecayed  vector gates: the forward's fused pass reads K̄ = e^{G_C − G} ⊙ k and
+#               Qγ = e^{G} ⊙ q from ``decayed_rows`` (one small kernel: a read of k, q, G and
+#               two writes) instead of k, q and G's rows: no per-element exponentials in its
+#               value-tile programs (KDA's pass 0.39 ms against DeltaNet's 0.18 at the anchor,
+#               profile-21), only G's last row per chunk for the state's decay. True: K̄ and Qγ
+#               in the inputs' dtype; "kbar32": K̄ in fp32. ptxas (KDA, K = 128, 4 warps):
+#               3 stages 249 KB, 316 B of spills, 2554 SASS -> 232 KB, 40 B, 1839 (True); at 2
+#               stages 177 KB, 28 B, 2109 -> 160 KB, none, 1514 (True), 208 KB, none, 1538
+#               ("kbar32"; 312 KB at 3). Interpret accuracy (KDA g ≥ −5, (16, 128), TF32
+#               rounded): o 1.72e-3 -> 1.86e-3 (True) / 1.79e-3 ("kbar32"), final state
+#               0.36e-3 -> 1.65e-3 / 0.36e-3 of 5e-3; gradients unchanged (the backward
+#               recomputes). Off, untimed: variants predecayed, pd32.
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
@@ -512,7 +524,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "forward.low_precision_modes": {}, "rewy_qk_gram.centred": True,
             "backward.row_scaled_wu": True, "backward.leaf_maps_in_kernel": False,
             "backward.row_vjp_kernel": False, "backward.chunk_qdo": False,
-            "rewy_bwd_local.tile_loop": False}
+            "rewy_bwd_local.tile_loop": False, "fwd_pass.predecayed": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -1092,6 +1104,30 @@ def cum_gates(g, C, *, interpret):
     return _gate_call(kernel, [g], C, "rewy_cum_gates", interpret=interpret)
 
 
+def decayed_rows(k, q, G, C, *, interpret, kbar_dtype=None):
+    """Vector gates: (K̄, Qγ) [B,Tp,H,K] in k's / q's dtype — K̄ = e^{G_C − G} ⊙ k (each row's
+    decay to its chunk's end) and Qγ = e^{G} ⊙ q (from the chunk's start), every exponent
+    ≤ 0 — for the forward's fused pass to read instead of k, q and G's rows (DEFAULTS
+    "fwd_pass.predecayed"): the pass then forms no per-element exponentials in any of its
+    value-tile programs and stages two 16-bit tiles instead of two 16-bit and one fp32.
+    kbar_dtype: K̄'s dtype if not k's (fp32: the state's updates K̄ᵀ R unrounded)."""
+    def kernel(k_ref, q_ref, G_ref, kbar_ref, qg_ref):
+        Gc = G_ref[...]
+        kbar_ref[...] = (exp(load_rows(G_ref, C - 1, 1) - Gc) * k_ref[...].astype(F32)).astype(
+            kbar_ref.dtype)
+        qg_ref[...] = (exp(Gc) * q_ref[...].astype(F32)).astype(qg_ref.dtype)
+
+    B, Tp, H, K = k.shape
+    BK = min(K, 64)
+    spec = pl.BlockSpec((None, C, None, BK), lambda n, bh, t: (bh // H, n, bh % H, t))
+    return tuple(_call(kernel, grid=(Tp // C, B * H, K // BK), in_specs=[spec] * 3,
+                       out_specs=[spec] * 2,
+                       out_shape=[jax.ShapeDtypeStruct(k.shape, kbar_dtype or k.dtype),
+                                  jax.ShapeDtypeStruct(q.shape, q.dtype)],
+                       interpret=interpret, num_warps=WARPS["gates"],
+                       name="rewy_decayed_rows")(k, q, G))
+
+
 def _triangle_sum(tri, x):
     """``tri @ x`` for a 0/1 [C, C] matrix ``tri`` (bf16, exact) and fp32 ``x`` [C, ·]: x split
     into three bf16 parts (hi + mid + lo = x to the last bit or so), three native products with
@@ -1210,7 +1246,9 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
     and value tile while S0 and R are in registers — returning (o [B,Tp,H,V], final) and
     storing no S0 or R (the ``recompute`` forward, DEFAULTS "fwd_pass.fused_output"). P: the
     [B,H,N,C,C] matrix of ``qk_gram`` (vector gates) or ``intra`` (``intra_forms_P``), or None
-    (rebuilt per chunk and value tile, as in ``output``).
+    (rebuilt per chunk and value tile, as in ``output``). out = (q, P, out_dtype, (K̄, Qγ)):
+    vector gates' rows pre-decayed by ``decayed_rows``, read in place of k and q (G's last row
+    per chunk still gives the state's decay).
     """
     native = _native_pass_dots(dtypes, forward)
     kernel, ins, in_specs, outputs = _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq,
@@ -1231,6 +1269,9 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native):
     end_after = one_seq and setting("state_pass.end_after_loop")
     fused = out is not None
     given_P = fused and out[1] is not None
+    predecayed = fused and len(out) > 3  # (K̄, Qγ) given: k and q are read as K̄, Qγ
+    if predecayed:
+        k, out = out[3][0], (out[3][1],) + tuple(out[1:3])
     # the recurrence's two products in the stored dtypes of S0 and R, or on fp32 values
     S_dt, R_dt = dtypes if native else (None, None)
     # K̄ᵀ R as kᵀ (d ⊙ R) in two native bf16 products (DEFAULTS "fwd_pass.split_kr"): no or
@@ -1270,13 +1311,17 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native):
             else:  # W as stored when native
                 R = Uc - _pass_dot(load_rows(W_ref, base, C, None if S_dt else F32), S, prec,
                                    S_dt)
-            Gc, gl = _chunk_decay(mode, G_ref, base, C)
+            if predecayed:  # the rows carry their decays: only the state's, G's last row
+                Gc, gl = None, load_rows(G_ref, base + C - 1, 1)
+            else:
+                Gc, gl = _chunk_decay(mode, G_ref, base, C)
             if fused:  # O = Qγ S0 + P R: off the recurrence's critical path
                 if given_P:
                     P = P_ref[c]
                 else:
                     _, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec, base)
-                o = _chunk_output(s, Gc, load_rows(q_ref, base, C), S, P, R)
+                o = _chunk_output(s, Gc, load_rows(q_ref, base, C), S, P, R,
+                                  decayed=predecayed)
                 o_ref[pl.ds(base, C), :] = o.astype(o_ref.dtype)
             else:
                 R_ref[pl.ds(base, C), :] = R.astype(R_ref.dtype)
@@ -1284,7 +1329,8 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native):
                 Rd = R if mode == "none" else exp(gl - Gc)[:, None] * R
                 S_new = dot_split(load_rows(k_ref, base, C, None), Rd, prec, ta=True)
             else:
-                Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
+                kc = load_rows(k_ref, base, C)
+                Kt = kc if predecayed else _kt(mode, Gc, gl, kc)
                 S_new = _pass_dot(Kt, R, prec, R_dt, ta=True)
             S_new = S_new + (S if mode == "none" else _col(exp(gl)) * S)
             if not end_after:
@@ -1303,7 +1349,7 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native):
     in_specs = [s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(K, False)] + (
         [] if mode == "none" else [s.col_gate()]) + [s.col_states(s.n_seq1)] + [s.col_meta()] * 3
     if fused:
-        q, P, out_dtype = out
+        q, P, out_dtype = out[:3]
         ins.append(q)
         in_specs.append(s.col_tok(K, False))
         if given_P:
@@ -1329,11 +1375,12 @@ def _qk_full(mode, q_ref, k_ref, G_ref, C, prec, base=0):
     return Gc, P * exp(jnp.where(c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
 
 
-def _chunk_output(s, Gc, qc, S0, P, R):
+def _chunk_output(s, Gc, qc, S0, P, R, decayed=False):
     """One chunk's (value tile of) O = scale · (Qγ S0 + P R) — fp32, from the chunk's G rows,
-    q rows (unscaled), start state, gated query-key matrix and residuals (``output`` and the
-    fused ``fwd_pass``)."""
-    return s.scaled(dot(_qg(s.mode, Gc, qc), S0, s.prec) + dot(P, R, s.prec))
+    q rows (unscaled; ``decayed``: Qγ itself), start state, gated query-key matrix and
+    residuals (``output`` and the fused ``fwd_pass``)."""
+    Qg = qc if decayed else _qg(s.mode, Gc, qc)
+    return s.scaled(dot(Qg, S0, s.prec) + dot(P, R, s.prec))
 
 
 def output(s: Shape, q, k, G, S0, R, P, out_dtype, *, interpret):

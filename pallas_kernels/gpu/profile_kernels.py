@@ -310,6 +310,13 @@ VARIANTS = {
     # for both tiles against 90 and 512 per tile's program; with qdo 162 / 1144 against 138 /
     # 704 per tile; GDN with qdo 206 against 218; KDA 65 against 60)
     "bltl": ({"rewy_bwd_local.tile_loop": True}, 64, None, None),
+    # vector gates' fused forward pass reading K̄ = e^{G_C − G} ⊙ k and Qγ = e^{G} ⊙ q, formed
+    # once by kernels.decayed_rows, instead of k, q and G's rows (fwd_pass.predecayed). ptxas
+    # (KDA, K = 128, 4 warps): 16-bit K̄ 249 KB / 316 B of spills / 2554 SASS -> 232 / 40 /
+    # 1839 at 3 stages (160 KB, none, 1514 at 2); an fp32 K̄ ("kbar32": the final state as
+    # accurate as before) 208 KB, no spills, 1538 SASS at 2 stages (312 KB at 3: too many)
+    "predecayed": ({"fwd_pass.predecayed": True}, 64, None, None),
+    "pd32": ({"fwd_pass.predecayed": "kbar32", "rewy_fwd_pass.stages": 2}, 64, None, None),
     "qdotl": ({"backward.chunk_qdo": True, "rewy_bwd_local.tile_loop": True}, 64, None, None),
     # the small kernels' warps before the twentieth session (intra and wu at 4)
     "w4i": ({"rewy_intra.warps": 4, "rewy_wu.warps": 4}, 64, None, None),
