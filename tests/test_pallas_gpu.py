@@ -425,10 +425,12 @@ def test_interpret_native_pass_dots(op, decay, kw, small_tiles, monkeypatch):
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
                                          ("deltanet", "none", {}),
-                                         ("gdn", "strong", {"policy": "save"})])
+                                         ("gdn", "strong", {"policy": "save"}),
+                                         ("kda", "strong", {})])
 def test_interpret_chunk_qdo(op, decay, kw, small_tiles, monkeypatch):
     """DEFAULTS "backward.chunk_qdo" (off until timed): bwd_local forms each chunk's Qγᵀ dO
-    and the reverse state pass (twin or alone) reads it instead of q and dO. Every gradient
+    (reading q and G beside the kept P for vector gates) and the reverse state pass (twin or
+    alone) reads it instead of q and dO. Every gradient
     stays within the bf16 thresholds against the float64 recurrence (initial states, packed
     sequences, T not a multiple of the chunk, two value tiles), the forward is untouched bit for
     bit, and the option takes effect: bwd_local returns the term, the pass reads no q."""
@@ -1449,6 +1451,7 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("deltanet", 128, 128, jnp.bfloat16, {"_tune": "qdotl"}, False),
     ("gdn", 64, 128, jnp.bfloat16, {"_tune": "qdo", "policy": "save"}, True),
     ("kda", 128, 128, jnp.bfloat16, {"_tune": "predecayed", "gate_lower_bound": -5.0}, False),
+    ("gdn2", 64, 64, jnp.bfloat16, {"_tune": "qdotl"}, True),
     ("kda", 128, 64, jnp.bfloat16, {"_tune": "unfused16"}, False),
 ]
 # "_tune": kernel settings of profile_kernels.VARIANTS (off by default, untimed) that change

@@ -282,10 +282,10 @@ def _bwd(cfg, res, cts):
             S0, R, _ = kn.fwd_pass(s, *fwd_args, interpret=it, dtypes=(sd["S0"], sd["R"]))
     else:
         A, W, S0, R, P = saved
-    # each chunk's Qγᵀ dO formed beside Pᵀ dO (no or scalar gates: bwd_local rebuilds P from
-    # q, k), so that the reverse pass reads it instead of q and dO (DEFAULTS "backward.chunk_qdo")
+    # each chunk's Qγᵀ dO formed beside Pᵀ dO, so that the reverse pass reads it instead of q
+    # and dO (DEFAULTS "backward.chunk_qdo": True, or the gate modes it applies to)
     qdo = None
-    if P is None and kn.setting("backward.chunk_qdo"):
+    if kn.chunk_qdo(s.mode):
         dRl, qdo = kn.bwd_local(s, q, k, G, P, dO, interpret=it, dtype=sd["dRl"],
                                 qdo_dtype=sd["dS"])
     else:

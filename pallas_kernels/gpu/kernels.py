@@ -465,9 +465,10 @@ WARPS = {"intra": 2, "intra:scalar": 4, "wu": 2, "wu:scalar": 4, "wu:vector": 4,
 #               profile-9 with exp2, qk_gram 1.45 (loop) -> 1.53: slower, not the default.
 # (profile-5: benchmarks/results/profile-5/; the three together take KDA's gradient through the
 # op 6.20 -> 5.86 ms, DeltaNet 2.01 -> 1.88, GDN 2.43 -> 2.16 at the anchor shape, jax.grad.)
-#   backward.chunk_qdo  no or scalar gates: bwd_local forms each chunk's state-free term
-#               scale · Qγᵀ dO [K, V] beside Pᵀ dO (it holds q and dO already) and the reverse
-#               state pass reads that [K, BVs] tile instead of q [C, K] and dO [C, BVs]. The
+#   backward.chunk_qdo  bwd_local forms each chunk's state-free term scale · Qγᵀ dO [K, V]
+#               beside Pᵀ dO (it holds q and dO already; vector gates read q and G beside the
+#               kept P) and the reverse state pass reads that [K, BVs] tile instead of q [C, K]
+#               and dO [C, BVs]. True / False or the gate modes it applies to. The
 #               aim is the twin pass's shared memory: ptxas (sm_90, K = 128, 4 warps, 2 stages)
 #               DeltaNet's twin 120 -> 80 KB — its backward half's double-buffered q was what
 #               held it to one program per SM, so at the anchor its 256 programs ran as two
@@ -478,7 +479,10 @@ WARPS = {"intra": 2, "intra:scalar": 4, "wu": 2, "wu:scalar": 4, "wu:vector": 4,
 #               bwd_local through the reverse pass; it is not overwritten by dS_end (see
 #               bwd_pass). Accuracy (benchmarks.interpret_accuracy, TF32 rounded): DeltaNet
 #               (16, 128) dk 6.65e-3 both, dβ 6.18e-3 -> 6.16e-3; (8, 64) dk 7.79e-3 -> 7.82e-3;
-#               GDN (16, 128) dk 3.81e-3 -> 3.82e-3. Off, untimed: variants qdo, qdo3.
+#               GDN (16, 128) dk 3.81e-3 -> 3.82e-3. KDA (K = 128, 2 stages): the twin
+#               102 -> 97 KB, 255 -> 172 registers, SASS 3469 -> 3000; bwd_local 60 -> 154
+#               registers; accuracy (g ≥ −5, (16, 128)) unchanged. Off, untimed: variants qdo,
+#               qdo3.
 #   rewy_bwd_local.tile_loop  bwd_local on the grid (N, B·H) with a loop over the value tiles
 #               instead of one program per tile: P = tril(Qγ K̄ᵀ) is built (no or scalar gates) or
 #               read (vector gates) once per chunk — at the anchor two tiles each rebuilt it, and
@@ -555,6 +559,12 @@ def _names_mode(key, mode):
         raise ValueError(f"{key}: unknown gate modes {sorted(unknown)}; expected "
                          "True, False or some of none, scalar, vector")
     return mode in modes
+
+
+def chunk_qdo(mode):
+    """Whether the backward forms each chunk's Qγᵀ dO in ``bwd_local`` for the reverse pass
+    (DEFAULTS "backward.chunk_qdo": True / False, or the gate modes it applies to)."""
+    return _names_mode("backward.chunk_qdo", mode)
 
 
 def fused_output(mode):
@@ -1430,18 +1440,20 @@ def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32, qdo_dtype=None)
     ``output``. Grid (N, B·H, V/BV), or with DEFAULTS "rewy_bwd_local.tile_loop" (N, B·H) and a
     loop over the value tiles, so that P is built (or read) once per chunk.
 
-    qdo_dtype (no or scalar gates, P rebuilt here; DEFAULTS "backward.chunk_qdo"): also each
-    chunk's state-free scale · Qγᵀ dO [B,H,N,K,V] in that dtype, for the reverse state pass to
-    read instead of q and dO (``bwd_pass``'s ``qdo``). Returns (Pᵀ dO, Qγᵀ dO) then."""
+    qdo_dtype (DEFAULTS "backward.chunk_qdo"): also each chunk's state-free scale · Qγᵀ dO
+    [B,H,N,K,V] in that dtype, for the reverse state pass to read instead of q and dO
+    (``bwd_pass``'s ``qdo``); with P given (vector gates) q and G are then read for it too.
+    Returns (Pᵀ dO, Qγᵀ dO) then."""
     C, prec, mode, BV, V = s.C, s.prec, s.mode, s.BV, s.V
     given_P = P is not None
     with_qdo = qdo_dtype is not None
-    if with_qdo and given_P:
-        raise ValueError("bwd_local: qdo_dtype needs q (P is not given: no or scalar gates)")
     tile_loop = bool(setting("rewy_bwd_local.tile_loop")) and V > BV
 
     def kernel(*refs):
-        if given_P:
+        if given_P and with_qdo:
+            P_ref, q_ref, G_ref, dO_ref, out_ref, *qdo_ref = refs
+            P, Gc = P_ref[...], G_ref[...]
+        elif given_P:
             P_ref, dO_ref, out_ref = refs
             P = P_ref[...]
         else:
@@ -1463,6 +1475,8 @@ def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32, qdo_dtype=None)
         grid, tile_axis = (s.N, s.B * s.H, V // BV), 2
     if given_P:
         ins, in_specs = [P, dO], [mat(C, C), tok_v]
+        if with_qdo:
+            ins[1:1], in_specs[1:1] = [q, G], [tok_k, gate]
     else:
         ins = [q, k] + ([] if mode == "none" else [G]) + [dO]
         in_specs = [tok_k] * 2 + ([] if mode == "none" else [gate]) + [tok_v]
