@@ -284,12 +284,9 @@ def _bwd(cfg, res, cts):
         A, W, S0, R, P = saved
     # each chunk's Qγᵀ dO formed beside Pᵀ dO, so that the reverse pass reads it instead of q
     # and dO (DEFAULTS "backward.chunk_qdo": True, or the gate modes it applies to)
-    qdo = None
-    if kn.chunk_qdo(s.mode):
-        dRl, qdo = kn.bwd_local(s, q, k, G, P, dO, interpret=it, dtype=sd["dRl"],
-                                qdo_dtype=sd["dS"])
-    else:
-        dRl = kn.bwd_local(s, q, k, G, P, dO, interpret=it, dtype=sd["dRl"])
+    qdo_dtype = sd["dS"] if kn.chunk_qdo(s.mode) else None
+    local = kn.bwd_local(s, q, k, G, P, dO, interpret=it, dtype=sd["dRl"], qdo_dtype=qdo_dtype)
+    dRl, qdo = local if qdo_dtype is not None else (local, None)
     bwd_args = (q, k, G, W, dO, dRl, dfin.astype(F32), reset, end, seq)
     if twin:  # the recomputed forward pass and the reverse pass in one launch
         S0, R, _, dSe, dR, dh0 = kn.twin_pass(s, fwd_args, bwd_args, interpret=it,

@@ -1091,15 +1091,18 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None, e_rows=None):
     return tuple(out) if with_T else out[0]
 
 
-def _gate_call(kernel, xs, C, name, *, interpret):
-    """A gate kernel on [B,Tp,H,K] fp32 tensors ``xs``, one [C, ≤64] block of each per program
-    (grid (N, B·H, key tiles)), returning one tensor of their shape."""
+def _gate_call(kernel, xs, C, name, *, interpret, out_dtypes=None):
+    """A gate kernel on [B,Tp,H,K] tensors ``xs``, one [C, ≤64] block of each per program
+    (grid (N, B·H, key tiles)), returning one fp32 tensor of their shape — or, with
+    ``out_dtypes``, a tuple of one such tensor per dtype."""
     B, Tp, H, K = xs[0].shape
     BK = min(K, 64)
     spec = pl.BlockSpec((None, C, None, BK), lambda n, bh, t: (bh // H, n, bh % H, t))
-    return _call(kernel, grid=(Tp // C, B * H, K // BK), in_specs=[spec] * len(xs),
-                 out_specs=spec, out_shape=jax.ShapeDtypeStruct(xs[0].shape, F32),
-                 interpret=interpret, num_warps=WARPS["gates"], name=name)(*xs)
+    shapes = [jax.ShapeDtypeStruct(xs[0].shape, d) for d in (out_dtypes or [F32])]
+    out = _call(kernel, grid=(Tp // C, B * H, K // BK), in_specs=[spec] * len(xs),
+                out_specs=[spec] * len(shapes), out_shape=shapes, interpret=interpret,
+                num_warps=WARPS["gates"], name=name)(*xs)
+    return tuple(out) if out_dtypes else out[0]
 
 
 def cum_gates(g, C, *, interpret):
@@ -1127,15 +1130,8 @@ def decayed_rows(k, q, G, C, *, interpret, kbar_dtype=None):
             kbar_ref.dtype)
         qg_ref[...] = (exp(Gc) * q_ref[...].astype(F32)).astype(qg_ref.dtype)
 
-    B, Tp, H, K = k.shape
-    BK = min(K, 64)
-    spec = pl.BlockSpec((None, C, None, BK), lambda n, bh, t: (bh // H, n, bh % H, t))
-    return tuple(_call(kernel, grid=(Tp // C, B * H, K // BK), in_specs=[spec] * 3,
-                       out_specs=[spec] * 2,
-                       out_shape=[jax.ShapeDtypeStruct(k.shape, kbar_dtype or k.dtype),
-                                  jax.ShapeDtypeStruct(q.shape, q.dtype)],
-                       interpret=interpret, num_warps=WARPS["gates"],
-                       name="rewy_decayed_rows")(k, q, G))
+    return _gate_call(kernel, [k, q, G], C, "rewy_decayed_rows", interpret=interpret,
+                      out_dtypes=[kbar_dtype or k.dtype, q.dtype])
 
 
 def _triangle_sum(tri, x):
