@@ -735,6 +735,36 @@ def test_interpret_fwd_predecayed(op, decay, kw, setting, small_tiles, monkeypat
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw,qdo", [("kda", "strong", {"n_seqs": 2}, False),
+                                             ("kda", "normal", {"policy": "save"}, False),
+                                             ("gdn2", "strong", {"gate_lower_bound": -5.0}, True)])
+def test_interpret_bwd_predecayed(op, decay, kw, qdo, small_tiles, monkeypatch):
+    """DEFAULTS "backward.predecayed" (vector gates; off until timed): the backward's state
+    passes read K̄ and Qγ from kernels.decayed_rows instead of forming them from k, q and G in
+    each value-tile program — in the dtype each pass would round them to, so the outputs and
+    every gradient are bit for bit the default's (twin and lone reverse pass, with and without
+    chunk_qdo, packed sequences, strong decays)."""
+    from pallas_kernels.gpu import kernels
+
+    inp, cts, kw = _bf16_case(op, decay, 53, kw)
+    monkeypatch.setitem(kernels.TUNE, "backward.chunk_qdo", qdo)
+    jax.clear_caches()
+    base = testing.loss_and_grads(op, inp, cts, **kw)
+    launched = []
+    call = kernels._call
+
+    def recorded(kernel, **launch):
+        launched.append(launch["name"])
+        return call(kernel, **launch)
+
+    monkeypatch.setattr(kernels, "_call", recorded)
+    monkeypatch.setitem(kernels.TUNE, "backward.predecayed", True)
+    jax.clear_caches()
+    _same_runs(testing.loss_and_grads(op, inp, cts, **kw), base)
+    assert "rewy_decayed_rows" in launched
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,qdo", [("deltanet", "none", False), ("gdn", "strong", True),
                                           ("kda", "normal", False)])
 def test_interpret_bwd_local_tile_loop(op, decay, qdo, small_tiles, monkeypatch):
@@ -1452,6 +1482,8 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("gdn", 64, 128, jnp.bfloat16, {"_tune": "qdo", "policy": "save"}, True),
     ("kda", 128, 128, jnp.bfloat16, {"_tune": "predecayed", "gate_lower_bound": -5.0}, False),
     ("gdn2", 64, 64, jnp.bfloat16, {"_tune": "qdotl"}, True),
+    ("kda", 128, 64, jnp.bfloat16, {"_tune": "bwdpd"}, False),
+    ("kda", 64, 64, jnp.bfloat16, {"_tune": "bwdpd", "policy": "save"}, True),
     ("kda", 128, 64, jnp.bfloat16, {"_tune": "unfused16"}, False),
 ]
 # "_tune": kernel settings of profile_kernels.VARIANTS (off by default, untimed) that change

@@ -194,13 +194,13 @@ def _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=True, rows=Non
     # K = 256: the pass holds one pipeline stage there (kernels._pass_stages) and the fused form
     # measured slower (run h200-7: DeltaNet (8,2048,32,256) forward 12.2 -> 13.9 ms).
     if not keep_states and kn.fused_output(s.mode) and s.K <= 128:
-        out = (q, P, q.dtype)
-        predecayed = kn.setting("fwd_pass.predecayed")
-        if s.mode == "vector" and predecayed:  # K̄, Qγ formed once (K̄ in fp32: "kbar32")
-            out += (kn.decayed_rows(k, q, G, s.C, interpret=cfg.interpret,
-                                    kbar_dtype=F32 if predecayed == "kbar32" else None),)
-        o, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret,
-                               out=out, forward=True,
+        predecayed = s.mode == "vector" and kn.setting("fwd_pass.predecayed")
+        kp, qp = k, q
+        if predecayed:  # K̄, Qγ formed once (K̄ in fp32: "kbar32")
+            kp, qp = kn.decayed_rows(k, q, G, s.C, interpret=cfg.interpret, kbar_dtype=F32 if
+                                     kn.setting("fwd_pass.predecayed") == "kbar32" else None)
+        o, final = kn.fwd_pass(s, W, U, kp, G, h0, reset, end, seq, interpret=cfg.interpret,
+                               out=(qp, P, q.dtype), forward=True, decayed=bool(predecayed),
                                dtypes=_fused_pass_dtypes(q.dtype, s.mode))
         return o, final, (A, None, None, None, P)
     S0, R, final = kn.fwd_pass(s, W, U, k, G, h0, reset, end, seq, interpret=cfg.interpret,
@@ -270,6 +270,16 @@ def _bwd(cfg, res, cts):
     recompute = cfg.policy == "recompute"
     # both state passes in one launch (K ≤ 128: at K = 256 the twin spills, kernels.py notes)
     twin = recompute and kn.setting("backward.twin_pass") and s.K <= 128
+    # the state passes read K̄ = e^{G_C − G} ⊙ k and Qγ = e^{G} ⊙ q (vector gates, DEFAULTS
+    # "backward.predecayed"), formed once: K̄ in the inputs' 16 bits where every pass multiplies
+    # natively in bf16 (the passes would round their own K̄ so), else fp32; Qγ in fp32
+    decayed = s.mode == "vector" and bool(kn.setting("backward.predecayed"))
+    qdo_dtype = sd["dS"] if kn.chunk_qdo(s.mode) else None  # then the passes read no Qγ
+    kp, qp = k, q
+    if decayed:
+        native = all(kn._native_pass_dots((sd[a], sd[b])) for a, b in (("S0", "R"), ("dS", "dR")))
+        kp, qp = kn.decayed_rows(k, None if qdo_dtype is not None else q, G, s.C, interpret=it,
+                                 qg_dtype=F32, kbar_dtype=None if native else F32)
     if recompute:  # W, U (and A, P unless kept) and one forward state pass
         if saved is None:
             A, W, U, P = _intra(s, q, k, we, wz, G, it, dtypes=(sd["W"], sd["U"]),
@@ -277,24 +287,25 @@ def _bwd(cfg, res, cts):
         else:
             A, P = saved
             W, U = _wu(s, k, we, wz, G, A, it, (sd["W"], sd["U"]), rows=wu_rows)
-        fwd_args = (W, U, k, G, h0, reset, end, seq)
+        fwd_args = (W, U, kp, G, h0, reset, end, seq)
         if not twin:
-            S0, R, _ = kn.fwd_pass(s, *fwd_args, interpret=it, dtypes=(sd["S0"], sd["R"]))
+            S0, R, _ = kn.fwd_pass(s, *fwd_args, interpret=it, dtypes=(sd["S0"], sd["R"]),
+                                   decayed=decayed)
     else:
         A, W, S0, R, P = saved
     # each chunk's Qγᵀ dO formed beside Pᵀ dO, so that the reverse pass reads it instead of q
     # and dO (DEFAULTS "backward.chunk_qdo": True, or the gate modes it applies to)
-    qdo_dtype = sd["dS"] if kn.chunk_qdo(s.mode) else None
     local = kn.bwd_local(s, q, k, G, P, dO, interpret=it, dtype=sd["dRl"], qdo_dtype=qdo_dtype)
     dRl, qdo = local if qdo_dtype is not None else (local, None)
-    bwd_args = (q, k, G, W, dO, dRl, dfin.astype(F32), reset, end, seq)
+    bwd_args = (qp, kp, G, W, dO, dRl, dfin.astype(F32), reset, end, seq)
     if twin:  # the recomputed forward pass and the reverse pass in one launch
         S0, R, _, dSe, dR, dh0 = kn.twin_pass(s, fwd_args, bwd_args, interpret=it,
                                               fwd_dtypes=(sd["S0"], sd["R"]),
-                                              bwd_dtypes=(sd["dS"], sd["dR"]), qdo=qdo)
+                                              bwd_dtypes=(sd["dS"], sd["dR"]), qdo=qdo,
+                                              decayed=decayed)
     else:
         dSe, dR, dh0 = kn.bwd_pass(s, *bwd_args, interpret=it, dtypes=(sd["dS"], sd["dR"]),
-                                   qdo=qdo)
+                                   qdo=qdo, decayed=decayed)
     # β's leaf maps Ē = βe ⊙ k, Z = βz ⊙ v differentiated in the kernels, or (DEFAULTS
     # "backward.leaf_maps_in_kernel" off, measured faster) by the kernels' e, z path and XLA
     leaf_in_kernel = rows is not None and kn.setting("backward.leaf_maps_in_kernel")

@@ -503,6 +503,15 @@ WARPS = {"intra": 2, "intra:scalar": 4, "wu": 2, "wu:scalar": 4, "wu:vector": 4,
 #               rounded): o 1.72e-3 -> 1.86e-3 (True) / 1.79e-3 ("kbar32"), final state
 #               0.36e-3 -> 1.65e-3 / 0.36e-3 of 5e-3; gradients unchanged (the backward
 #               recomputes). Off, untimed: variants predecayed, pd32.
+#   backward.predecayed  vector gates: the backward's state passes read K̄ and Qγ from
+#               ``decayed_rows`` (formed once per token) instead of forming them from k, q and G
+#               in each value-tile program — in the dtype each pass would round them to (K̄ in
+#               bf16 where both passes multiply natively, else fp32; Qγ in fp32), so the results
+#               are bit for bit the default's. ptxas (KDA twin, K = 128, 4 warps, 2 stages):
+#               102 KB, 255 registers, 3469 SASS -> 148 KB, 160, 1958 alone (the fp32 Qγ tile
+#               costs shared memory: one program per SM) and 80 KB, 144, 1477 with chunk_qdo
+#               (no Qγ read: two programs per SM, DeltaNet's twin's figures). Off, untimed:
+#               variants bwdpd, bwdpdq, allpd.
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
@@ -528,7 +537,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "forward.low_precision_modes": {}, "rewy_qk_gram.centred": True,
             "backward.row_scaled_wu": True, "backward.leaf_maps_in_kernel": False,
             "backward.row_vjp_kernel": False, "backward.chunk_qdo": False,
-            "rewy_bwd_local.tile_loop": False, "fwd_pass.predecayed": False}
+            "rewy_bwd_local.tile_loop": False, "fwd_pass.predecayed": False,
+            "backward.predecayed": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -1117,21 +1127,28 @@ def cum_gates(g, C, *, interpret):
     return _gate_call(kernel, [g], C, "rewy_cum_gates", interpret=interpret)
 
 
-def decayed_rows(k, q, G, C, *, interpret, kbar_dtype=None):
+def decayed_rows(k, q, G, C, *, interpret, kbar_dtype=None, qg_dtype=None):
     """Vector gates: (K̄, Qγ) [B,Tp,H,K] in k's / q's dtype — K̄ = e^{G_C − G} ⊙ k (each row's
     decay to its chunk's end) and Qγ = e^{G} ⊙ q (from the chunk's start), every exponent
     ≤ 0 — for the forward's fused pass to read instead of k, q and G's rows (DEFAULTS
     "fwd_pass.predecayed"): the pass then forms no per-element exponentials in any of its
     value-tile programs and stages two 16-bit tiles instead of two 16-bit and one fp32.
-    kbar_dtype: K̄'s dtype if not k's (fp32: the state's updates K̄ᵀ R unrounded)."""
-    def kernel(k_ref, q_ref, G_ref, kbar_ref, qg_ref):
+    kbar_dtype, qg_dtype: K̄'s, Qγ's dtype if not k's, q's (fp32: unrounded). q None: K̄ alone,
+    (K̄, None)."""
+    def kernel(*refs):
+        k_ref, q_ref, G_ref, kbar_ref, qg_ref = refs if q is not None else (
+            refs[0], None, refs[1], refs[2], None)
         Gc = G_ref[...]
         kbar_ref[...] = (exp(load_rows(G_ref, C - 1, 1) - Gc) * k_ref[...].astype(F32)).astype(
             kbar_ref.dtype)
-        qg_ref[...] = (exp(Gc) * q_ref[...].astype(F32)).astype(qg_ref.dtype)
+        if q_ref is not None:
+            qg_ref[...] = (exp(Gc) * q_ref[...].astype(F32)).astype(qg_ref.dtype)
 
+    if q is None:
+        return _gate_call(kernel, [k, G], C, "rewy_decayed_rows", interpret=interpret,
+                          out_dtypes=[kbar_dtype or k.dtype])[0], None
     return _gate_call(kernel, [k, q, G], C, "rewy_decayed_rows", interpret=interpret,
-                      out_dtypes=[kbar_dtype or k.dtype, q.dtype])
+                      out_dtypes=[kbar_dtype or k.dtype, qg_dtype or q.dtype])
 
 
 def _triangle_sum(tri, x):
@@ -1243,7 +1260,7 @@ def _pass_dot(a, b, prec, dtype, ta=False):
 
 
 def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F32, F32),
-             out=None, forward=False):
+             out=None, forward=False, decayed=False):
     """S0 [B,H,N,K,V], R [B,Tp,H,V] (stored in ``dtypes``; the pass itself carries S in fp32),
     final [B,H,n_seq1,K,V] (fp32). ``forward``: the forward's pass (not the backward's
     recomputing one), for ``_native_pass_dots``.
@@ -1252,13 +1269,14 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
     and value tile while S0 and R are in registers — returning (o [B,Tp,H,V], final) and
     storing no S0 or R (the ``recompute`` forward, DEFAULTS "fwd_pass.fused_output"). P: the
     [B,H,N,C,C] matrix of ``qk_gram`` (vector gates) or ``intra`` (``intra_forms_P``), or None
-    (rebuilt per chunk and value tile, as in ``output``). out = (q, P, out_dtype, (K̄, Qγ)):
-    vector gates' rows pre-decayed by ``decayed_rows``, read in place of k and q (G's last row
-    per chunk still gives the state's decay).
+    (rebuilt per chunk and value tile, as in ``output``).
+
+    decayed (vector gates): k is K̄ = e^{G_C − G} ⊙ k and out's q is Qγ = e^{G} ⊙ q, from
+    ``decayed_rows``; of G only each chunk's last row is read (the state's decay).
     """
     native = _native_pass_dots(dtypes, forward)
     kernel, ins, in_specs, outputs = _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq,
-                                                     dtypes, out, native)
+                                                     dtypes, out, native, decayed)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=s.warps("fwd_pass"), name="rewy_fwd_pass",
                  num_stages=_pass_stages(
@@ -1268,16 +1286,13 @@ def fwd_pass(s: Shape, W, U, k, G, h0, reset, end, seq, *, interpret, dtypes=(F3
                  tile_axis=1)(*ins)
 
 
-def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native):
+def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native, decayed=False):
     """``fwd_pass``'s (kernel, inputs, in_specs, outputs) on the grid (B·H, V/BVs)."""
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
     one_seq = s.one_seq and setting("state_pass.one_seq_init")
     end_after = one_seq and setting("state_pass.end_after_loop")
     fused = out is not None
     given_P = fused and out[1] is not None
-    predecayed = fused and len(out) > 3  # (K̄, Qγ) given: k and q are read as K̄, Qγ
-    if predecayed:
-        k, out = out[3][0], (out[3][1],) + tuple(out[1:3])
     # the recurrence's two products in the stored dtypes of S0 and R, or on fp32 values
     S_dt, R_dt = dtypes if native else (None, None)
     # K̄ᵀ R as kᵀ (d ⊙ R) in two native bf16 products (DEFAULTS "fwd_pass.split_kr"): no or
@@ -1317,7 +1332,7 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native):
             else:  # W as stored when native
                 R = Uc - _pass_dot(load_rows(W_ref, base, C, None if S_dt else F32), S, prec,
                                    S_dt)
-            if predecayed:  # the rows carry their decays: only the state's, G's last row
+            if decayed:  # the rows carry their decays: only the state's, G's last row
                 Gc, gl = None, load_rows(G_ref, base + C - 1, 1)
             else:
                 Gc, gl = _chunk_decay(mode, G_ref, base, C)
@@ -1326,8 +1341,7 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native):
                     P = P_ref[c]
                 else:
                     _, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec, base)
-                o = _chunk_output(s, Gc, load_rows(q_ref, base, C), S, P, R,
-                                  decayed=predecayed)
+                o = _chunk_output(s, Gc, load_rows(q_ref, base, C), S, P, R, decayed=decayed)
                 o_ref[pl.ds(base, C), :] = o.astype(o_ref.dtype)
             else:
                 R_ref[pl.ds(base, C), :] = R.astype(R_ref.dtype)
@@ -1336,7 +1350,7 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native):
                 S_new = dot_split(load_rows(k_ref, base, C, None), Rd, prec, ta=True)
             else:
                 kc = load_rows(k_ref, base, C)
-                Kt = kc if predecayed else _kt(mode, Gc, gl, kc)
+                Kt = kc if decayed else _kt(mode, Gc, gl, kc)
                 S_new = _pass_dot(Kt, R, prec, R_dt, ta=True)
             S_new = S_new + (S if mode == "none" else _col(exp(gl)) * S)
             if not end_after:
@@ -1355,7 +1369,7 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native):
     in_specs = [s.col_tok(K, False), s.col_tok(s.V, True), s.col_tok(K, False)] + (
         [] if mode == "none" else [s.col_gate()]) + [s.col_states(s.n_seq1)] + [s.col_meta()] * 3
     if fused:
-        q, P, out_dtype = out[:3]
+        q, P, out_dtype = out
         ins.append(q)
         in_specs.append(s.col_tok(K, False))
         if given_P:
@@ -1485,33 +1499,35 @@ def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32, qdo_dtype=None)
                  tile_axis=tile_axis)(*ins)
 
 
-def _chunk_q_dO(s, Gc, q, dO):
+def _chunk_q_dO(s, Gc, q, dO, decayed=False):
     """scale · Qγᵀ dO [K, BV] of one chunk from its rows q [C, K] and dO [C, BV] as stored
     (the reverse state pass's state-free term; ``bwd_pass`` or, ahead of it, ``bwd_local``).
     No gates: the product of q and dO as stored (exact products, native rate); scalar gates:
-    Qγ in fp32."""
+    Qγ in fp32 (``decayed``: q is Qγ already)."""
     if s.mode != "none":
-        q, dO = _qg(s.mode, Gc, q.astype(F32)), dO.astype(F32)
+        q, dO = q.astype(F32) if decayed else _qg(s.mode, Gc, q.astype(F32)), dO.astype(F32)
     return s.scaled(dot_stored(q, dO, s.prec, ta=True))
 
 
 def bwd_pass(s: Shape, q, k, G, W, dO, dRl, dfin, reset, end, seq, *, interpret,
-             dtypes=(F32, F32), qdo=None):
+             dtypes=(F32, F32), qdo=None, decayed=False):
     """dS_end [B,H,N,K,V], dR [B,Tp,H,V] (stored in ``dtypes``; the pass carries dS in fp32),
     dh0 [B,H,n_seq1,K,V] (fp32).
 
     qdo: None, or each chunk's scale · Qγᵀ dO [B,H,N,K,V] from ``bwd_local``: the pass then
     reads it instead of q and dO. (Not written over by dS_end, though the shapes match: a
     program's threads read and write a tile in different layouts, and nothing in the Triton
-    lowering orders one thread's read before another's write of the same chunk.)"""
+    lowering orders one thread's read before another's write of the same chunk.)
+    decayed: q, k are Qγ, K̄ (as ``fwd_pass``'s)."""
     kernel, ins, in_specs, outputs = _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end,
-                                                     seq, dtypes, qdo)
+                                                     seq, dtypes, qdo, decayed)
     return _call(kernel, grid=(s.B * s.H, s.V // s.BVs), in_specs=in_specs, **outputs,
                  interpret=interpret, num_warps=s.warps("bwd_pass"), name="rewy_bwd_pass",
                  num_stages=_pass_stages(s, "bwd"), tile_axis=1)(*ins)
 
 
-def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes, qdo=None):
+def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes, qdo=None,
+                    decayed=False):
     """``bwd_pass``'s (kernel, inputs, in_specs, outputs) on the grid (B·H, V/BVs)."""
     C, N, K, BV, prec, mode = s.C, s.N, s.K, s.BVs, s.prec, s.mode
     one_seq = s.one_seq and setting("state_pass.one_seq_init")
@@ -1535,12 +1551,16 @@ def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes, qdo=N
                 dS = dS + jnp.where(end_ref[c] != 0, dfin_ref[sq], 0.0)
             dSe_ref[c] = dS.astype(dSe_ref.dtype)
             base = c * C
-            Gc, gl = _chunk_decay(mode, G_ref, base, C)
-            Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
+            if decayed:  # the rows carry their decays: only the state's, G's last row
+                Gc, gl = None, load_rows(G_ref, base + C - 1, 1)
+                Kt = load_rows(k_ref, base, C)
+            else:
+                Gc, gl = _chunk_decay(mode, G_ref, base, C)
+                Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
             dR = load_rows(dRl_ref, base, C) + _pass_dot(Kt, dS, prec, dS_dt)
             dR_ref[pl.ds(base, C), :] = dR.astype(dR_ref.dtype)
             qdo_c = (_chunk_q_dO(s, Gc, load_rows(q_ref, base, C, None),
-                                 load_rows(dO_ref, base, C, None)) if qdo_ref is None
+                                 load_rows(dO_ref, base, C, None), decayed) if qdo_ref is None
                      else qdo_ref[c].astype(F32))
             dS0 = qdo_c - _pass_dot(  # W as stored
                 load_rows(W_ref, base, C, None if dR_dt else F32), dR, prec, dR_dt, ta=True)
@@ -1571,7 +1591,8 @@ def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes, qdo=N
     return kernel, ins, in_specs, outputs
 
 
-def twin_pass(s: Shape, fwd_args, bwd_args, *, interpret, fwd_dtypes, bwd_dtypes, qdo=None):
+def twin_pass(s: Shape, fwd_args, bwd_args, *, interpret, fwd_dtypes, bwd_dtypes, qdo=None,
+              decayed=False):
     """The backward's two state passes in one launch (DEFAULTS "backward.twin_pass"):
     ``fwd_pass(s, *fwd_args, dtypes=fwd_dtypes)`` (the recomputed S0, R) and ``bwd_pass(s,
     *bwd_args, dtypes=bwd_dtypes)`` (dS_end, dR) are independent — bwd_pass reads W, not S0 or
@@ -1579,11 +1600,11 @@ def twin_pass(s: Shape, fwd_args, bwd_args, *, interpret, fwd_dtypes, bwd_dtypes
     scheduler (profile-11, ncu). Launched apart they run one after the other; here a third grid
     axis picks the pass, so both share the SMs (two programs per SM where registers and shared
     memory allow). Returns (S0, R, final) + (dS_end, dR, dh0), as the two calls would.
-    qdo: as ``bwd_pass``'s.
+    qdo, decayed: as ``bwd_pass``'s.
     """
     kf, ins_f, specs_f, out_f = _fwd_pass_parts(s, *fwd_args, fwd_dtypes, None,
-                                                 _native_pass_dots(fwd_dtypes))
-    kb, ins_b, specs_b, out_b = _bwd_pass_parts(s, *bwd_args, bwd_dtypes, qdo)
+                                                 _native_pass_dots(fwd_dtypes), decayed)
+    kb, ins_b, specs_b, out_b = _bwd_pass_parts(s, *bwd_args, bwd_dtypes, qdo, decayed)
     n_f, n_b, n_fo = len(ins_f), len(ins_b), len(out_f["out_shape"])
 
     def kernel(*refs):

@@ -317,6 +317,12 @@ VARIANTS = {
     # accurate as before) 208 KB, no spills, 1538 SASS at 2 stages (312 KB at 3: too many)
     "predecayed": ({"fwd_pass.predecayed": True}, 64, None, None),
     "pd32": ({"fwd_pass.predecayed": "kbar32", "rewy_fwd_pass.stages": 2}, 64, None, None),
+    # the backward's state passes reading K̄, Qγ from decayed_rows (backward.predecayed:
+    # bit-identical), alone, with chunk_qdo, and with the forward's too
+    "bwdpd": ({"backward.predecayed": True}, 64, None, None),
+    "bwdpdq": ({"backward.predecayed": True, "backward.chunk_qdo": True}, 64, None, None),
+    "allpd": ({"backward.predecayed": True, "backward.chunk_qdo": True,
+               "fwd_pass.predecayed": True}, 64, None, None),
     "qdotl": ({"backward.chunk_qdo": True, "rewy_bwd_local.tile_loop": True}, 64, None, None),
     # the small kernels' warps before the twentieth session (intra and wu at 4)
     "w4i": ({"rewy_intra.warps": 4, "rewy_wu.warps": 4}, 64, None, None),
