@@ -444,22 +444,34 @@ def test_interpret_chunk_qdo(op, decay, kw, small_tiles, monkeypatch):
     ref = testing.accuracy_report(op, inp, **kw)
     o_ref = testing.run_op(op, inp, **kw)[0]
     monkeypatch.setitem(kernels.TUNE, "backward.chunk_qdo", True)
-    calls, call = {}, kernels._call
-
-    def recorded(kernel, **launch):
-        calls.setdefault(launch["name"], launch)
-        return call(kernel, **launch)
-
-    monkeypatch.setattr(kernels, "_call", recorded)
+    launches = _record_launches(monkeypatch)
     jax.clear_caches()
     rep = testing.accuracy_report(op, inp, **kw)
     _check(rep)
     np.testing.assert_array_equal(np.asarray(testing.run_op(op, inp, **kw)[0]), np.asarray(o_ref))
     assert any(rep[n][0] != ref[n][0] for n in rep if n.startswith("d"))  # it did take effect
+    calls = {}
+    for launch in launches:
+        calls.setdefault(launch["name"], launch)
     reverse = calls.get("rewy_twin_pass", calls.get("rewy_bwd_pass"))
     n_in = 8 if op == "deltanet" else 9  # [qdo, k, (G), W, dRl, dfin, reset, end, seq]
     assert len(reverse["in_specs"]) == n_in + ("rewy_twin_pass" in calls) * (n_in - 1)
     assert len(calls["rewy_bwd_local"]["out_shape"]) == 2
+
+
+def _record_launches(monkeypatch):
+    """Wrap kernels._call so that every launch's settings (name, grid, in_specs, out_shape, …)
+    are appended to the returned list, for tests that check which kernels an option runs."""
+    from pallas_kernels.gpu import kernels
+
+    launches, call = [], kernels._call
+
+    def recorded(kernel, **launch):
+        launches.append(launch)
+        return call(kernel, **launch)
+
+    monkeypatch.setattr(kernels, "_call", recorded)
+    return launches
 
 
 def _same_runs(a, b):
@@ -531,13 +543,10 @@ def test_interpret_row_vjp_kernel(op, dtype, monkeypatch):
     cts = {"o": jnp.asarray(rng.standard_normal((2, 40, 2, 16)), jnp.float32),
            "final_state": jnp.asarray(rng.standard_normal((2, 2, 32, 16)), jnp.float32)}
     kw = dict(backend="pallas_gpu", interpret=True, chunk_size=16, use_qk_l2norm=True)
-    launched = []
-    call = kernels._call
-    monkeypatch.setattr(kernels, "_call", lambda k, **kw_: launched.append(kw_["name"]) or
-                        call(k, **kw_))
+    launched = _record_launches(monkeypatch)
     jax.clear_caches()
     _, _, g1 = testing.loss_and_grads(op, inp, cts, **kw)
-    assert "rewy_row_vjp" in launched
+    assert any(launch["name"] == "rewy_row_vjp" for launch in launched)
     monkeypatch.setitem(kernels.TUNE, "backward.row_vjp_kernel", False)
     jax.clear_caches()
     _, _, g2 = testing.loss_and_grads(op, inp, cts, **kw)
@@ -716,18 +725,11 @@ def test_interpret_fwd_predecayed(op, decay, kw, setting, small_tiles, monkeypat
 
     inp, cts, kw = _bf16_case(op, decay, 47, kw)
     base = testing.loss_and_grads(op, inp, cts, **kw)
-    launched = []
-    call = kernels._call
-
-    def recorded(kernel, **launch):
-        launched.append(launch["name"])
-        return call(kernel, **launch)
-
-    monkeypatch.setattr(kernels, "_call", recorded)
+    launched = _record_launches(monkeypatch)
     monkeypatch.setitem(kernels.TUNE, "fwd_pass.predecayed", setting)
     jax.clear_caches()
     pre = testing.loss_and_grads(op, inp, cts, **kw)
-    assert "rewy_decayed_rows" in launched
+    assert any(launch["name"] == "rewy_decayed_rows" for launch in launched)
     _same_runs(pre[2], base[2])  # the gradients
     assert 0 < _rel(pre[0], base[0]) < 1e-2  # o: Qγ's rounding to 16 bits
     assert _rel(pre[1], base[1]) < 1e-2  # the final state: K̄'s (none for an fp32 K̄)
@@ -750,18 +752,11 @@ def test_interpret_bwd_predecayed(op, decay, kw, qdo, small_tiles, monkeypatch):
     monkeypatch.setitem(kernels.TUNE, "backward.chunk_qdo", qdo)
     jax.clear_caches()
     base = testing.loss_and_grads(op, inp, cts, **kw)
-    launched = []
-    call = kernels._call
-
-    def recorded(kernel, **launch):
-        launched.append(launch["name"])
-        return call(kernel, **launch)
-
-    monkeypatch.setattr(kernels, "_call", recorded)
+    launched = _record_launches(monkeypatch)
     monkeypatch.setitem(kernels.TUNE, "backward.predecayed", True)
     jax.clear_caches()
     _same_runs(testing.loss_and_grads(op, inp, cts, **kw), base)
-    assert "rewy_decayed_rows" in launched
+    assert any(launch["name"] == "rewy_decayed_rows" for launch in launched)
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
@@ -779,18 +774,11 @@ def test_interpret_bwd_local_tile_loop(op, decay, qdo, small_tiles, monkeypatch)
     monkeypatch.setitem(kernels.TUNE, "backward.chunk_qdo", qdo)
     jax.clear_caches()
     tiled = testing.loss_and_grads(op, inp, cts, **kw)
-    grids = []
-    call = kernels._call
-
-    def recorded(kernel, **launch):
-        if launch["name"] == "rewy_bwd_local":
-            grids.append(launch["grid"])
-        return call(kernel, **launch)
-
-    monkeypatch.setattr(kernels, "_call", recorded)
+    launches = _record_launches(monkeypatch)
     monkeypatch.setitem(kernels.TUNE, "rewy_bwd_local.tile_loop", True)
     jax.clear_caches()
     _same_runs(testing.loss_and_grads(op, inp, cts, **kw), tiled)
+    grids = [launch["grid"] for launch in launches if launch["name"] == "rewy_bwd_local"]
     assert grids and all(len(g) == 2 for g in grids)
 
 
