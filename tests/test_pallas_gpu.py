@@ -1728,7 +1728,7 @@ def test_leaf_tile_choice():
 
 
 @pytest.mark.skipif(_ON_GPU, reason="CPU smoke test of the tracing script")
-def test_trace_script_sums_stream_kernels(tmp_path):
+def test_trace_script_sums_stream_kernels(tmp_path, monkeypatch):
     """pallas_kernels/gpu/trace_op.py (the device-session tool): on a GPU-like trace it sums
     the stream threads only (the XLA-op spans repeat the same time); it runs end to end on
     CPU in interpret mode."""
@@ -1766,4 +1766,30 @@ def test_trace_script_sums_stream_kernels(tmp_path):
     saved = dict(kernels.TUNE)
     from pallas_kernels.gpu.profile_kernels import with_variant
     assert with_variant("wut", lambda: kernels.setting("rewy_wu.col_tile")) == 64
+    assert kernels.TUNE == saved
+    # one process for a device call's plan: per-op variant lists, all lowered, then compiled in
+    # threads, then traced; each variant's settings reach its own lowering (unfused: one more
+    # forward kernel), a failing variant is reported and the rest still run
+    assert trace_op.parse_plan("gdn,kda", "a,b") == [("gdn", ["a", "b"]), ("kda", ["a", "b"])]
+    assert trace_op.parse_plan("x", "deltanet:a,b kda:c") == [("deltanet", ["a", "b"]),
+                                                                ("kda", ["c"])]
+    with pytest.raises(ValueError, match="OP:VARIANT"):
+        trace_op.parse_plan("x", "deltanet: kda:c")
+    launches, logs, kernels_of = _record_launches(monkeypatch), [], []
+    real_lower = trace_op.lower_op
+
+    def lower(*a):
+        n = len(launches)
+        out = real_lower(*a)
+        kernels_of.append({x["name"] for x in launches[n:]})
+        return out
+
+    monkeypatch.setattr(trace_op, "lower_op", lower)
+    res = trace_op.trace_variants([("deltanet", ["base", "nonesuch", "unfused"])],
+                                  (1, 64, 1, 16), iters=1, out_dir=str(tmp_path),
+                                  interpret=True, wall_iters=1, workers=2, log=logs.append)
+    assert set(res["deltanet"]) == {"base", "unfused"} and res["deltanet"]["unfused"]["WALL"] > 0
+    assert any("nonesuch ERROR lowering KeyError" in m for m in logs), logs
+    assert any(m.startswith("lowered 2 variants") for m in logs), logs
+    assert kernels_of[1] - kernels_of[0] == {"rewy_output"}, kernels_of
     assert kernels.TUNE == saved

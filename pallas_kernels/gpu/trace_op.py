@@ -2,9 +2,9 @@
 
     PYTHONPATH=$PWD python3 pallas_kernels/gpu/trace_op.py [--ops deltanet,gdn,kda,gdn2]
         [--shape 2x4096x16x128] [--gate-lower-bound -5] [--iters 5] [--out-dir DIR]
-        [--variants base,wut,w2]
+        [--variants base,wut,w2 | --variants "deltanet:base,qdo kda:centred,allpd"]
 
-For each op: ``jax.grad`` of Σ o·dO through the public op (``backend="pallas_gpu"``, bf16 inputs,
+For each op: ``jax.value_and_grad`` of Σ o·dO through the public op (``backend="pallas_gpu"``, bf16 inputs,
 as the benchmark calls it), warmed up, then ``--iters`` calls under ``jax.profiler.trace``. The
 Perfetto trace is summed per device event name (our kernels are named ``rewy_*``; the rest is
 XLA glue: the e = b⊙k products, gate cumsums, padding, dβ/dg reductions) and printed as ms per
@@ -17,6 +17,8 @@ is the way to compare variants of the small kernels: ``profile_kernels.py`` time
 a host loop of jitted calls, whose dispatch sets a floor near 0.1 ms at the anchor (profile-11:
 wu 0.101 ms there against 0.065 by ncu, bwd_dlam 0.114 against 0.061), so variants of a
 60-µs kernel read the same there. Variants named like ``centred`` declare g ≥ −5 for KDA/GDN2.
+All variants of all ops are lowered first, compiled together on every CPU core, then traced one
+at a time (``trace_variants``): one process for a whole device call's plan.
 Kernel-work tooling, not the peer benchmark (benchmarks/).
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import glob
 import gzip
 import json
@@ -67,10 +70,9 @@ def device_times(trace_path: str, iters: int) -> tuple[dict, str]:
     return dict(totals), ", ".join(where)
 
 
-def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=False,
-             keep_trace=False, tag_suffix="", wall_iters=0):
-    """Trace ``iters`` fwd+bwd calls of ``op``; returns (table text, {name: ms per call}), with
-    "WALL" the wall ms per call of ``wall_iters`` more calls when that is > 0."""
+def lower_op(op, shape, gate_lower_bound=None, interpret=False):
+    """(the op's jitted fwd+bwd lowered for bf16 inputs of ``shape``, those inputs). The kernel
+    settings (kernels.TUNE) are read here, while tracing: lower under ``with_variant``."""
     B, T, H, D = shape
     inp = testing.make_inputs(op, B, T, H, D, D, dtype=jnp.bfloat16, initial_state=False)
     dO = jax.random.normal(jax.random.PRNGKey(7), inp["v"].shape, F32).astype(jnp.bfloat16)
@@ -82,7 +84,14 @@ def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=F
         o, _ = testing.run_op(op, diff, **kw)
         return jnp.sum(o.astype(F32) * dO.astype(F32))
 
-    f = jax.jit(jax.value_and_grad(loss))  # grad alone would drop the output kernel as dead code
+    # value_and_grad: grad alone would drop the output kernel as dead code
+    return jax.jit(jax.value_and_grad(loss)).lower(inp), inp
+
+
+def trace_compiled(f, inp, tag, shape, iters=5, out_dir=".", keep_trace=False, wall_iters=0):
+    """Trace ``iters`` calls of the compiled fwd+bwd ``f(inp)``; returns (table text,
+    {name: ms per call}), with "WALL" the wall ms per call of ``wall_iters`` more calls when
+    that is > 0."""
     jax.block_until_ready(f(inp))
     jax.block_until_ready(f(inp))
     tmp = tempfile.mkdtemp(prefix="rewy-trace-")
@@ -90,7 +99,6 @@ def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=F
         for _ in range(iters):
             jax.block_until_ready(f(inp))
     path = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-    tag = op + ("" if gate_lower_bound is None else f"-g{gate_lower_bound:g}") + tag_suffix
     if keep_trace:  # the device tool returns at most 8 files: raw traces only on request
         shutil.copy(path, os.path.join(out_dir, f"trace-{tag}.json.gz"))
     times, tracks = device_times(path, iters)
@@ -114,6 +122,67 @@ def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=F
     return text, times
 
 
+def _tag(op, gate_lower_bound, variant=None):
+    return (op + ("" if gate_lower_bound is None else f"-g{gate_lower_bound:g}")
+            + ("" if variant is None else f"-{variant}"))
+
+
+def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=False,
+             keep_trace=False, wall_iters=0):
+    """Lower, compile and trace one op under the current kernel settings (trace_compiled)."""
+    lowered, inp = lower_op(op, shape, gate_lower_bound, interpret)
+    return trace_compiled(lowered.compile(), inp, _tag(op, gate_lower_bound), shape, iters,
+                          out_dir, keep_trace, wall_iters)
+
+
+def trace_variants(plan, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=False,
+                   keep_trace=False, wall_iters=20, workers=None, log=print):
+    """{op: {variant: times}} for ``plan`` = [(op, [variant, ...]), ...].
+
+    Every (op, variant) is lowered first, one after another (the settings are module state read
+    while tracing), then all are compiled at once in a thread pool (XLA compiles each module's
+    Triton kernels then, and releases the GIL: on the GPU machine's 16 cores this was most of
+    the ~15 s a variant cost when each was compiled in turn), then traced one at a time, so no
+    two share the GPU. A variant that fails to lower, compile or run is reported and skipped.
+    """
+    from pallas_kernels.gpu.profile_kernels import BOUNDED_VARIANTS, with_variant
+
+    t0 = time.perf_counter()
+    lowered = {}  # (op, variant) -> (lowered, inputs, bound)
+    for op, variants in plan:
+        vector = op in ("kda", "gdn2")
+        for var in variants:
+            b = -5.0 if vector and var in BOUNDED_VARIANTS else (
+                gate_lower_bound if vector else None)
+            try:
+                lo, inp = with_variant(var, lambda op=op, b=b: lower_op(op, shape, b, interpret))
+            except Exception as ex:  # noqa: BLE001 — one failing variant must not hide the rest
+                log(f"{op} {var} ERROR lowering {type(ex).__name__}: {str(ex)[:300]}")
+                continue
+            lowered[op, var] = (lo, inp, b)
+    t1 = time.perf_counter()
+    workers = workers or max(1, min(len(lowered), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {key: pool.submit(lo.compile) for key, (lo, _, _) in lowered.items()}
+        concurrent.futures.wait(futures.values())
+    t2 = time.perf_counter()
+    log(f"lowered {len(lowered)} variants in {t1 - t0:.0f}s, compiled them in {t2 - t1:.0f}s "
+        f"({workers} threads)")
+    results = {op: {} for op, _ in plan}
+    for (op, var), (_, inp, b) in lowered.items():
+        t = time.perf_counter()
+        try:
+            _, times = trace_compiled(futures[op, var].result(), inp, _tag(op, b, var), shape,
+                                      iters, out_dir, keep_trace, wall_iters)
+        except Exception as ex:  # noqa: BLE001
+            log(f"{op} {var} ERROR {type(ex).__name__}: {str(ex)[:300]}")
+            continue
+        results[op][var] = times
+        log(f"{op} {var}: traced in {time.perf_counter() - t:.0f}s, wall "
+            f"{times.get('WALL', float('nan')):.4f} ms")
+    return results
+
+
 def compare_table(op, shape, results):
     """Device ms per kernel (rows) under each variant (columns), from {variant: times}."""
     names = sorted({k for t in results.values() for k in t if k.startswith("rewy_")})
@@ -134,6 +203,21 @@ def compare_table(op, shape, results):
     return "\n".join(lines)
 
 
+def parse_plan(ops, variants):
+    """[(op, [variant, ...]), ...] from ``--ops`` and ``--variants``: "a,b" gives every op the
+    same list; "deltanet:a,b kda:c,d" (space-separated groups) gives each op its own, and then
+    names the ops itself."""
+    if ":" not in variants:
+        return [(op, variants.split(",")) for op in ops.split(",")]
+    plan = []
+    for group in variants.split():
+        op, _, names = group.partition(":")
+        if not op or not names:
+            raise ValueError(f"--variants group {group!r}: expected OP:VARIANT[,VARIANT...]")
+        plan.append((op, names.split(",")))
+    return plan
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", default="deltanet,gdn,kda,gdn2")
@@ -144,36 +228,27 @@ def main():
     ap.add_argument("--out-dir", default=".")
     ap.add_argument("--keep-traces", action="store_true")
     ap.add_argument("--variants", default=None,
-                    help="profile_kernels.VARIANTS names: one trace each, compared in one table")
+                    help="profile_kernels.VARIANTS names, one trace each, compared in one table "
+                         "per op: 'a,b' for every op, or 'deltanet:a,b kda:c,d'")
     ap.add_argument("--wall-iters", type=int, default=20)
+    ap.add_argument("--compile-threads", type=int, default=None,
+                    help="threads compiling the variants at once (default: one per CPU core)")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     a = ap.parse_args()
     shape = tuple(int(x) for x in a.shape.split("x"))
     os.makedirs(a.out_dir, exist_ok=True)
-    from pallas_kernels.gpu.profile_kernels import BOUNDED_VARIANTS, with_variant
 
-    for op in a.ops.split(","):
-        vector = op in ("kda", "gdn2")
-        bound = a.gate_lower_bound if vector else None
-        if not a.variants:
+    if not a.variants:
+        for op in a.ops.split(","):
+            bound = a.gate_lower_bound if op in ("kda", "gdn2") else None
             text, _ = trace_op(op, shape, bound, a.iters, a.out_dir, a.interpret, a.keep_traces)
             print(text, flush=True)
-            continue
-        results = {}
-        for var in a.variants.split(","):
-            b = -5.0 if vector and var in BOUNDED_VARIANTS else bound
-            t0 = time.perf_counter()
-            try:
-                text, times = with_variant(var, lambda b=b, var=var: trace_op(
-                    op, shape, b, a.iters, a.out_dir, a.interpret, a.keep_traces,
-                    tag_suffix=f"-{var}", wall_iters=a.wall_iters))
-            except Exception as ex:  # noqa: BLE001 — one failing variant must not hide the rest
-                print(f"{op} {var} ERROR {type(ex).__name__}: {str(ex)[:300]}", flush=True)
-                continue
-            results[var] = times
-            print(f"{op} {var}: {time.perf_counter() - t0:.0f}s incl. compile, wall "
-                  f"{times.get('WALL', float('nan')):.4f} ms", flush=True)
-        table = compare_table(op, shape, results)
+        return
+    results = trace_variants(parse_plan(a.ops, a.variants), shape, a.gate_lower_bound, a.iters,
+                             a.out_dir, a.interpret, a.keep_traces, a.wall_iters,
+                             a.compile_threads, log=lambda m: print(m, flush=True))
+    for op, res in results.items():
+        table = compare_table(op, shape, res)
         with open(os.path.join(a.out_dir, f"compare-{op}.md"), "w") as fh:
             fh.write(table + "\n")
         print(table, flush=True)
