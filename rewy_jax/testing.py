@@ -139,6 +139,15 @@ def loss_and_grads(op: str, inputs: dict, cotangents: dict, **kw):
     return o, s, dict(zip(["d" + n for n in names], grads))
 
 
+def output_and_vjp(f, x, ct):
+    """(o = f(x), the gradient of x for the cotangent ``ct`` on o): the JAX form of torch's
+    ``torch.autograd.grad(o, x, grad_outputs=ct)`` — how the GPU benchmark and trace time a
+    fwd+bwd: o is returned, so its computation is not dead code, and no loss is reduced. ``ct``
+    is cast to o's dtype (a no-op when they match, as in the benchmark)."""
+    o, pullback = jax.vjp(f, x)
+    return o, pullback(ct.astype(o.dtype))[0]
+
+
 # Keyword arguments of the ops that select an implementation but do not change the result.
 _EXECUTION_ONLY = ("backend", "chunk_size", "policy", "backward", "interpret")
 

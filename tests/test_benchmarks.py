@@ -274,3 +274,28 @@ def test_interpret_accuracy_tool_reports_both_storages():
     lo, hi, nat = (reps[n]["ratios"] for n in ("bf16-backward", "fp32-backward", third))
     assert lo["o"] == hi["o"] == nat["o"] and lo["dk"] != hi["dk"] != nat["dk"] != lo["dk"]
     assert dict(kernels.TUNE) == before
+
+
+def test_timed_fwd_bwd_is_the_output_and_its_vjp():
+    """The benchmark's and trace's fwd+bwd (testing.output_and_vjp, torch.autograd.grad's form):
+    the op's output and the gradients of ⟨o, do⟩, with no loss reduced in the timed program."""
+    import jax
+
+    from rewy_jax import testing
+
+    x = testing.make_inputs("deltanet", 1, 40, 2, 16, 16, dtype=jnp.bfloat16, initial_state=False)
+    do = jax.random.normal(jax.random.PRNGKey(3), x["v"].shape).astype(jnp.bfloat16)
+
+    def fwd(y):
+        return testing.run_op("deltanet", y, backend="xla")[0]
+
+    o, grads = jax.jit(lambda y: testing.output_and_vjp(fwd, y, do))(x)
+    ref = jax.grad(lambda y: jnp.sum(fwd(y).astype(jnp.float32) * do.astype(jnp.float32)))(x)
+    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(fwd(x), np.float32))
+    for n in ("q", "k", "v", "beta"):
+        np.testing.assert_allclose(np.asarray(grads[n], np.float32),
+                                   np.asarray(ref[n], np.float32), rtol=2e-2, atol=2e-2)
+    jaxpr = str(jax.make_jaxpr(lambda y: testing.output_and_vjp(fwd, y, do))(x))
+    loss_jaxpr = str(jax.make_jaxpr(jax.grad(lambda y: jnp.sum(fwd(y).astype(jnp.float32)
+                                                               * do.astype(jnp.float32))))(x))
+    assert jaxpr.count("reduce_sum") < loss_jaxpr.count("reduce_sum")

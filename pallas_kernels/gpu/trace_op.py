@@ -4,7 +4,8 @@
         [--shape 2x4096x16x128] [--gate-lower-bound -5] [--iters 5] [--out-dir DIR]
         [--variants base,wut,w2 | --variants "deltanet:base,qdo kda:centred,allpd"]
 
-For each op: ``jax.value_and_grad`` of Σ o·dO through the public op (``backend="pallas_gpu"``, bf16 inputs,
+For each op: o and the inputs' gradients for a cotangent dO (``testing.output_and_vjp``, as
+the benchmark times fwd+bwd) through the public op (``backend="pallas_gpu"``, bf16 inputs,
 as the benchmark calls it), warmed up, then ``--iters`` calls under ``jax.profiler.trace``. The
 Perfetto trace is summed per device event name (our kernels are named ``rewy_*``; the rest is
 XLA glue: the e = b⊙k products, gate cumsums, padding, dβ/dg reductions) and printed as ms per
@@ -80,12 +81,9 @@ def lower_op(op, shape, gate_lower_bound=None, interpret=False):
     if gate_lower_bound is not None:
         kw["gate_lower_bound"] = gate_lower_bound
 
-    def loss(diff):
-        o, _ = testing.run_op(op, diff, **kw)
-        return jnp.sum(o.astype(F32) * dO.astype(F32))
-
-    # value_and_grad: grad alone would drop the output kernel as dead code
-    return jax.jit(jax.value_and_grad(loss)).lower(inp), inp
+    # o and the inputs' gradients for dO, as the benchmark times fwd+bwd (testing.output_and_vjp)
+    return jax.jit(lambda x: testing.output_and_vjp(
+        lambda y: testing.run_op(op, y, **kw)[0], x, dO)).lower(inp), inp
 
 
 def trace_compiled(f, inp, tag, shape, iters=5, out_dir=".", keep_trace=False, wall_iters=0):
