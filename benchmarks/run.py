@@ -139,6 +139,9 @@ def parse_args(argv):
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="a Pallas GPU kernel setting for this run (kernels.TUNE, e.g. exp2=true); "
                          "repeatable; recorded in the results' command line")
+    ap.add_argument("--variant", default=None, metavar="NAME[+NAME...]",
+                    help="Pallas GPU kernel settings of pallas_kernels/gpu/profile_kernels.VARIANTS "
+                         "(trace_op.py's names; 'a+b' for several), set before --tune's")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--stem", default=None, help="file stem (default: <mode>-<date>)")
     return ap.parse_args(argv)
@@ -163,6 +166,10 @@ def main(argv=None):
     if mode == "quick":  # fit one 10-minute device call (machine start and transfers included)
         a.deadline_s = 330.0 if a.deadline_s is None else a.deadline_s
         a.fla_deadline_s = 300.0 if a.fla_deadline_s is None else a.fla_deadline_s
+    if a.variant:
+        from pallas_kernels.gpu.profile_kernels import apply_variant
+
+        apply_variant(a.variant)
     if a.tune:
         from pallas_kernels.gpu import kernels as gpu_kernels
 

@@ -187,11 +187,17 @@ def test_refusing_implementation_is_reported(tmp_path, monkeypatch):
         Refuses(), impls.Ours("no_such_backend", "rewy", "recompute")])
     from pallas_kernels.gpu import kernels
 
+    from pallas_kernels.gpu import api
+
     monkeypatch.setattr(kernels, "TUNE", {})  # --tune writes here; restored after the test
+    for width in ("DEFAULT_BV", "DEFAULT_BV_STATE", "DEFAULT_BK"):  # and --variant here
+        monkeypatch.setattr(api, width, getattr(api, width))
     assert run.main(["--cpu-smoke", "--shapes", TINY, "--ops", "deltanet", "--rounds", "1",
                      "--out-dir", str(tmp_path), "--stem", "r", "--tune", "exp2=true",
-                     "--tune", "backward.low_precision=S0,dS"]) == 0
-    assert kernels.TUNE == {"exp2": True, "backward.low_precision": ("S0", "dS")}
+                     "--tune", "backward.low_precision=S0,dS", "--variant", "qdo+bltl",
+                     "--tune", "backward.chunk_qdo=none"]) == 0
+    assert kernels.TUNE == {"exp2": True, "backward.low_precision": ("S0", "dS"),
+                            "backward.chunk_qdo": "none", "rewy_bwd_local.tile_loop": True}
     assert "--tune exp2=true" in json.loads((tmp_path / "r.json").read_text())["meta"]["command"]
     rows = {r["impl"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
     assert rows["refuses"]["status"] == "refused" and "head dims" in rows["refuses"]["reason"]

@@ -1793,3 +1793,19 @@ def test_trace_script_sums_stream_kernels(tmp_path, monkeypatch):
     assert any(m.startswith("lowered 2 variants") for m in logs), logs
     assert kernels_of[1] - kernels_of[0] == {"rewy_output"}, kernels_of
     assert kernels.TUNE == saved
+
+
+def test_variants_combine():
+    """profile_kernels.variant_settings("a+b"): two variants' settings together (a trace's
+    winners for different kernels, or a benchmark's --variant); a key set two ways is an error."""
+    from pallas_kernels.gpu import profile_kernels as pk
+
+    tune, BV, BVs, BK = pk.variant_settings("qdo+bltl+predecayed")
+    assert tune == {"backward.chunk_qdo": True, "rewy_bwd_local.tile_loop": True,
+                    "fwd_pass.predecayed": True} and (BV, BVs, BK) == pk.VARIANTS["qdo"][1:]
+    assert pk.variant_settings("qdo+qdotl")[0] == pk.VARIANTS["qdotl"][0]  # agreeing keys
+    with pytest.raises(ValueError, match="fwd_pass.predecayed"):
+        pk.variant_settings("predecayed+pd32")
+    with pytest.raises(KeyError, match="nonesuch"):
+        pk.variant_settings("qdo+nonesuch")
+    assert pk.is_bounded("qdo+centred") and not pk.is_bounded("qdo+bltl")

@@ -387,10 +387,44 @@ def _inputs(mode, B, T, H, D, C=64, seed=0):
     return q, k, e, z, g, G, h0, reset, end, seq, dO, v, b[..., 0]
 
 
+def variant_settings(variant):
+    """(kernels.TUNE, BV, BV_STATE, BK) of ``VARIANTS[variant]``, or of "a+b+…": the named
+    variants together (say, a trace's winners for different kernels). Two parts that set one
+    key differently, or different tile widths, are an error."""
+    tune, widths = {}, None
+    for part in variant.split("+"):
+        if part not in VARIANTS:
+            raise KeyError(f"unknown variant {part!r}; expected one of profile_kernels.VARIANTS")
+        t, *w = VARIANTS[part]
+        for key, value in t.items():
+            if key in tune and tune[key] != value:
+                raise ValueError(f"variant {variant!r}: {part!r} sets {key} = {value!r}, "
+                                 f"another part {tune[key]!r}")
+            tune[key] = value
+        if widths is not None and tuple(w) != widths:
+            raise ValueError(f"variant {variant!r}: {part!r} has tile widths {tuple(w)}, "
+                             f"another part {widths}")
+        widths = tuple(w)
+    return (tune, *widths)
+
+
+def is_bounded(variant):
+    """Whether the variant (or a part of "a+b") declares g ≥ −5 for the vector-gate ops."""
+    return any(part in BOUNDED_VARIANTS for part in variant.split("+"))
+
+
+def apply_variant(variant):
+    """Set ``variant_settings(variant)`` for the rest of the process (a benchmark run's
+    ``--variant``): its settings are added to kernels.TUNE, and api's tile widths set."""
+    tune, BV, BVs, BK = variant_settings(variant)
+    kn.TUNE.update(tune)
+    api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = BV, BVs, BK
+
+
 def with_variant(variant, fn):
-    """``fn()`` under ``VARIANTS[variant]``: kernels.TUNE and api's tile widths set for the
-    call, and the module settings put back after it (also used by trace_op.py)."""
-    tune, BV, BVs, BK = VARIANTS[variant]
+    """``fn()`` under ``variant_settings(variant)``: kernels.TUNE and api's tile widths set for
+    the call, and the module settings put back after it (also used by trace_op.py)."""
+    tune, BV, BVs, BK = variant_settings(variant)
     saved = dict(kn.TUNE), (api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK)
     kn.TUNE.clear()
     kn.TUNE.update(tune)
@@ -406,7 +440,7 @@ def with_variant(variant, fn):
 def profile(mode, variant, shape, backward="rewy", interpret=False, reps=20, runs=5):
     """({kernel or whole pass: ms}, general_delta's gradients) for one gate mode ("none",
     "scalar", "vector") and variant."""
-    BV = VARIANTS[variant][1]
+    BV = variant_settings(variant)[1]
     return with_variant(variant, lambda: _profile(
         mode, variant, shape, backward, interpret, BV,
         lambda f, *a: _bench(f, *a, reps=reps, runs=runs)))  # (rows, grads)
@@ -416,7 +450,7 @@ def _profile(mode, variant, shape, backward, interpret, BV, _bench):
     B, T, H, D = shape
     q, k, e, z, g, G, h0, reset, end, seq, dO, v, beta = _inputs(mode, B, T, H, D)
     cfg = api.Config(64, "recompute", backward, interpret, BV,
-                     variant in BOUNDED_VARIANTS,
+                     is_bounded(variant),
                      one_seq=True,  # one sequence per row: the metadata of _inputs
                      scale=D ** -0.5)  # applied in-kernel, as the op does (kernels.Shape.scaled)
     s = api._shape(cfg, q, z, G, h0)

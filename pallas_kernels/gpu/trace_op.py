@@ -12,7 +12,7 @@ XLA glue: the e = b⊙k products, gate cumsums, padding, dβ/dg reductions) and 
 call, so the gap between ``profile_kernels.py``'s kernels and the benchmark's op time gets names.
 Writes ``<out-dir>/trace-<op>.txt`` (the table; with ``--keep-traces`` also the raw Perfetto trace).
 
-``--variants`` (names of ``profile_kernels.VARIANTS``) traces the op once per variant and prints
+``--variants`` (names of ``profile_kernels.VARIANTS``, or "a+b" for two together) traces the op once per variant and prints
 one table of device ms per kernel, variants side by side, with the op's wall time per call. This
 is the way to compare variants of the small kernels: ``profile_kernels.py`` times each kernel as
 a host loop of jitted calls, whose dispatch sets a floor near 0.1 ms at the anchor (profile-11:
@@ -143,14 +143,14 @@ def trace_variants(plan, shape, gate_lower_bound=None, iters=5, out_dir=".", int
     the ~15 s a variant cost when each was compiled in turn), then traced one at a time, so no
     two share the GPU. A variant that fails to lower, compile or run is reported and skipped.
     """
-    from pallas_kernels.gpu.profile_kernels import BOUNDED_VARIANTS, with_variant
+    from pallas_kernels.gpu.profile_kernels import is_bounded, with_variant
 
     t0 = time.perf_counter()
     lowered = {}  # (op, variant) -> (lowered, inputs, bound)
     for op, variants in plan:
         vector = op in ("kda", "gdn2")
         for var in variants:
-            b = -5.0 if vector and var in BOUNDED_VARIANTS else (
+            b = -5.0 if vector and is_bounded(var) else (
                 gate_lower_bound if vector else None)
             try:
                 lo, inp = with_variant(var, lambda op=op, b=b: lower_op(op, shape, b, interpret))
