@@ -1684,8 +1684,14 @@ def test_variants_name_known_settings():
             assert key in kernels.DEFAULTS or key.endswith((".warps", ".stages")), (name, key)
     perf = (Path(kernels.__file__).parent / "PERF.md").read_text()
     plan = perf[perf.index("## Next session"):]
-    named = {v for m in re.finditer(r"--variants ([\w,]+)", plan) for v in m.group(1).split(",")}
-    assert named and named <= set(profile_kernels.VARIANTS), named - set(profile_kernels.VARIANTS)
+    # --variants a,b | --variants "op:a,b op2:c+d" (trace_op.parse_plan's forms)
+    from pallas_kernels.gpu import trace_op
+
+    named = {v for m in re.finditer(r'--variants (?:"([^"]+)"|([\w,+]+))', plan)
+             for _, vs in trace_op.parse_plan("x", m.group(1) or m.group(2)) for v in vs}
+    assert len(named) >= 15, named
+    for v in named:  # raises on an unknown name or two parts that disagree
+        profile_kernels.variant_settings(v)
 
 
 def test_parse_tune():
