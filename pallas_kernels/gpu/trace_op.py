@@ -71,11 +71,13 @@ def device_times(trace_path: str, iters: int) -> tuple[dict, str]:
     return dict(totals), ", ".join(where)
 
 
-def lower_op(op, shape, gate_lower_bound=None, interpret=False):
-    """(the op's jitted fwd+bwd lowered for bf16 inputs of ``shape``, those inputs). The kernel
-    settings (kernels.TUNE) are read here, while tracing: lower under ``with_variant``."""
+def lower_op(op, shape, gate_lower_bound=None, interpret=False, inp=None):
+    """(the op's jitted fwd+bwd lowered for bf16 inputs of ``shape``, those inputs — ``inp``
+    when given, as an earlier call returned them). The kernel settings (kernels.TUNE) are read
+    here, while tracing: lower under ``with_variant``."""
     B, T, H, D = shape
-    inp = testing.make_inputs(op, B, T, H, D, D, dtype=jnp.bfloat16, initial_state=False)
+    if inp is None:
+        inp = testing.make_inputs(op, B, T, H, D, D, dtype=jnp.bfloat16, initial_state=False)
     dO = jax.random.normal(jax.random.PRNGKey(7), inp["v"].shape, F32).astype(jnp.bfloat16)
     kw = dict(backend="pallas_gpu", interpret=interpret)
     if gate_lower_bound is not None:
@@ -147,17 +149,19 @@ def trace_variants(plan, shape, gate_lower_bound=None, iters=5, out_dir=".", int
 
     t0 = time.perf_counter()
     lowered = {}  # (op, variant) -> (lowered, inputs, bound)
+    inputs = {}  # op -> its inputs, shared by its variants
     for op, variants in plan:
         vector = op in ("kda", "gdn2")
         for var in variants:
             b = -5.0 if vector and is_bounded(var) else (
                 gate_lower_bound if vector else None)
             try:
-                lo, inp = with_variant(var, lambda op=op, b=b: lower_op(op, shape, b, interpret))
+                lo, inputs[op] = with_variant(var, lambda op=op, b=b: lower_op(
+                    op, shape, b, interpret, inputs.get(op)))
             except Exception as ex:  # noqa: BLE001 — one failing variant must not hide the rest
                 log(f"{op} {var} ERROR lowering {type(ex).__name__}: {str(ex)[:300]}")
                 continue
-            lowered[op, var] = (lo, inp, b)
+            lowered[op, var] = (lo, inputs[op], b)
     t1 = time.perf_counter()
     workers = workers or max(1, min(len(lowered), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
