@@ -1815,3 +1815,30 @@ def test_variants_combine():
     with pytest.raises(KeyError, match="nonesuch"):
         pk.variant_settings("qdo+nonesuch")
     assert pk.is_bounded("qdo+centred") and not pk.is_bounded("qdo+bltl")
+
+
+@pytest.mark.skipif(_ON_GPU, reason="CPU check of the lowering tool")
+def test_resource_report_plan_records_each_kernels_launch(tmp_path):
+    """resource_report.py plan: every (op, variant) of a device plan lowered for CUDA on CPU,
+    each kernel's Triton IR written with the warps and stages it launches with (what ptxas then
+    compiles it with); a variant that cannot lower is reported; the jax patches are undone."""
+    import contextlib
+    import io
+    import json
+
+    from pallas_kernels.gpu import api, kernels, resource_report
+
+    supports = api.supports
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        resource_report.plan(str(tmp_path), "deltanet:base,unfused,nonesuch", "1x128x2x32")
+    assert "deltanet nonesuch LOWERING FAILED KeyError" in log.getvalue()
+    launches = json.loads((tmp_path / "launches.json").read_text())
+    files = {p.name for p in tmp_path.glob("*.ttir")}
+    assert files == set(launches) and files
+    leaf_warps = kernels.Shape(1, 128, 2, 32, 32, 64, 2, "none", None, 64, None).leaf_warps
+    assert launches["deltanet__base__rewy_bwd_leaf__1.ttir"][0] == leaf_warps
+    assert launches["deltanet__base__rewy_intra__1.ttir"][0] == kernels.WARPS["intra"]
+    assert ("deltanet__unfused__rewy_output__1.ttir" in files
+            and not any("base__rewy_output" in f for f in files))
+    assert api.supports is supports
