@@ -27,6 +27,10 @@ from rewy_jax import testing
 
 f32 = jnp.float32
 PHASES = ("fwd", "fwdbwd")
+# How JaxRunner times a fwd+bwd, recorded with every run: runs before this field timed
+# value_and_grad of Σ o·dO (a reduction over o and a cast of dO that the torch runners never paid)
+JAX_FWDBWD = "o and its VJP for dO"
+JAX_FWDBWD_BEFORE = "value_and_grad of Σ o·dO"
 
 
 def on_gpu() -> bool:

@@ -136,10 +136,16 @@ def stamp_lines(meta: dict, runs: dict | None = None) -> list[str]:
                      f"copy {c['copy_tbps']:.3g} TB/s")
     if meta.get("merged_from"):
         lines.append("* merged from: " + "; ".join(f"`{m}`" for m in meta["merged_from"]))
-    if runs and len(runs) > 1:
+    from benchmarks.impls import JAX_FWDBWD_BEFORE
+
+    if not runs or len(runs) == 1:
+        lines.append(f"* JAX fwd+bwd timed as: {meta.get('jax_fwdbwd', JAX_FWDBWD_BEFORE)}")
+    else:
         for rid, m in runs.items():
-            triton = f" (triton {m['triton']})" if m.get("triton") else ""
-            lines.append(f"  * run {rid}: {m.get('date', '?')}{triton} `{m.get('command', '?')}`")
+            triton = f"triton {m['triton']}; " if m.get("triton") else ""
+            how = m.get("jax_fwdbwd", JAX_FWDBWD_BEFORE)
+            lines.append(f"  * run {rid}: {m.get('date', '?')} ({triton}JAX fwd+bwd: {how}) "
+                         f"`{m.get('command', '?')}`")
     return lines
 
 

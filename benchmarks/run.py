@@ -203,8 +203,10 @@ def main(argv=None):
     with gpu_turn(a.gpu_lock):
         meta["ceilings"] = roofline.measure_ceilings()
     log("ceilings", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in meta["ceilings"].items()})
+    meta["jax_fwdbwd"] = I.JAX_FWDBWD
     result = {"meta": meta, "runs": {run_id: {"date": meta["date"], "command": meta["command"],
-                                              "triton": meta["versions"].get("triton")}},
+                                              "triton": meta["versions"].get("triton"),
+                                              "jax_fwdbwd": I.JAX_FWDBWD}},
               "rows": []}
 
     refs = None

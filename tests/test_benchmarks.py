@@ -101,6 +101,7 @@ def test_smoke_run_times_and_checks(smoke):
     assert meta["command"].startswith("python -m benchmarks.run") and meta["date"] and meta["versions"]["jax"]
     md = (out / "smoke.md").read_text()
     assert "ours xla rewy/recompute" in md and "skipped" in md and meta["date"] in md
+    assert "* JAX fwd+bwd timed as: o and its VJP for dO" in md
     assert (out / "smoke.png").stat().st_size > 1000
 
 
@@ -141,7 +142,11 @@ def test_merge_keeps_newest_rows_and_own_ratios(smoke, tmp_path):
     assert "merged from" in (tmp_path / "m.md").read_text()
     assert m["meta"]["versions"]["triton"] == f"{old_triton} / 3.7.1"
     assert m["meta"]["versions"]["jax"] == res["meta"]["versions"]["jax"]  # one value: as is
-    assert "(triton 3.7.1)" in (tmp_path / "m.md").read_text()
+    # each run names its Triton and how it timed the JAX fwd+bwd (runs from before that field
+    # timed value_and_grad of Σ o·dO)
+    md = (tmp_path / "m.md").read_text()
+    assert "(triton 3.7.1; JAX fwd+bwd: value_and_grad of Σ o·dO)" in md
+    assert "JAX fwd+bwd: o and its VJP for dO)" in md
 
 
 def test_shape_parsing_and_accuracy_shape():
