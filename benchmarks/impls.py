@@ -27,8 +27,10 @@ from rewy_jax import testing
 
 f32 = jnp.float32
 PHASES = ("fwd", "fwdbwd")
-# How JaxRunner times a fwd+bwd, recorded with every run: runs before this field timed
-# value_and_grad of Σ o·dO (a reduction over o and a cast of dO that the torch runners never paid)
+# How JaxRunner times a fwd+bwd, recorded with every run: o and every input's gradient for the
+# cotangent dO (testing.output_and_vjp), the form of the torch runners' torch.autograd.grad(o,
+# inputs, grad_outputs=dO). Runs before this field timed value_and_grad of Σ o·dO, whose
+# reduction over o and cast of dO (~0.05 ms at the anchor, profile-21) torch never paid.
 JAX_FWDBWD = "o and its VJP for dO"
 JAX_FWDBWD_BEFORE = "value_and_grad of Σ o·dO"
 
@@ -237,10 +239,7 @@ class JaxRunner:
         def fwd(x):
             return impl.call(op, x["q"], x["k"], x["v"], {n: x[n] for n in gate_names(op)}, False)[0]
 
-        def fwd_bwd(x, do):
-            # o and every input's gradient for the cotangent do, as the torch runners'
-            # torch.autograd.grad: up to run h200-18 this was value_and_grad of Σ o·do, whose
-            # reduction and cast of do (~0.05 ms at the anchor) torch never paid
+        def fwd_bwd(x, do):  # JAX_FWDBWD: o and its VJP, as the torch runners' autograd.grad
             return testing.output_and_vjp(fwd, x, do)
 
         self.compiled = {}

@@ -422,14 +422,12 @@ def apply_variant(variant):
 
 
 def with_variant(variant, fn):
-    """``fn()`` under ``variant_settings(variant)``: kernels.TUNE and api's tile widths set for
-    the call, and the module settings put back after it (also used by trace_op.py)."""
-    tune, BV, BVs, BK = variant_settings(variant)
+    """``fn()`` under ``variant_settings(variant)`` alone: kernels.TUNE and api's tile widths
+    set for the call, and the module settings put back after it (also used by trace_op.py)."""
     saved = dict(kn.TUNE), (api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK)
-    kn.TUNE.clear()
-    kn.TUNE.update(tune)
-    api.DEFAULT_BV, api.DEFAULT_BV_STATE, api.DEFAULT_BK = BV, BVs, BK
     try:
+        kn.TUNE.clear()
+        apply_variant(variant)
         return fn()
     finally:
         kn.TUNE.clear()

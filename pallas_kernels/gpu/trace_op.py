@@ -12,8 +12,9 @@ XLA glue: the e = b⊙k products, gate cumsums, padding, dβ/dg reductions) and 
 call, so the gap between ``profile_kernels.py``'s kernels and the benchmark's op time gets names.
 Writes ``<out-dir>/trace-<op>.txt`` (the table; with ``--keep-traces`` also the raw Perfetto trace).
 
-``--variants`` (names of ``profile_kernels.VARIANTS``, or "a+b" for two together) traces the op once per variant and prints
-one table of device ms per kernel, variants side by side, with the op's wall time per call. This
+``--variants`` (names of ``profile_kernels.VARIANTS``, or "a+b" for two together) traces the
+op once per variant and prints one table of device ms per kernel, variants side by side, with
+the op's wall time per call. This
 is the way to compare variants of the small kernels: ``profile_kernels.py`` times each kernel as
 a host loop of jitted calls, whose dispatch sets a floor near 0.1 ms at the anchor (profile-11:
 wu 0.101 ms there against 0.065 by ncu, bwd_dlam 0.114 against 0.061), so variants of a
@@ -141,9 +142,10 @@ def trace_variants(plan, shape, gate_lower_bound=None, iters=5, out_dir=".", int
 
     Every (op, variant) is lowered first, one after another (the settings are module state read
     while tracing), then all are compiled at once in a thread pool (XLA compiles each module's
-    Triton kernels then, and releases the GIL: on the GPU machine's 16 cores this was most of
-    the ~15 s a variant cost when each was compiled in turn), then traced one at a time, so no
-    two share the GPU. A variant that fails to lower, compile or run is reported and skipped.
+    Triton kernels then, releasing the GIL; compiling, by this machine's timings, was most of
+    the ~15 s a variant cost the GPU machine when each was compiled in turn), then traced one
+    at a time, so no two share the GPU. A variant that fails to lower, compile or run is
+    reported and skipped.
     """
     from pallas_kernels.gpu.profile_kernels import is_bounded, with_variant
 
