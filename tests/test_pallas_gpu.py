@@ -760,6 +760,30 @@ def test_interpret_bwd_predecayed(op, decay, kw, qdo, small_tiles, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("kda", "normal", {"gate_lower_bound": -5.0}),
+                                         ("kda", "strong", {"n_seqs": 2, "chunk_size": 64}),
+                                         ("gdn2", "normal", {"gate_lower_bound": -5.0,
+                                                             "chunk_size": 64})])
+def test_interpret_qk_gram_row_frames(op, decay, kw, monkeypatch):
+    """DEFAULTS "rewy_qk_gram.row_frames" (off until timed): qk_gram's frame-product blocks of
+    a row — every block left of the diagonal, and the centred diagonal under a declared bound —
+    in one key-slice loop give P, T and so the outputs and every gradient bit for bit as one
+    loop per block (exact and centred diagonals, chunks of 2 and 4 row blocks, packed
+    sequences, strong decays)."""
+    from pallas_kernels.gpu import kernels
+
+    inp, cts, kw2 = _bf16_case(op, decay, 59, {k: v for k, v in kw.items() if k != "chunk_size"})
+    kw2["chunk_size"] = kw.get("chunk_size", kw2["chunk_size"])
+    assert 0 < kernels.setting("rewy_qk_gram.kslice") < 32  # K = 32: two key slices
+    base = testing.loss_and_grads(op, inp, cts, **kw2)
+    launched = _record_launches(monkeypatch)
+    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.row_frames", True)
+    jax.clear_caches()
+    _same_runs(testing.loss_and_grads(op, inp, cts, **kw2), base)
+    assert any(launch["name"] == "rewy_qk_gram" for launch in launched)
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,qdo", [("deltanet", "none", False), ("gdn", "strong", True),
                                           ("kda", "normal", False)])
 def test_interpret_bwd_local_tile_loop(op, decay, qdo, small_tiles, monkeypatch):
@@ -1473,6 +1497,8 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("kda", 128, 64, jnp.bfloat16, {"_tune": "bwdpd"}, False),
     ("kda", 64, 64, jnp.bfloat16, {"_tune": "bwdpd", "policy": "save"}, True),
     ("kda", 128, 64, jnp.bfloat16, {"_tune": "unfused16"}, False),
+    ("kda", 128, 128, jnp.bfloat16, {"_tune": "qrowf", "gate_lower_bound": -5.0}, False),
+    ("gdn2", 64, 64, jnp.bfloat16, {"_tune": "qrowf"}, True),
 ]
 # "_tune": kernel settings of profile_kernels.VARIANTS (off by default, untimed) that change
 # what the kernels lower to

@@ -361,6 +361,47 @@ class Gates:
         return list(loop(0, K // ks, body, tuple(jnp.zeros((BS, BS), F32) for _ in x_refs),
                          self.unroll))
 
+    def row_frame_grams(self, i, x_refs, y_ref, prec, centred_diag):
+        """Row block i of the Grams, every block at once: ``[[M_ij for x in x_refs] for j in
+        range(i)]``, plus j = i (unmasked; centred in its middle row) when ``centred_diag`` —
+        ``_frame_grams`` for each of those blocks in one loop over the key slices, so that the
+        row operands are read and scaled by the off-diagonal frame factor e^{G_r − G_m} (m = row
+        16i) once per slice for all j < i instead of once per block. The same products summed
+        in the same order: bit for bit ``_frame_grams``'s blocks."""
+        ks = self.kslice
+        nx = len(x_refs)
+        rows_i = pl.ds(self.base + i * BS, BS)
+        m_off, m_mid = self.base + i * BS, self.base + i * BS + _MID
+
+        def body(c, accs):
+            cols = pl.ds(c * ks, ks)
+            accs = list(accs)
+            Gi = self.G_ref[rows_i, cols].astype(F32)
+            xs = [x_ref[rows_i, cols].astype(F32) for x_ref in x_refs]
+            if i > 0:
+                Gm = self.G_ref[pl.ds(m_off, 1), cols].astype(F32)
+                f_x = exp(Gi - Gm)
+                xf = [x * f_x for x in xs]
+                for j in range(i):
+                    rows_j = pl.ds(self.base + j * BS, BS)
+                    y_f = (y_ref[rows_j, cols].astype(F32)
+                           * exp(Gm - self.G_ref[rows_j, cols].astype(F32)))
+                    for n, x in enumerate(xf):
+                        accs[j * nx + n] = accs[j * nx + n] + dot(x, y_f, prec, tb=True)
+            if centred_diag:
+                Gm = self.G_ref[pl.ds(m_mid, 1), cols].astype(F32)
+                f_x = exp(Gi - Gm)
+                y_f = y_ref[rows_i, cols].astype(F32) * exp(Gm - Gi)
+                for n, x in enumerate(xs):
+                    accs[i * nx + n] = accs[i * nx + n] + dot(x * f_x, y_f, prec, tb=True)
+            return tuple(accs)
+
+        nb = i + bool(centred_diag)
+        K = self.G_ref.shape[-1]
+        flat = loop(0, K // ks, body, tuple(jnp.zeros((BS, BS), F32) for _ in range(nb * nx)),
+                    self.unroll)
+        return [list(flat[j * nx:(j + 1) * nx]) for j in range(nb)]
+
     def _outer_diag(self, i, x_refs, y_ref):
         """[M_ii for x in x_refs], M_ii[r, s] = Σ_c x_rc y_sc e^{G_rc − G_sc} (s ≤ r, else 0):
         per slice of OUTER_SLICE key channels, the [16, 16, KS] pair tensor at once (Triton

@@ -512,6 +512,14 @@ WARPS = {"intra": 2, "intra:scalar": 4, "wu": 2, "wu:scalar": 4, "wu:vector": 4,
 #               costs shared memory: one program per SM) and 80 KB, 144, 1477 with chunk_qdo
 #               (no Qγ read: two programs per SM, DeltaNet's twin's figures). Off, untimed:
 #               variants bwdpd, bwdpdq, allpd.
+#   rewy_qk_gram.row_frames  vector gates with key slices: a row block's frame-product blocks
+#               (every j < i, and the centred diagonal under a declared bound) in one loop over
+#               the key slices (blocks.Gates.row_frame_grams), so the row operands q, Ē are read
+#               and scaled by their frame factor once per slice for the whole row instead of
+#               once per block (``_frame_grams``: i times in row block i). Bit for bit the
+#               default's P and T (tested). qk_gram is KDA's largest forward kernel after the
+#               fused pass (0.336 ms bounded at the anchor, profile-21; FLA forms its Grams and
+#               inverse in 0.211). Off, untimed: variant qrowf.
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
@@ -538,7 +546,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "backward.row_scaled_wu": True, "backward.leaf_maps_in_kernel": False,
             "backward.row_vjp_kernel": False, "backward.chunk_qdo": False,
             "rewy_bwd_local.tile_loop": False, "fwd_pass.predecayed": False,
-            "backward.predecayed": False}
+            "backward.predecayed": False, "rewy_qk_gram.row_frames": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -1039,6 +1047,10 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None, e_rows=None):
     diag = ("centred" if s.centred and setting("rewy_qk_gram.centred")
             else setting("rewy_qk_gram.exact_diag"))
     with_T = e is not None
+    # DEFAULTS "rewy_qk_gram.row_frames": a row block's frame products in one key-slice loop
+    # (needs the key slices that Gates.row_frame_grams loops over)
+    row_frames = (bool(setting("rewy_qk_gram.row_frames"))
+                  and 0 < setting("rewy_qk_gram.kslice") < s.K)
 
     def kernel(*refs):
         be_ref = None
@@ -1054,24 +1066,38 @@ def qk_gram(s: Shape, q, k, G, *, interpret, e=None, e_rows=None):
         qs, ks = Rows(q_ref), Rows(k_ref)
         es = Rows(e_ref) if with_T else None
 
-        def block(i, j):
+        x_refs, stricts = ([q_ref, e_ref], [False, True]) if with_T else ([q_ref], [False])
+
+        def store(i, j, out):  # block (i, j) of P (and T, its rows scaled by βe)
             blk = (pl.ds(i * BS, BS), pl.ds(j * BS, BS))
-            if j > i:
-                zero = jnp.zeros((BS, BS), F32)
-                P_ref[blk] = zero
-                if with_T:
-                    T_ref[blk] = zero
-                return
-            xs, stricts = ([qs[i], es[i]], [False, True]) if with_T else ([qs[i]], [False])
-            x_refs = [q_ref, e_ref] if with_T else [q_ref]
-            out = gt.grams(i, j, xs, ks[j], k_ref, prec, stricts, x_refs=x_refs)
             P_ref[blk] = out[0]
             if with_T:
                 T_ref[blk] = out[1] if be_ref is None else (
                     out[1] * load_rows(be_ref, i * BS)[:, None])
 
+        def block(i, j):
+            if j > i:
+                blk = (pl.ds(i * BS, BS), pl.ds(j * BS, BS))
+                for ref in (P_ref, T_ref) if with_T else (P_ref,):
+                    ref[blk] = jnp.zeros((BS, BS), F32)
+                return
+            xs = [qs[i], es[i]] if with_T else [qs[i]]
+            store(i, j, gt.grams(i, j, xs, ks[j], k_ref, prec, stricts, x_refs=x_refs))
+
         def row_block(i):
-            for j in range(n):
+            if not row_frames:
+                for j in range(n):
+                    block(i, j)
+                return
+            # every frame-product block of the row in one key-slice loop (Gates.row_frame_grams)
+            outs = gt.row_frame_grams(i, x_refs, k_ref, prec, diag == "centred")
+            r, c = iota((BS, BS), 0), iota((BS, BS), 1)
+            for j, out in enumerate(outs):
+                if j == i:  # the centred diagonal block, masked as grams masks it
+                    out = [jnp.where(c < r if st else c <= r, m, 0.0)
+                           for m, st in zip(out, stricts)]
+                store(i, j, out)
+            for j in range(len(outs), n):
                 block(i, j)
 
         for i in range(n):

@@ -324,6 +324,9 @@ VARIANTS = {
     "allpd": ({"backward.predecayed": True, "backward.chunk_qdo": True,
                "fwd_pass.predecayed": True}, 64, None, None),
     "qdotl": ({"backward.chunk_qdo": True, "rewy_bwd_local.tile_loop": True}, 64, None, None),
+    # qk_gram's frame products of a row block in one key-slice loop, the row operands scaled
+    # once per slice (rewy_qk_gram.row_frames; bit-identical)
+    "qrowf": ({"rewy_qk_gram.row_frames": True}, 64, None, None),
     # the small kernels' warps before the twentieth session (intra and wu at 4)
     "w4i": ({"rewy_intra.warps": 4, "rewy_wu.warps": 4}, 64, None, None),
     # the VJP of e = β ⊙ k, z = β ⊙ v in XLA (three fusions) or by kernels.row_scale_vjp (at
