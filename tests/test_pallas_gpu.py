@@ -494,6 +494,22 @@ def _bf16_case(op, decay, seed, kw):
                           use_qk_l2norm=True)
 
 
+def _bit_identical_with(monkeypatch, case, key, value):
+    """The outputs and every gradient of ``case`` (``_bf16_case``'s inputs, cotangents and
+    keywords) with kernels.TUNE[key] = value are bit for bit those without; returns the
+    launches of the run with it (``_record_launches``), to check which kernels it ran."""
+    from pallas_kernels.gpu import kernels
+
+    op, inp, cts, kw = case
+    jax.clear_caches()
+    base = testing.loss_and_grads(op, inp, cts, **kw)
+    launched = _record_launches(monkeypatch)
+    monkeypatch.setitem(kernels.TUNE, key, value)
+    jax.clear_caches()
+    _same_runs(testing.loss_and_grads(op, inp, cts, **kw), base)
+    return launched
+
+
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("K", [32, 128])
 def test_interpret_gate_kernels(K):
@@ -750,12 +766,7 @@ def test_interpret_bwd_predecayed(op, decay, kw, qdo, small_tiles, monkeypatch):
 
     inp, cts, kw = _bf16_case(op, decay, 53, kw)
     monkeypatch.setitem(kernels.TUNE, "backward.chunk_qdo", qdo)
-    jax.clear_caches()
-    base = testing.loss_and_grads(op, inp, cts, **kw)
-    launched = _record_launches(monkeypatch)
-    monkeypatch.setitem(kernels.TUNE, "backward.predecayed", True)
-    jax.clear_caches()
-    _same_runs(testing.loss_and_grads(op, inp, cts, **kw), base)
+    launched = _bit_identical_with(monkeypatch, (op, inp, cts, kw), "backward.predecayed", True)
     assert any(launch["name"] == "rewy_decayed_rows" for launch in launched)
 
 
@@ -775,11 +786,8 @@ def test_interpret_qk_gram_row_frames(op, decay, kw, monkeypatch):
     inp, cts, kw2 = _bf16_case(op, decay, 59, {k: v for k, v in kw.items() if k != "chunk_size"})
     kw2["chunk_size"] = kw.get("chunk_size", kw2["chunk_size"])
     assert 0 < kernels.setting("rewy_qk_gram.kslice") < 32  # K = 32: two key slices
-    base = testing.loss_and_grads(op, inp, cts, **kw2)
-    launched = _record_launches(monkeypatch)
-    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.row_frames", True)
-    jax.clear_caches()
-    _same_runs(testing.loss_and_grads(op, inp, cts, **kw2), base)
+    launched = _bit_identical_with(monkeypatch, (op, inp, cts, kw2), "rewy_qk_gram.row_frames",
+                                   True)
     assert any(launch["name"] == "rewy_qk_gram" for launch in launched)
 
 
@@ -796,12 +804,8 @@ def test_interpret_bwd_local_tile_loop(op, decay, qdo, small_tiles, monkeypatch)
 
     inp, cts, kw = _bf16_case(op, decay, 43, {"n_seqs": 2})
     monkeypatch.setitem(kernels.TUNE, "backward.chunk_qdo", qdo)
-    jax.clear_caches()
-    tiled = testing.loss_and_grads(op, inp, cts, **kw)
-    launches = _record_launches(monkeypatch)
-    monkeypatch.setitem(kernels.TUNE, "rewy_bwd_local.tile_loop", True)
-    jax.clear_caches()
-    _same_runs(testing.loss_and_grads(op, inp, cts, **kw), tiled)
+    launches = _bit_identical_with(monkeypatch, (op, inp, cts, kw), "rewy_bwd_local.tile_loop",
+                                   True)
     grids = [launch["grid"] for launch in launches if launch["name"] == "rewy_bwd_local"]
     assert grids and all(len(g) == 2 for g in grids)
 
