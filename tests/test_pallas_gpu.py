@@ -731,16 +731,19 @@ def test_interpret_row_scaled_ez(op, decay, kw, monkeypatch):
                                                  ("gdn2", "normal", {"gate_lower_bound": -5.0},
                                                   "kbar32")])
 def test_interpret_fwd_predecayed(op, decay, kw, setting, small_tiles, monkeypatch):
-    """DEFAULTS "fwd_pass.predecayed" (vector gates; off until timed): the fused forward pass
-    reads K̄ = e^{G_C − G} ⊙ k and Qγ = e^{G} ⊙ q from kernels.decayed_rows (Qγ rounded to the
-    inputs' 16 bits, K̄ too or kept in fp32) instead of forming them per value tile. The output and final state move by
-    that rounding only and stay within the bf16 thresholds against the float64 recurrence
+    """DEFAULTS "fwd_pass.predecayed" (vector gates; True since profile-22): the fused forward
+    pass reads K̄ = e^{G_C − G} ⊙ k and Qγ = e^{G} ⊙ q from kernels.decayed_rows (Qγ rounded to
+    the inputs' 16 bits, K̄ too or kept in fp32) instead of forming them per value tile from k,
+    q and G (False). The output and final state move by that rounding only and stay within the bf16 thresholds against the float64 recurrence
     (strong decays, packed sequences, initial states, T not a multiple of the chunk); the
     gradients, which the backward recomputes, are unchanged bit for bit."""
     from pallas_kernels.gpu import kernels
 
     inp, cts, kw = _bf16_case(op, decay, 47, kw)
+    monkeypatch.setitem(kernels.TUNE, "fwd_pass.predecayed", False)
+    jax.clear_caches()
     base = testing.loss_and_grads(op, inp, cts, **kw)
+    _check(testing.accuracy_report(op, inp, **kw))
     launched = _record_launches(monkeypatch)
     monkeypatch.setitem(kernels.TUNE, "fwd_pass.predecayed", setting)
     jax.clear_caches()
@@ -776,18 +779,19 @@ def test_interpret_bwd_predecayed(op, decay, kw, qdo, small_tiles, monkeypatch):
                                          ("gdn2", "normal", {"gate_lower_bound": -5.0,
                                                              "chunk_size": 64})])
 def test_interpret_qk_gram_row_frames(op, decay, kw, monkeypatch):
-    """DEFAULTS "rewy_qk_gram.row_frames" (off until timed): qk_gram's frame-product blocks of
-    a row — every block left of the diagonal, and the centred diagonal under a declared bound —
-    in one key-slice loop give P, T and so the outputs and every gradient bit for bit as one
-    loop per block (exact and centred diagonals, chunks of 2 and 4 row blocks, packed
+    """DEFAULTS "rewy_qk_gram.row_frames" (True since profile-22): qk_gram's frame-product
+    blocks of a row — every block left of the diagonal, and the centred diagonal under a
+    declared bound — in one key-slice loop give P, T and so the outputs and every gradient bit
+    for bit as one loop per block (False) (exact and centred diagonals, chunks of 2 and 4 row blocks, packed
     sequences, strong decays)."""
     from pallas_kernels.gpu import kernels
 
     inp, cts, kw2 = _bf16_case(op, decay, 59, {k: v for k, v in kw.items() if k != "chunk_size"})
     kw2["chunk_size"] = kw.get("chunk_size", kw2["chunk_size"])
     assert 0 < kernels.setting("rewy_qk_gram.kslice") < 32  # K = 32: two key slices
+    assert kernels.setting("rewy_qk_gram.row_frames") is True
     launched = _bit_identical_with(monkeypatch, (op, inp, cts, kw2), "rewy_qk_gram.row_frames",
-                                   True)
+                                   False)
     assert any(launch["name"] == "rewy_qk_gram" for launch in launched)
 
 
@@ -1496,16 +1500,17 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("deltanet", 128, 64, jnp.bfloat16, {"_unfused": True}, False),
     ("deltanet", 128, 128, jnp.bfloat16, {"_tune": "qdotl"}, False),
     ("gdn", 64, 128, jnp.bfloat16, {"_tune": "qdo", "policy": "save"}, True),
-    ("kda", 128, 128, jnp.bfloat16, {"_tune": "predecayed", "gate_lower_bound": -5.0}, False),
+    ("kda", 128, 128, jnp.bfloat16, {"_tune": "nopd", "gate_lower_bound": -5.0}, False),
     ("gdn2", 64, 64, jnp.bfloat16, {"_tune": "qdotl"}, True),
     ("kda", 128, 64, jnp.bfloat16, {"_tune": "bwdpd"}, False),
     ("kda", 64, 64, jnp.bfloat16, {"_tune": "bwdpd", "policy": "save"}, True),
     ("kda", 128, 64, jnp.bfloat16, {"_tune": "unfused16"}, False),
-    ("kda", 128, 128, jnp.bfloat16, {"_tune": "qrowf", "gate_lower_bound": -5.0}, False),
-    ("gdn2", 64, 64, jnp.bfloat16, {"_tune": "qrowf"}, True),
+    ("kda", 128, 128, jnp.bfloat16, {"_tune": "noqrowf", "gate_lower_bound": -5.0}, False),
+    ("gdn2", 64, 64, jnp.bfloat16, {"_tune": "noqrowf"}, True),
+    ("gdn", 128, 128, jnp.bfloat16, {"_tune": "w4i+unfusedg"}, False),
 ]
-# "_tune": kernel settings of profile_kernels.VARIANTS (off by default, untimed) that change
-# what the kernels lower to
+# "_tune": kernel settings of profile_kernels.VARIANTS ("a+b": several) that change what the
+# kernels lower to — options off by default, or the forms the defaults replaced
 
 
 @pytest.mark.skipif(_ON_GPU, reason="the GPU tests above run the real kernels")
@@ -1545,7 +1550,7 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
     if "_tune" in kw:
         from pallas_kernels.gpu import profile_kernels
 
-        for key, value in profile_kernels.VARIANTS[kw.pop("_tune")][0].items():
+        for key, value in profile_kernels.variant_settings(kw.pop("_tune"))[0].items():
             monkeypatch.setitem(kernels.TUNE, key, value)
         unfused = not kernels.fused_output({"deltanet": "none", "gdn": "scalar"}.get(op, "vector"))
     vmapped = kw.pop("_vmap", False)  # the gradient under jax.vmap: one more grid axis
@@ -1646,7 +1651,7 @@ def test_wide_warps(monkeypatch):
     assert warps(128, "none", "intra") == 2 and warps(256, "none", "intra") == 4
     assert warps(128, "none", "wu") == 2 and warps(128, "vector", "wu") == 4
     assert warps(256, "scalar", "wu") == 4
-    assert warps(128, "scalar", "intra") == 4 and warps(128, "scalar", "wu") == 4  # untimed
+    assert warps(128, "scalar", "intra") == 2 and warps(128, "scalar", "wu") == 2  # profile-22
     assert warps(256, "vector", "fwd_pass") == kernels.WARPS["fwd_pass"]
     monkeypatch.setitem(kernels.TUNE, "launch.wide_warps",
                         {"fwd_pass:vector": 8, "fwd_pass": 2, "output": 8})

@@ -140,9 +140,10 @@ def grid_id(axis):
 # warps 0.209 -> 0.145 ms (DeltaNet), 0.243 -> 0.221 (KDA); the backward's W, U ("wu": intra
 # given A, or kernels.wu) at 2 0.080 -> 0.072 for DeltaNet but 0.117 -> 0.135 for KDA, so 4
 # there ("<kernel>:<gate mode>" entries win over "<kernel>"). bwd_local and bwd_dlam at 2 or 8,
-# and the twin pass at 8, were slower. Scalar gates (GDN) keep 4 for intra and wu until timed:
-# ptxas finds GDN's intra spilling 92 B at 2 warps (none at 4; DeltaNet 12 B, KDA 8 B).
-WARPS = {"intra": 2, "intra:scalar": 4, "wu": 2, "wu:scalar": 4, "wu:vector": 4, "qk_gram": 2,
+# and the twin pass at 8, were slower. Scalar gates (GDN): intra and wu at 2 too since profile-22
+# (H100, device events, benchmarks/results/profile-22/): intra 0.231 -> 0.191 ms at the anchor,
+# though ptxas counts 184 B of spills in its intra at 2 warps (none at 4).
+WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2,
          "fwd_pass": 4, "output": 4,
          "bwd_local": 4, "bwd_pass": 8, "bwd_dlam": 4, "bwd_leaf": 8, "twin_pass": 4,
          "gates": 4, "row_vjp": 8}
@@ -259,8 +260,11 @@ WARPS = {"intra": 2, "intra:scalar": 4, "wu": 2, "wu:scalar": 4, "wu:vector": 4,
 #               slower at (4,4096,64,128) (3.48 against 1.50 + 1.29), DeltaNet's faster at both
 #               (0.321 against 0.393; 2.26 against 2.66): the setting may name the gate modes
 #               that fuse (``fused_output``), e.g. "none,vector". Profile-14 (launch.tiles_first
-#               on): GDN op fwd+bwd at the anchor 2.06 fused -> 1.98 unfused. Default since
-#               profile-14: DeltaNet and vector gates fuse, scalar gates (GDN) do not.
+#               on): GDN op fwd+bwd at the anchor 2.06 fused -> 1.98 unfused, so from
+#               profile-14 to profile-22 scalar gates did not fuse. Profile-22 (H100, device
+#               events, with GDN's intra and wu at 2 warps): GDN's fused pass 0.280 ms against
+#               the pass 0.160 + output 0.165, fwd+bwd 1.686 -> 1.636 ms. Default: every mode
+#               fuses.
 #   rewy_qk_gram.kslice  qk_gram's Gram blocks (frame blocks and the per-column diagonal
 #               loop) contracted over slices of this many key channels instead of all K at
 #               once (Gates._frame_grams): a [16, K] row operand of a 16-row product sits whole
@@ -502,7 +506,9 @@ WARPS = {"intra": 2, "intra:scalar": 4, "wu": 2, "wu:scalar": 4, "wu:vector": 4,
 #               ("kbar32"; 312 KB at 3). Interpret accuracy (KDA g ≥ −5, (16, 128), TF32
 #               rounded): o 1.72e-3 -> 1.86e-3 (True) / 1.79e-3 ("kbar32"), final state
 #               0.36e-3 -> 1.65e-3 / 0.36e-3 of 5e-3; gradients unchanged (the backward
-#               recomputes). Off, untimed: variants predecayed, pd32.
+#               recomputes). Profile-22 (H100, device events, KDA g ≥ −5 at the anchor): the
+#               fused pass 0.389 -> 0.224 ms plus decayed_rows 0.074; fwd+bwd 2.81 -> 2.70 with
+#               row_frames. Default True since then ("kbar32", variant pd32, was slower).
 #   backward.predecayed  vector gates: the backward's state passes read K̄ and Qγ from
 #               ``decayed_rows`` (formed once per token) instead of forming them from k, q and G
 #               in each value-tile program — in the dtype each pass would round them to (K̄ in
@@ -511,7 +517,8 @@ WARPS = {"intra": 2, "intra:scalar": 4, "wu": 2, "wu:scalar": 4, "wu:vector": 4,
 #               102 KB, 255 registers, 3469 SASS -> 148 KB, 160, 1958 alone (the fp32 Qγ tile
 #               costs shared memory: one program per SM) and 80 KB, 144, 1477 with chunk_qdo
 #               (no Qγ read: two programs per SM, DeltaNet's twin's figures). Off, untimed:
-#               variants bwdpd, bwdpdq, allpd.
+#               variants bwdpd, bwdpdq, allpd. Profile-22: with chunk_qdo the twin pass 0.405 ->
+#               0.275 ms, but bwd_local 0.047 -> 0.124 and decayed_rows +0.05: net ~0. Off.
 #   rewy_qk_gram.row_frames  vector gates with key slices: a row block's frame-product blocks
 #               (every j < i, and the centred diagonal under a declared bound) in one loop over
 #               the key slices (blocks.Gates.row_frame_grams), so the row operands q, Ē are read
@@ -519,7 +526,8 @@ WARPS = {"intra": 2, "intra:scalar": 4, "wu": 2, "wu:scalar": 4, "wu:vector": 4,
 #               once per block (``_frame_grams``: i times in row block i). Bit for bit the
 #               default's P and T (tested). qk_gram is KDA's largest forward kernel after the
 #               fused pass (0.336 ms bounded at the anchor, profile-21; FLA forms its Grams and
-#               inverse in 0.211). Off, untimed: variant qrowf.
+#               inverse in 0.211). Profile-22 (H100, device events, anchor): qk_gram 0.335 ->
+#               0.216 ms (KDA), 0.331 -> 0.216 (GDN2). Default since then (variant qrowf).
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
@@ -527,7 +535,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_qk_gram.pairgrid": False, "recompute.keep_chunk_matrices": True,
             "rewy_intra.unroll": False, "rewy_qk_gram.unroll": False,
             "backward.low_precision": ("S0", "R", "dS", "dR", "dRl", "lam", "W", "U", "A", "dT"),
-            "exp2": True, "fwd_pass.fused_output": ("none", "vector"),
+            "exp2": True, "fwd_pass.fused_output": True,
             "rewy_qk_gram.kslice": 16, "rewy_intra.kslice": 64,
             "backward.native_pass_dots": True,
             "backward.twin_pass": True, "launch.tiles_first": True,
@@ -545,8 +553,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "forward.low_precision_modes": {}, "rewy_qk_gram.centred": True,
             "backward.row_scaled_wu": True, "backward.leaf_maps_in_kernel": False,
             "backward.row_vjp_kernel": False, "backward.chunk_qdo": False,
-            "rewy_bwd_local.tile_loop": False, "fwd_pass.predecayed": False,
-            "backward.predecayed": False, "rewy_qk_gram.row_frames": False}
+            "rewy_bwd_local.tile_loop": False, "fwd_pass.predecayed": True,
+            "backward.predecayed": False, "rewy_qk_gram.row_frames": True}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed

@@ -327,6 +327,12 @@ VARIANTS = {
     # qk_gram's frame products of a row block in one key-slice loop, the row operands scaled
     # once per slice (rewy_qk_gram.row_frames; bit-identical)
     "qrowf": ({"rewy_qk_gram.row_frames": True}, 64, None, None),
+    # the forms that profile-22's winners replaced as defaults (twenty-third session): qk_gram
+    # with one key-slice loop per block, the fused vector pass forming K̄ and Qγ per value
+    # tile, GDN's forward as pass + output kernel (fused_output for the other modes only)
+    "noqrowf": ({"rewy_qk_gram.row_frames": False}, 64, None, None),
+    "nopd": ({"fwd_pass.predecayed": False}, 64, None, None),
+    "unfusedg": ({"fwd_pass.fused_output": ("none", "vector")}, 64, None, None),
     # the small kernels' warps before the twentieth session (intra and wu at 4)
     "w4i": ({"rewy_intra.warps": 4, "rewy_wu.warps": 4}, 64, None, None),
     # the VJP of e = β ⊙ k, z = β ⊙ v in XLA (three fusions) or by kernels.row_scale_vjp (at
