@@ -982,6 +982,8 @@ def test_interpret_forward_low_precision_modes(monkeypatch):
     from pallas_kernels.gpu import api, kernels
 
     assert kernels.DEFAULTS["forward.low_precision_modes"] == {}
+    # GDN's forward unfused (fused by default since profile-22), so that it stores S0, R
+    monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", ("none", "vector"))
     monkeypatch.setitem(kernels.TUNE, "forward.low_precision_modes", {"scalar": ("S0", "R")})
     assert api._forward_dtypes(jnp.bfloat16, 128, "scalar")["S0"] == jnp.bfloat16
     assert api._forward_dtypes(jnp.bfloat16, 128, "none")["S0"] == jnp.float32
