@@ -782,8 +782,8 @@ def test_interpret_qk_gram_row_frames(op, decay, kw, monkeypatch):
     """DEFAULTS "rewy_qk_gram.row_frames" (True since profile-22): qk_gram's frame-product
     blocks of a row — every block left of the diagonal, and the centred diagonal under a
     declared bound — in one key-slice loop give P, T and so the outputs and every gradient bit
-    for bit as one loop per block (False) (exact and centred diagonals, chunks of 2 and 4 row blocks, packed
-    sequences, strong decays)."""
+    for bit as one loop per block (False): exact and centred diagonals, chunks of 2 and 4 row
+    blocks, packed sequences, strong decays."""
     from pallas_kernels.gpu import kernels
 
     inp, cts, kw2 = _bf16_case(op, decay, 59, {k: v for k, v in kw.items() if k != "chunk_size"})
@@ -793,6 +793,30 @@ def test_interpret_qk_gram_row_frames(op, decay, kw, monkeypatch):
     launched = _bit_identical_with(monkeypatch, (op, inp, cts, kw2), "rewy_qk_gram.row_frames",
                                    False)
     assert any(launch["name"] == "rewy_qk_gram" for launch in launched)
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {}),
+                                         ("deltanet", "none", {"n_seqs": 3, "policy": "save"}),
+                                         ("gdn", "strong", {"n_seqs": 2})])
+def test_interpret_leaf_e_rows(op, decay, kw, monkeypatch):
+    """DEFAULTS "backward.leaf_e_rows" (off until timed): under ReWY with no or scalar gates the
+    leaf kernel forms e = βe ⊙ k from k and βe, rounded as api.leaf_product rounds it, instead
+    of reading XLA's e — the outputs and every gradient bit for bit (both policies, packed
+    sequences, strong decays, β in [0, 2]); the leaf got βe and no e."""
+    from pallas_kernels.gpu import kernels
+
+    inp, cts, kw2 = _bf16_case(op, decay, 61, kw)
+    got = []
+    leaf = kernels.bwd_leaf
+    monkeypatch.setattr(kernels, "bwd_leaf", lambda *a, **k: got.append(
+        (a[3] is None, k.get("e_scale") is not None)) or leaf(*a, **k))
+    _bit_identical_with(monkeypatch, (op, inp, cts, kw2), "backward.leaf_e_rows", True)
+    assert got == [(False, False), (True, True)], got  # the default run, then the option's
+    got.clear()  # the seven-product backward's bwd_dlam reads e: it keeps XLA's
+    jax.clear_caches()
+    testing.loss_and_grads(op, inp, cts, **dict(kw2, backward="wy"))
+    assert got == [(False, False)], got
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
@@ -1510,6 +1534,8 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("kda", 128, 128, jnp.bfloat16, {"_tune": "noqrowf", "gate_lower_bound": -5.0}, False),
     ("gdn2", 64, 64, jnp.bfloat16, {"_tune": "noqrowf"}, True),
     ("gdn", 128, 128, jnp.bfloat16, {"_tune": "w4i+unfusedg"}, False),
+    ("deltanet", 128, 128, jnp.bfloat16, {"_tune": "leafe"}, True),
+    ("gdn", 64, 64, jnp.bfloat16, {"_tune": "leafe"}, False),
 ]
 # "_tune": kernel settings of profile_kernels.VARIANTS ("a+b": several) that change what the
 # kernels lower to — options off by default, or the forms the defaults replaced

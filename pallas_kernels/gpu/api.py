@@ -309,12 +309,17 @@ def _bwd(cfg, res, cts):
     # β's leaf maps Ē = βe ⊙ k, Z = βz ⊙ v differentiated in the kernels, or (DEFAULTS
     # "backward.leaf_maps_in_kernel" off, measured faster) by the kernels' e, z path and XLA
     leaf_in_kernel = rows is not None and kn.setting("backward.leaf_maps_in_kernel")
+    # ReWY, no or scalar gates: the leaf forms e = βe ⊙ k from k itself, bit for bit (DEFAULTS
+    # "backward.leaf_e_rows"), so that XLA neither writes e nor the leaf reads it back
+    e_rows = (rows is not None and not leaf_in_kernel and cfg.backward != "wy"
+              and s.mode != "vector" and kn.setting("backward.leaf_e_rows"))
     if rows is not None and not leaf_in_kernel:
-        e, z_v, z = leaf_product(rows[0], k), z, leaf_product(rows[1], z)
+        e, z_v, z = None if e_rows else leaf_product(rows[0], k), z, leaf_product(rows[1], z)
     dq, dk, de, dz, dg, drows = kn.bwd_chunk(
         s, q, k, e, z, G, A, S0, dSe, R, dO, dR, backward=cfg.backward,
         dtypes=(q.dtype, k.dtype, k.dtype if e is None else e.dtype, z.dtype), interpret=it,
-        lam_dtype=sd["lam"], dt_dtype=sd["dT"], rows=rows if leaf_in_kernel else None)
+        lam_dtype=sd["lam"], dt_dtype=sd["dT"], rows=rows if leaf_in_kernel else None,
+        e_scale=rows[0] if e_rows else None)
     if rows is not None and not leaf_in_kernel and kn.setting("backward.row_vjp_kernel"):
         dk, dz, dbe, dbz = kn.row_scale_vjp(dk, de, k, dz, z_v, *rows, C=s.C, interpret=it)
         de, drows = None, (dbe, dbz)

@@ -528,6 +528,13 @@ WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2,
 #               fused pass (0.336 ms bounded at the anchor, profile-21; FLA forms its Grams and
 #               inverse in 0.211). Profile-22 (H100, device events, anchor): qk_gram 0.335 ->
 #               0.216 ms (KDA), 0.331 -> 0.216 (GDN2). Default since then (variant qrowf).
+#   backward.leaf_e_rows  ReWY with no or scalar gates (DeltaNet, GDN): bwd_leaf forms e = βe ⊙ k
+#               from k and βe, rounded as api.leaf_product rounds it (bit for bit, tested),
+#               instead of reading an e that XLA formed and stored (profile-22, DeltaNet at the
+#               anchor: that fusion 0.026 ms, and the leaf reads one [B,T,H,K] tensor less).
+#               Unlike "backward.leaf_maps_in_kernel" (slower in profile-20/22) the leaf's
+#               outputs are unchanged: de still goes to XLA's VJP of the row scale. Off, untimed:
+#               variant leafe.
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
@@ -554,7 +561,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "backward.row_scaled_wu": True, "backward.leaf_maps_in_kernel": False,
             "backward.row_vjp_kernel": False, "backward.chunk_qdo": False,
             "rewy_bwd_local.tile_loop": False, "fwd_pass.predecayed": True,
-            "backward.predecayed": False, "rewy_qk_gram.row_frames": True}
+            "backward.predecayed": False, "rewy_qk_gram.row_frames": True,
+            "backward.leaf_e_rows": False}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -1768,7 +1776,7 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
 
 
 def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, backward, dtypes,
-             interpret, be=None):
+             interpret, be=None, e_scale=None):
     """Leaf gradients, grid (N, B·H, K/BK): every map below acts per key channel, so key tiles
     are independent (rewy-math §5–§6, raw frame):
 
@@ -1788,6 +1796,12 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     diag(βe) dT (dTᵀ Ē = (diag(βe) dT)ᵀ k), and the leaf map e = βe ⊙ k is differentiated here:
     dk gains βe ⊙ de, and instead of de the third output is dβe's part Σ de ⊙ k over each key
     tile, [B,Tp,H,K/BK] fp32 (summed outside).
+
+    e_scale: βe [B,Tp,H] fp32 with e None, no or scalar gates (DEFAULTS "backward.leaf_e_rows"):
+    e's rows formed here as βe ⊙ k rounded to e's dtype — bit for bit ``api.leaf_product``'s e
+    — instead of read, so that no e is formed, stored and read back outside (DeltaNet at the
+    anchor: an XLA fusion of 0.026 ms, profile-22, and one [B,T,H,K] read less here). The
+    outputs are the same as with e.
     """
     n, C, prec, mode, K, V = s.n, s.C, s.prec, s.mode, s.K, s.V
     BK = s.BK
@@ -1796,14 +1810,19 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     rowgrid = mode == "vector" and bool(setting("rewy_bwd_leaf.rowgrid"))
     diag = "centred" if s.centred else setting("rewy_bwd_leaf.exact_diag")
     shared = bool(setting("rewy_bwd_leaf.shared_decay"))
-    with_be = be is not None
+    with_be, with_es = be is not None, e_scale is not None
+    if with_es and (with_be or mode == "vector" or e is not None):
+        raise ValueError("bwd_leaf: e_scale needs e None, no βe, and no or scalar gates")
 
     def kernel(*refs):
         refs = list(refs)
-        be_ref = dbe_ref = None
+        be_ref = dbe_ref = es_ref = None
         if with_be:  # input βe last, output dβe's part last; no e, no de
             dbe_ref = refs.pop()
             be_ref = refs.pop(n_in - 1)
+            refs.insert(2, None)  # e
+        if with_es:  # input βe last; e formed from k
+            es_ref = refs.pop(n_in - 1)
             refs.insert(2, None)  # e
         if mode == "none":
             refs.insert(3, None)
@@ -1815,7 +1834,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
          dT_ref, dAqk_ref, dq_ref, dk_ref, de_ref) = refs[:16]
         dg_refs = refs[16:18] if mode != "none" else None
         if mode != "vector":
-            return _leaf_full(refs[:16], dg_refs, be_ref, dbe_ref)
+            return _leaf_full(refs[:16], dg_refs, be_ref, dbe_ref, es_ref)
         pairs_ref, path_ref = dg_refs
         gt = Gates(mode, G_ref, 0, C, diag)
         qs, ks = Rows(q_ref), Rows(k_ref)
@@ -1888,7 +1907,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             for i in range(n):
                 row_block(i)
 
-    def _leaf_full(refs, dg_refs, be_ref, dbe_ref):
+    def _leaf_full(refs, dg_refs, be_ref, dbe_ref, es_ref):
         """No or scalar gates: every decay is one [C, C] matrix D_rs = e^{G_r − G_s} (s < r,
         masked before exp; the diagonal's factor is 1), so the leaf maps are whole-chunk
         matmuls (no sub-chunk frames)."""
@@ -1897,7 +1916,11 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         r, c = iota((C, C), 0), iota((C, C), 1)
         qc, kc = load_rows(q_ref, 0, C), load_rows(k_ref, 0, C)
         be = None if be_ref is None else load_rows(be_ref, 0, C)[:, None]  # [C, 1]
-        ec = load_rows(e_ref, 0, C) if be is None else be * kc
+        if es_ref is not None:  # e = βe ⊙ k rounded to e's dtype, as api.leaf_product forms it
+            e_stored = (load_rows(es_ref, 0, C)[:, None] * kc).astype(ed)
+        else:
+            e_stored = None if be is not None else load_rows(e_ref, 0, C, None)
+        ec = be * kc if be is not None else e_stored.astype(F32)
         S0, dSe = S0_ref[...], dSe_ref[...]  # as stored (backward.low_precision)
         if mode == "none":
             D, gam, tail, gl = None, None, None, None
@@ -1929,7 +1952,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         # so ungated it stays a native product: one rounding, as e's own was)
         ks_, qs_ = load_rows(k_ref, 0, C, None), load_rows(q_ref, 0, C, None)
         if be is None:
-            es_, dT_e = load_rows(e_ref, 0, C, None), dT
+            es_, dT_e = e_stored, dT
         else:
             es_, dT_e = ks_, (be * dT.astype(F32)).astype(dT.dtype)
         de = dEs + dot_stored(dT, ks_, prec)
@@ -1978,11 +2001,13 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     mat = pl.BlockSpec((None, None, None, C, C), lambda m, bh, kt: (bh // H, bh % H, ch(m), 0, 0))
     row = pl.BlockSpec((None, C, None), lambda m, bh, kt: (bh // H, ch(m), bh % H))
     gate = row if mode == "scalar" else tok_k
-    ins = [q, k] + ([] if with_be else [e]) + ([] if mode == "none" else [G]) + (
-        [A] if wy else []) + [S0, dSe, lam, R, dO, dR, dT, dAqk] + ([be] if with_be else [])
-    in_specs = [tok_k] * (2 if with_be else 3) + ([] if mode == "none" else [gate]) + (
+    no_e = with_be or with_es
+    ins = [q, k] + ([] if no_e else [e]) + ([] if mode == "none" else [G]) + (
+        [A] if wy else []) + [S0, dSe, lam, R, dO, dR, dT, dAqk] + ([be] if with_be else []) + (
+        [e_scale] if with_es else [])
+    in_specs = [tok_k] * (2 if no_e else 3) + ([] if mode == "none" else [gate]) + (
         [mat] if wy else []) + [st_k, st_k, tok_v, tok_v, tok_v, tok_v, mat, mat] + (
-        [row] if with_be else [])
+        [row] if no_e else [])
     n_in = len(ins)
     qd, kd, ed = dtypes
     # per key tile: a [C, 1] column per (chunk, head, tile) of [B,Tp,H,K/BK] fp32
@@ -2006,13 +2031,15 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
 
 
 def bwd_chunk(s: Shape, q, k, e, z, G, A, S0, dSe, R, dO, dR, *, backward, dtypes, interpret,
-              lam_dtype=F32, dt_dtype=F32, rows=None):
+              lam_dtype=F32, dt_dtype=F32, rows=None, e_scale=None):
     """Per-chunk cotangents (raw frame): dq, dk, de [B,Tp,H,K], dz [B,Tp,H,V], the gate
     gradient's two parts (pairs, path) per token ([B,Tp,H] for scalar gates; ``bwd_leaf``) or
     None, and None.
     lam_dtype, dt_dtype: how Λ and dT, dA_qk are stored between the two kernels.
     rows = (βe, βz) [B,Tp,H] fp32, e None and z = v: Ē = βe ⊙ k and Z = βz ⊙ v, differentiated
     in-kernel — then (dq, dk, None, dv, dg parts, (dβe, dβz)), dk and dv through Ē and Z too.
+    e_scale: βe with e None (ReWY, no or scalar gates): the leaf forms e = βe ⊙ k itself
+    (``bwd_leaf``); bwd_dlam reads no e under ReWY.
 
     Two kernels, so that neither holds a chunk's worth of [C, K] and [C, V] blocks at once:
     bwd_dlam (the C×C core: Λ, dT, dA_qk) then bwd_leaf (key-tiled leaf maps and dg's parts).
@@ -2026,7 +2053,8 @@ def bwd_chunk(s: Shape, q, k, e, z, G, A, S0, dSe, R, dO, dR, *, backward, dtype
         lam, dT, dAqk, dz, dbz = bwd_dlam(s, A, R, dO, dR, k, z, G, S0, lam_dtype=lam_dtype,
                                           dt_dtype=dt_dtype, rows=rows, **kw)
     dq, dk, de, dg_parts = bwd_leaf(s, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk,
-                                    dtypes=dtypes[:3], be=None if rows is None else rows[0], **kw)
+                                    dtypes=dtypes[:3], be=None if rows is None else rows[0],
+                                    e_scale=e_scale, **kw)
     if rows is not None:  # de's place holds dβe's per-key-tile parts
         de, drows = None, (jnp.sum(de, axis=-1), dbz)
     if dg_parts is not None and s.mode == "scalar":
