@@ -25,6 +25,7 @@ import gc  # noqa: E402
 import importlib.metadata as md  # noqa: E402
 import platform  # noqa: E402
 import shlex  # noqa: E402
+import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -227,18 +228,24 @@ def main(argv=None):
         else:
             report.write_json(out_dir / f"{stem}.json", {**result, "rows": report.add_derived(result["rows"])})
 
+    # gpu_run.sh stops a process past BENCH_TIMEOUT with SIGTERM (SIGKILL 10 s later): exit
+    # through the finally below, so that the tables of what was measured are still written
+    # (a one-shape process stopped during FLA's autotune or the accuracy check wrote nothing)
+    on_term = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         for shape in shape_list:
             for op in ops:
                 rows = run_group(a, shape, op, impl_list, unavailable, meta, rounds, run_id, elapsed,
                                  device_inputs, I, roofline, mode)
+                result["rows"].extend(rows)
+                save()  # the timings first: a process stopped in the accuracy check keeps them
                 if refs is not None:
                     acc_shape = S.accuracy_shape(shape, smoke=mode == "smoke")
                     check_accuracy(op, acc_shape, impl_list, unavailable, rows, refs, acc_cache, elapsed, a)
-                result["rows"].extend(rows)
-                save()
+                    save()
                 gc.collect()
     finally:
+        signal.signal(signal.SIGTERM, on_term)
         if refs is not None:
             refs.stop()
         save(final=True)

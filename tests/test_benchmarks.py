@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -82,6 +84,34 @@ def smoke(tmp_path_factory):
                    "--stem", "smoke", "--gpu-lock", str(out / "gpu.lock")])  # the lock's
     assert rc == 0  # shared (set-up, accuracy) and exclusive (timing) turns, never nested
     return out, json.loads((out / "smoke.json").read_text())
+
+
+def test_stopped_run_keeps_its_timings(tmp_path, monkeypatch):
+    """A benchmark process that gpu_run.sh stops (SIGTERM past BENCH_TIMEOUT) during the
+    accuracy check exits through SystemExit and still writes the rows it timed, and the
+    process's SIGTERM handler is restored after."""
+    import signal
+
+    from benchmarks import run
+
+    def stop(*a, **k):  # what `timeout` does to the process, here mid-check
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this returns
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(run, "check_accuracy", stop)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--cpu-smoke", "--shapes", TINY, "--ops", "gdn", "--rounds", "1", "--sets", "1",
+                  "--impls", "xla rewy/recompute", "--out-dir", str(tmp_path), "--stem", "stopped",
+                  "--gpu-lock", str(tmp_path / "gpu.lock")])
+    assert exc.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+    rows = json.loads((tmp_path / "stopped.json").read_text())["rows"]
+    ours = [r for r in rows if r["impl"] == "ours xla rewy/recompute"]
+    assert ours and ours[0]["status"] == "ok" and ours[0]["ms"]["fwdbwd"] > 0
+    assert "accuracy" not in ours[0]  # stopped before it was checked
+    assert (tmp_path / "stopped.md").exists()
 
 
 def test_smoke_run_times_and_checks(smoke):

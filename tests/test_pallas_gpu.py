@@ -800,10 +800,10 @@ def test_interpret_qk_gram_row_frames(op, decay, kw, monkeypatch):
                                          ("deltanet", "none", {"n_seqs": 3, "policy": "save"}),
                                          ("gdn", "strong", {"n_seqs": 2})])
 def test_interpret_leaf_e_rows(op, decay, kw, monkeypatch):
-    """DEFAULTS "backward.leaf_e_rows" (off until timed): under ReWY with no or scalar gates the
-    leaf kernel forms e = βe ⊙ k from k and βe, rounded as api.leaf_product rounds it, instead
-    of reading XLA's e — the outputs and every gradient bit for bit (both policies, packed
-    sequences, strong decays, β in [0, 2]); the leaf got βe and no e."""
+    """DEFAULTS "backward.leaf_e_rows" (True since profile-23): under ReWY with no or scalar
+    gates the leaf kernel forms e = βe ⊙ k from k and βe, rounded as api.leaf_product rounds
+    it, instead of reading XLA's e (False) — the outputs and every gradient bit for bit (both
+    policies, packed sequences, strong decays, β in [0, 2]); the leaf got βe and no e."""
     from pallas_kernels.gpu import kernels
 
     inp, cts, kw2 = _bf16_case(op, decay, 61, kw)
@@ -811,8 +811,10 @@ def test_interpret_leaf_e_rows(op, decay, kw, monkeypatch):
     leaf = kernels.bwd_leaf
     monkeypatch.setattr(kernels, "bwd_leaf", lambda *a, **k: got.append(
         (a[3] is None, k.get("e_scale") is not None)) or leaf(*a, **k))
-    _bit_identical_with(monkeypatch, (op, inp, cts, kw2), "backward.leaf_e_rows", True)
-    assert got == [(False, False), (True, True)], got  # the default run, then the option's
+    assert kernels.setting("backward.leaf_e_rows") is True
+    _bit_identical_with(monkeypatch, (op, inp, cts, kw2), "backward.leaf_e_rows", False)
+    assert got == [(True, True), (False, False)], got  # the default run, then XLA's e
+    monkeypatch.setitem(kernels.TUNE, "backward.leaf_e_rows", True)
     got.clear()  # the seven-product backward's bwd_dlam reads e: it keeps XLA's
     jax.clear_caches()
     testing.loss_and_grads(op, inp, cts, **dict(kw2, backward="wy"))
@@ -1534,8 +1536,8 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("kda", 128, 128, jnp.bfloat16, {"_tune": "noqrowf", "gate_lower_bound": -5.0}, False),
     ("gdn2", 64, 64, jnp.bfloat16, {"_tune": "noqrowf"}, True),
     ("gdn", 128, 128, jnp.bfloat16, {"_tune": "w4i+unfusedg"}, False),
-    ("deltanet", 128, 128, jnp.bfloat16, {"_tune": "leafe"}, True),
-    ("gdn", 64, 64, jnp.bfloat16, {"_tune": "leafe"}, False),
+    ("deltanet", 128, 128, jnp.bfloat16, {"_tune": "noleafe"}, True),
+    ("gdn", 64, 64, jnp.bfloat16, {"_tune": "noleafe"}, False),
 ]
 # "_tune": kernel settings of profile_kernels.VARIANTS ("a+b": several) that change what the
 # kernels lower to — options off by default, or the forms the defaults replaced

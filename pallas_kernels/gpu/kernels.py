@@ -536,7 +536,10 @@ WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2,
 #               outputs are unchanged: de still goes to XLA's VJP of the row scale. ptxas (sm_90,
 #               K = 128, 8 warps, 3 stages): DeltaNet's leaf 72 -> 80 KB, 138 registers either
 #               way, SASS 536 -> 600, no spills; GDN's 104 -> 120 KB, 254 -> 255 registers with
-#               52 B of spills (none before). Off, untimed: variant leafe.
+#               52 B of spills (none before). Profile-23 (H100, device events, anchor):
+#               DeltaNet fwd+bwd 1.144 -> 1.107 ms (leaf 0.214 -> 0.203, XLA glue 0.108 ->
+#               0.083), GDN 1.638 -> 1.614 (leaf 0.488 -> 0.478, glue 0.121 -> 0.098). Default
+#               since then (variant noleafe: XLA's e).
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
@@ -564,7 +567,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "backward.row_vjp_kernel": False, "backward.chunk_qdo": False,
             "rewy_bwd_local.tile_loop": False, "fwd_pass.predecayed": True,
             "backward.predecayed": False, "rewy_qk_gram.row_frames": True,
-            "backward.leaf_e_rows": False}
+            "backward.leaf_e_rows": True}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed

@@ -331,8 +331,9 @@ VARIANTS = {
     # with one key-slice loop per block, the fused vector pass forming K̄ and Qγ per value
     # tile, GDN's forward as pass + output kernel (fused_output for the other modes only)
     # the leaf forming e = βe ⊙ k itself instead of reading XLA's (backward.leaf_e_rows;
-    # bit-identical; DeltaNet and GDN under ReWY)
+    # bit-identical; DeltaNet and GDN under ReWY; default since profile-23) or not
     "leafe": ({"backward.leaf_e_rows": True}, 64, None, None),
+    "noleafe": ({"backward.leaf_e_rows": False}, 64, None, None),
     "noqrowf": ({"rewy_qk_gram.row_frames": False}, 64, None, None),
     "nopd": ({"fwd_pass.predecayed": False}, 64, None, None),
     "unfusedg": ({"fwd_pass.fused_output": ("none", "vector")}, 64, None, None),
