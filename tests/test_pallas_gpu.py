@@ -796,24 +796,33 @@ def test_interpret_qk_gram_row_frames(op, decay, kw, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {}),
-                                         ("deltanet", "none", {"n_seqs": 3, "policy": "save"}),
-                                         ("gdn", "strong", {"n_seqs": 2})])
-def test_interpret_leaf_e_rows(op, decay, kw, monkeypatch):
-    """DEFAULTS "backward.leaf_e_rows" (True since profile-23): under ReWY with no or scalar
-    gates the leaf kernel forms e = βe ⊙ k from k and βe, rounded as api.leaf_product rounds
-    it, instead of reading XLA's e (False) — the outputs and every gradient bit for bit (both
-    policies, packed sequences, strong decays, β in [0, 2]); the leaf got βe and no e."""
+@pytest.mark.parametrize("op,decay,kw,diag", [
+    ("deltanet", "none", {}, None),
+    ("deltanet", "none", {"n_seqs": 3, "policy": "save"}, None),
+    ("gdn", "strong", {"n_seqs": 2}, None),
+    ("kda", "strong", {"n_seqs": 2}, "levels"),  # vector gates: their default exact diagonals
+    ("kda", "normal", {"gate_lower_bound": -5.0}, None),  # the centred ones
+    ("kda", "normal", {}, "loop")])  # per-pair diagonals: XLA's e, always
+def test_interpret_leaf_e_rows(op, decay, kw, diag, monkeypatch):
+    """DEFAULTS "backward.leaf_e_rows" (no and scalar gates since profile-23; vector gates by
+    TUNE True): under ReWY the leaf kernel forms e = βe ⊙ k from k and βe, rounded as
+    api.leaf_product rounds it, instead of reading XLA's e — the outputs and every gradient
+    bit for bit (both policies, packed sequences, strong decays, β in [0, 2], every diagonal
+    form); the leaf got βe and no e, except with vector gates' per-pair diagonals."""
     from pallas_kernels.gpu import kernels
 
     inp, cts, kw2 = _bf16_case(op, decay, 61, kw)
+    if diag is not None:
+        monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.exact_diag", diag)
+    assert kernels.DEFAULTS["backward.leaf_e_rows"] == ("none", "scalar")
+    monkeypatch.setitem(kernels.TUNE, "backward.leaf_e_rows", True)
     got = []
     leaf = kernels.bwd_leaf
     monkeypatch.setattr(kernels, "bwd_leaf", lambda *a, **k: got.append(
         (a[3] is None, k.get("e_scale") is not None)) or leaf(*a, **k))
-    assert kernels.setting("backward.leaf_e_rows") is True
     _bit_identical_with(monkeypatch, (op, inp, cts, kw2), "backward.leaf_e_rows", False)
-    assert got == [(True, True), (False, False)], got  # the default run, then XLA's e
+    formed = diag != "loop"
+    assert got == [(formed, formed), (False, False)], got  # with the option, then XLA's e
     monkeypatch.setitem(kernels.TUNE, "backward.leaf_e_rows", True)
     got.clear()  # the seven-product backward's bwd_dlam reads e: it keeps XLA's
     jax.clear_caches()
@@ -1538,6 +1547,8 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("gdn", 128, 128, jnp.bfloat16, {"_tune": "w4i+unfusedg"}, False),
     ("deltanet", 128, 128, jnp.bfloat16, {"_tune": "noleafe"}, True),
     ("gdn", 64, 64, jnp.bfloat16, {"_tune": "noleafe"}, False),
+    ("kda", 128, 128, jnp.bfloat16, {"_tune": "leafev", "gate_lower_bound": -5.0}, False),
+    ("kda", 64, 64, jnp.bfloat16, {"_tune": "leafev"}, True),
 ]
 # "_tune": kernel settings of profile_kernels.VARIANTS ("a+b": several) that change what the
 # kernels lower to — options off by default, or the forms the defaults replaced

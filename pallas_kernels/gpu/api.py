@@ -309,10 +309,11 @@ def _bwd(cfg, res, cts):
     # β's leaf maps Ē = βe ⊙ k, Z = βz ⊙ v differentiated in the kernels, or (DEFAULTS
     # "backward.leaf_maps_in_kernel" off, measured faster) by the kernels' e, z path and XLA
     leaf_in_kernel = rows is not None and kn.setting("backward.leaf_maps_in_kernel")
-    # ReWY, no or scalar gates: the leaf forms e = βe ⊙ k from k itself, bit for bit (DEFAULTS
-    # "backward.leaf_e_rows"), so that XLA neither writes e nor the leaf reads it back
+    # ReWY: the leaf forms e = βe ⊙ k from k itself, bit for bit (DEFAULTS
+    # "backward.leaf_e_rows"), so that XLA neither writes e nor the leaf reads it back; the
+    # seven-product backward's bwd_dlam reads e too
     e_rows = (rows is not None and not leaf_in_kernel and cfg.backward != "wy"
-              and s.mode != "vector" and kn.setting("backward.leaf_e_rows"))
+              and kn.leaf_e_rows(s))
     if rows is not None and not leaf_in_kernel:
         e, z_v, z = None if e_rows else leaf_product(rows[0], k), z, leaf_product(rows[1], z)
     dq, dk, de, dz, dg, drows = kn.bwd_chunk(

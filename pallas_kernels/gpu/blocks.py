@@ -558,6 +558,20 @@ class Rows:
         return load_rows(self.ref, self.base + i * BS)
 
 
+class ScaledRows:
+    """``Rows`` of x = scale ⊙ y formed from a [C, D] ref of y and a [C] ref of the row scales:
+    each block as scale_r · y_r in fp32, rounded to ``dtype`` (how the kernels would have
+    stored x) and read back as fp32 — bit for bit the rows of a stored x formed so
+    (``api.leaf_product``)."""
+
+    def __init__(self, ref, scale_ref, dtype):
+        self.ref, self.scale_ref, self.dtype = ref, scale_ref, dtype
+
+    def __getitem__(self, i):
+        x = load_rows(self.scale_ref, i * BS)[:, None] * load_rows(self.ref, i * BS)
+        return x.astype(self.dtype).astype(F32)
+
+
 class Blocks:
     """Lazy [16, 16] blocks of a [C, C] ref: ``Blocks(ref)[i, j]``; with ``zero_diagonal`` the
     matrix's diagonal reads as 0 (``diagonal(i)`` gives it, [BS, 1]); with ``row_scale`` (a [C]

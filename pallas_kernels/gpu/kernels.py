@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Gates, Rows, _sum, dot, dot_split, dot_stored, exp,
+from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Gates, Rows, ScaledRows, _sum, dot, dot_split, dot_stored, exp,
                                        inv_blocks, iota, load_rows)
 
 try:  # the Triton lowering's params; it warns that it is deprecated (design.md): silence here.
@@ -539,7 +539,11 @@ WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2,
 #               52 B of spills (none before). Profile-23 (H100, device events, anchor):
 #               DeltaNet fwd+bwd 1.144 -> 1.107 ms (leaf 0.214 -> 0.203, XLA glue 0.108 ->
 #               0.083), GDN 1.638 -> 1.614 (leaf 0.488 -> 0.478, glue 0.121 -> 0.098). Default
-#               since then (variant noleafe: XLA's e).
+#               since then for those modes (variant noleafe: XLA's e). Vector gates (KDA,
+#               twenty-third session, variant leafev) form e through blocks.ScaledRows, except
+#               with per-pair diagonals: untimed, off — ptxas (KDA bounded, K = 128, 4 warps)
+#               150 -> 152 registers and SASS 4504 -> 4744 in a leaf of 0.93 ms that is bound
+#               by instruction issue, against the same 0.026-ms fusion saved.
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
@@ -567,7 +571,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "backward.row_vjp_kernel": False, "backward.chunk_qdo": False,
             "rewy_bwd_local.tile_loop": False, "fwd_pass.predecayed": True,
             "backward.predecayed": False, "rewy_qk_gram.row_frames": True,
-            "backward.leaf_e_rows": True}
+            "backward.leaf_e_rows": ("none", "scalar")}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -604,6 +608,15 @@ def chunk_qdo(mode):
     """Whether the backward forms each chunk's Qγᵀ dO in ``bwd_local`` for the reverse pass
     (DEFAULTS "backward.chunk_qdo": True / False, or the gate modes it applies to)."""
     return _names_mode("backward.chunk_qdo", mode)
+
+
+def leaf_e_rows(s):
+    """Whether ``bwd_leaf`` forms e = βe ⊙ k itself for shape ``s`` (DEFAULTS
+    "backward.leaf_e_rows": True / False, or the gate modes it applies to) — never with vector
+    gates' per-pair ("loop") diagonals, which read e's rows from memory one token at a time."""
+    loop_diag = (s.mode == "vector" and not s.centred
+                 and setting("rewy_bwd_leaf.exact_diag") == "loop")
+    return _names_mode("backward.leaf_e_rows", s.mode) and not loop_diag
 
 
 def fused_output(mode):
@@ -1802,11 +1815,12 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     dk gains βe ⊙ de, and instead of de the third output is dβe's part Σ de ⊙ k over each key
     tile, [B,Tp,H,K/BK] fp32 (summed outside).
 
-    e_scale: βe [B,Tp,H] fp32 with e None, no or scalar gates (DEFAULTS "backward.leaf_e_rows"):
-    e's rows formed here as βe ⊙ k rounded to e's dtype — bit for bit ``api.leaf_product``'s e
-    — instead of read, so that no e is formed, stored and read back outside (DeltaNet at the
-    anchor: an XLA fusion of 0.026 ms, profile-22, and one [B,T,H,K] read less here). The
-    outputs are the same as with e.
+    e_scale: βe [B,Tp,H] fp32 with e None (DEFAULTS "backward.leaf_e_rows"): e's rows formed
+    here as βe ⊙ k rounded to e's dtype — bit for bit ``api.leaf_product``'s e — instead of
+    read, so that no e is formed, stored and read back outside (DeltaNet at the anchor: an XLA
+    fusion of 0.026 ms, profile-22, and one [B,T,H,K] read less here). The outputs are the same
+    as with e. Vector gates: not with the per-pair ("loop") diagonals, which read e's rows one
+    token at a time from the ref.
     """
     n, C, prec, mode, K, V = s.n, s.C, s.prec, s.mode, s.K, s.V
     BK = s.BK
@@ -1816,8 +1830,8 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     diag = "centred" if s.centred else setting("rewy_bwd_leaf.exact_diag")
     shared = bool(setting("rewy_bwd_leaf.shared_decay"))
     with_be, with_es = be is not None, e_scale is not None
-    if with_es and (with_be or mode == "vector" or e is not None):
-        raise ValueError("bwd_leaf: e_scale needs e None, no βe, and no or scalar gates")
+    if with_es and (with_be or e is not None or (mode == "vector" and diag == "loop")):
+        raise ValueError("bwd_leaf: e_scale needs e None, no βe, and no per-pair diagonals")
 
     def kernel(*refs):
         refs = list(refs)
@@ -1844,9 +1858,13 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         gt = Gates(mode, G_ref, 0, C, diag)
         qs, ks = Rows(q_ref), Rows(k_ref)
         dT, dAqk = Blocks(dT_ref), Blocks(dAqk_ref, zero_diagonal=True)
-        # what dT meets in dk: Ē's rows as stored, or k's with βe on dT's rows
-        dT_e, es, e_src = ((dT, Rows(e_ref), e_ref) if be_ref is None
-                           else (Blocks(dT_ref, row_scale=be_ref), ks, k_ref))
+        # what dT meets in dk: Ē's rows as stored (or formed here from k), or k's with βe on
+        # dT's rows
+        if be_ref is not None:
+            dT_e, es, e_src = Blocks(dT_ref, row_scale=be_ref), ks, k_ref
+        else:  # e_src None with e_scale: only the per-pair diagonals read it (refused above)
+            dT_e, es, e_src = (dT, Rows(e_ref), e_ref) if es_ref is None else (
+                dT, ScaledRows(k_ref, es_ref, ed), None)
         A = Blocks(A_ref) if wy else None
         dW_memo = {}
 

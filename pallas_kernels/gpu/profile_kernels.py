@@ -332,8 +332,9 @@ VARIANTS = {
     # tile, GDN's forward as pass + output kernel (fused_output for the other modes only)
     # the leaf forming e = βe ⊙ k itself instead of reading XLA's (backward.leaf_e_rows;
     # bit-identical; DeltaNet and GDN under ReWY; default since profile-23) or not
-    "leafe": ({"backward.leaf_e_rows": True}, 64, None, None),
+    "leafe": ({"backward.leaf_e_rows": ("none", "scalar")}, 64, None, None),
     "noleafe": ({"backward.leaf_e_rows": False}, 64, None, None),
+    "leafev": ({"backward.leaf_e_rows": True}, 64, None, None),  # vector gates too
     "noqrowf": ({"rewy_qk_gram.row_frames": False}, 64, None, None),
     "nopd": ({"fwd_pass.predecayed": False}, 64, None, None),
     "unfusedg": ({"fwd_pass.fused_output": ("none", "vector")}, 64, None, None),
