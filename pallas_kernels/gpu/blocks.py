@@ -558,18 +558,21 @@ class Rows:
         return load_rows(self.ref, self.base + i * BS)
 
 
+def load_scaled_rows(ref, scale_ref, start, rows, dtype):
+    """Rows ``start .. start+rows`` of x = scale ⊙ y from a [R, D] ref of y and an [R] ref of
+    the row scales: scale_r · y_r in fp32 rounded to ``dtype`` — bit for bit a stored x formed
+    so (``api.leaf_product``), without x being stored."""
+    return (load_rows(scale_ref, start, rows)[:, None] * load_rows(ref, start, rows)).astype(dtype)
+
+
 class ScaledRows:
-    """``Rows`` of x = scale ⊙ y formed from a [C, D] ref of y and a [C] ref of the row scales:
-    each block as scale_r · y_r in fp32, rounded to ``dtype`` (how the kernels would have
-    stored x) and read back as fp32 — bit for bit the rows of a stored x formed so
-    (``api.leaf_product``)."""
+    """``Rows`` of x = scale ⊙ y (``load_scaled_rows``), each block read back as fp32."""
 
     def __init__(self, ref, scale_ref, dtype):
         self.ref, self.scale_ref, self.dtype = ref, scale_ref, dtype
 
     def __getitem__(self, i):
-        x = load_rows(self.scale_ref, i * BS)[:, None] * load_rows(self.ref, i * BS)
-        return x.astype(self.dtype).astype(F32)
+        return load_scaled_rows(self.ref, self.scale_ref, i * BS, BS, self.dtype).astype(F32)
 
 
 class Blocks:

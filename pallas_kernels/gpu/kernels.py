@@ -45,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Gates, Rows, ScaledRows, _sum, dot, dot_split, dot_stored, exp,
-                                       inv_blocks, iota, load_rows)
+                                       inv_blocks, iota, load_rows, load_scaled_rows)
 
 try:  # the Triton lowering's params; it warns that it is deprecated (design.md): silence here.
     with warnings.catch_warnings():
@@ -1940,7 +1940,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         qc, kc = load_rows(q_ref, 0, C), load_rows(k_ref, 0, C)
         be = None if be_ref is None else load_rows(be_ref, 0, C)[:, None]  # [C, 1]
         if es_ref is not None:  # e = βe ⊙ k rounded to e's dtype, as api.leaf_product forms it
-            e_stored = (load_rows(es_ref, 0, C)[:, None] * kc).astype(ed)
+            e_stored = load_scaled_rows(k_ref, es_ref, 0, C, ed)
         else:
             e_stored = None if be is not None else load_rows(e_ref, 0, C, None)
         ec = be * kc if be is not None else e_stored.astype(F32)
@@ -2061,8 +2061,8 @@ def bwd_chunk(s: Shape, q, k, e, z, G, A, S0, dSe, R, dO, dR, *, backward, dtype
     lam_dtype, dt_dtype: how Λ and dT, dA_qk are stored between the two kernels.
     rows = (βe, βz) [B,Tp,H] fp32, e None and z = v: Ē = βe ⊙ k and Z = βz ⊙ v, differentiated
     in-kernel — then (dq, dk, None, dv, dg parts, (dβe, dβz)), dk and dv through Ē and Z too.
-    e_scale: βe with e None (ReWY, no or scalar gates): the leaf forms e = βe ⊙ k itself
-    (``bwd_leaf``); bwd_dlam reads no e under ReWY.
+    e_scale: βe with e None (ReWY; DEFAULTS "backward.leaf_e_rows"): the leaf forms e = βe ⊙ k
+    itself (``bwd_leaf``); bwd_dlam reads no e under ReWY.
 
     Two kernels, so that neither holds a chunk's worth of [C, K] and [C, V] blocks at once:
     bwd_dlam (the C×C core: Λ, dT, dA_qk) then bwd_leaf (key-tiled leaf maps and dg's parts).
