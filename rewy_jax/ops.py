@@ -42,6 +42,19 @@ __all__ = [
 log = logging.getLogger("rewy_jax")
 
 
+# A gate below this is a reset for every purpose in fp32 (exp(-40) ≈ 4e-18). Clamping keeps −inf
+# (full reset) from turning exp(G_r − G_s) into exp(−inf + inf) = NaN, and keeps the chunk-local
+# cumulative sums small enough that their differences stay accurate.
+GATE_FLOOR = -40.0
+
+
+def clamp_gates(g, floor):
+    """g [..] fp32 with every value below ``floor`` raised to it (None stays None). ``where``,
+    not ``maximum``: maximum's VJP halves the gradient of a gate exactly at the floor; here a
+    gate at the floor keeps its gradient and one below it gets none."""
+    return None if g is None else jnp.where(g < floor, floor, g)
+
+
 class GeneralCall(NamedTuple):
     """An op call in the general form, ready for a backend: q normalised (if asked), not yet
     scaled — ``q_scaled`` is q · scale in fp32; a backend that applies the scale inside its
@@ -50,7 +63,7 @@ class GeneralCall(NamedTuple):
     q: jax.Array  # [B, T, H, K], the input's dtype (fp32 after L2 normalisation)
     k: jax.Array  # [B, T, H, K]
     v: jax.Array  # [B, T, H, V]
-    g: jax.Array | None  # None, [B, T, H] or [B, T, H, K] log-decay (clamped, ≤ 0 expected)
+    g_in: jax.Array | None  # None, [B, T, H] or [B, T, H, K] fp32 log-decay as given (≤ 0)
     b: jax.Array  # [B, T, H] or [B, T, H, K] erase gate
     w: jax.Array  # [B, T, H] or [B, T, H, V] write gate
     h0: jax.Array  # [B or N, H, K, V] fp32
@@ -58,17 +71,19 @@ class GeneralCall(NamedTuple):
     out_dtype: jnp.dtype
     g_bound: float | None = None  # declared lower bound of g (vector gates), g clamped to it
     scale: float | jax.Array = 1.0  # multiplies q (a Python float, or traced)
+    g_floor: float = GATE_FLOOR  # g is clamped to it: g_bound if declared, else GATE_FLOOR
+
+    @property
+    def g(self):
+        """The log-decay every backend's recurrence reads: g_in clamped to g_floor
+        (``clamp_gates``). The Pallas GPU kernels read g_in and clamp in-kernel instead, so
+        that under jit XLA drops this tensor (and its VJP) as unused."""
+        return clamp_gates(self.g_in, self.g_floor)
 
     @property
     def q_scaled(self):
         """q · scale in fp32 (fp64 for fp64 inputs): what o_t = S_tᵀ q_t reads."""
         return self.q.astype(jnp.promote_types(self.q.dtype, jnp.float32)) * self.scale
-
-
-# A gate below this is a reset for every purpose in fp32 (exp(-40) ≈ 4e-18). Clamping keeps −inf
-# (full reset) from turning exp(G_r − G_s) into exp(−inf + inf) = NaN, and keeps the chunk-local
-# cumulative sums small enough that their differences stay accurate.
-GATE_FLOOR = -40.0
 
 
 def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, use_qk_l2norm,
@@ -96,17 +111,16 @@ def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, 
     if use_qk_l2norm:
         f32 = jnp.promote_types(q.dtype, jnp.float32)
         q, k = l2norm(q.astype(f32)), l2norm(k.astype(f32))
+    floor = GATE_FLOOR if gate_lower_bound is None else float(gate_lower_bound)
     if g is not None:
-        floor = GATE_FLOOR if gate_lower_bound is None else float(gate_lower_bound)
-        g = g.astype(jnp.float32)
-        # where, not maximum: maximum's VJP halves the gradient of a gate exactly at the floor
-        g = jnp.where(g < floor, floor, g)
+        g = g.astype(jnp.float32)  # clamped to floor where read (GeneralCall.g)
     B, _, H, _ = q.shape
     lead = B if n_seq is None else n_seq
     h0 = (jnp.zeros((lead, H, K, V), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
     return GeneralCall(q, k, v, g, b, w, h0, cu_seqlens, out_dtype,
-                       None if gate_lower_bound is None else float(gate_lower_bound), scale)
+                       None if gate_lower_bound is None else float(gate_lower_bound), scale,
+                       floor)
 
 
 def _run_chunk(call: GeneralCall, *, chunk_size, policy, backward, backend, interpret,

@@ -511,6 +511,57 @@ def _bit_identical_with(monkeypatch, case, key, value):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("vector", [True, False])
+def test_interpret_gate_clamp_in_kernel(vector):
+    """The clamp of g to its floor (rewy_jax.ops.clamp_gates) done by the kernel that forms G,
+    and its VJP by the one that sums dg (api.Config.g_floor): G, the mask and dg equal the
+    clamp in jnp followed by the unclamped kernels, bit for bit, with gates below the floor,
+    exactly at it (their gradient passes) and −inf."""
+    from pallas_kernels.gpu import api
+    from rewy_jax.ops import clamp_gates
+
+    C, floor = 16, -5.0
+    shape = (2, 48, 3) + ((32,) if vector else ())
+    ks = jax.random.split(jax.random.PRNGKey(3), 4)
+    g = -jax.random.uniform(ks[0], shape, jnp.float32, 0.0, 8.0)
+    pick = jax.random.randint(ks[3], shape, 0, 8)
+    g = jnp.where(pick == 0, floor, jnp.where(pick == 1, -jnp.inf, g))
+    pairs = jax.random.normal(ks[1], shape, jnp.float32)
+    path = jax.random.normal(ks[2], shape, jnp.float32)
+    clamped = clamp_gates(g, floor)
+    G, below = api._cum_gates(g, C, True, floor, keep_below=True)
+    assert np.array_equal(G, api._cum_gates(clamped, C, True)[0])
+    assert np.array_equal(np.asarray(below) != 0, np.asarray(g) < floor)
+    assert 0 < int(np.sum(np.asarray(below) != 0)) < below.size
+    assert api._cum_gates(g, C, True, floor)[1] is None  # the primal keeps no mask
+    dg = api._gate_grad((pairs, path), C, True, below)
+    _, vjp = jax.vjp(lambda x: clamp_gates(x, floor), g)
+    assert np.array_equal(dg, vjp(api._gate_grad((pairs, path), C, True))[0])
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_interpret_op_clamps_gates_in_kernel(op, monkeypatch):
+    """Through the op, the Pallas GPU backend reads g as given and clamps it in-kernel: XLA's
+    clamp (ops.clamp_gates, what GeneralCall.g applies) is never traced, and every gate below
+    the floor (strong decays: −50 and −inf under the floor −40) gets a gradient of exactly 0."""
+    from rewy_jax import ops
+
+    def refuse(*_):
+        raise AssertionError("the Pallas GPU path traced XLA's gate clamp")
+
+    inp = testing.make_inputs(op, 1, 40, 2, 16, decay="strong", seed=5)
+    cts = {"o": jnp.ones((1, 40, 2, 16)), "final_state": jnp.ones((1, 2, 16, 16))}
+    monkeypatch.setattr(ops, "clamp_gates", refuse)
+    o, s, grads = testing.loss_and_grads(op, inp, cts, backend="pallas_gpu", interpret=True,
+                                         chunk_size=16)
+    below = np.asarray(inp["g"]) < ops.GATE_FLOOR
+    assert below.any() and np.all(np.isfinite(np.asarray(grads["dg"])))
+    assert np.all(np.asarray(grads["dg"])[below] == 0.0)
+    assert np.any(np.asarray(grads["dg"])[~below] != 0.0)
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("K", [32, 128])
 def test_interpret_gate_kernels(K):
     """kernels.cum_gates / gate_grad (vector gates' G and dg, in-kernel since profile-21)
@@ -533,10 +584,10 @@ def test_interpret_gate_kernels(K):
     err = np.linalg.norm(np.asarray(dg, np.float64).reshape(ref.shape) - ref) / np.linalg.norm(ref)
     assert err < 1e-6, err
     # the dispatch: vector gates through the kernels, scalar gates in jnp (same sums)
-    assert np.array_equal(api._cum_gates(g, C, True), G)
+    assert np.array_equal(api._cum_gates(g, C, True)[0], G)
     np.testing.assert_allclose(api._gate_grad((pairs, path), C, True), dg)
     gs = g[..., 0]
-    np.testing.assert_allclose(api._cum_gates(gs, C, True), G[..., 0], rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(api._cum_gates(gs, C, True)[0], G[..., 0], rtol=1e-6, atol=1e-5)
     sc = api._gate_grad((pairs[..., 0], path[..., 0]), C, True)
     c = lambda x: api._chunks(x, C)  # noqa: E731
     np.testing.assert_allclose(

@@ -6,7 +6,8 @@
                               vectors (bf16 / fp16 / fp32)
     z       : [B, Tp, H, V]   write vectors
     g       : None, [B, Tp, H] or [B, Tp, H, K] fp32 per-token log-decays (padding rows 0); their
-              chunk-local inclusive cumsum G is what the kernels read
+              chunk-local inclusive cumsum G is what the kernels read, after clamping g to
+              Config.g_floor (if set) in the same kernel
     h0      : [B, H, n_seq + 1, K, V] fp32 initial states (last slot: padding chunks)
     reset, end, seq : int32 [N] chunk metadata (kernels.py docstring)
     rows    : None, or (βe, βz) [B, Tp, H] fp32 with e None and z = v: Ē = βe ⊙ k, Z = βz ⊙ v
@@ -52,6 +53,10 @@ class Config(NamedTuple):
     one_seq: bool = False
     # the op's query scale, applied in-kernel to the products of q and of dO (kernels.Shape.scaled)
     scale: float = 1.0
+    # None, or the floor g is clamped to (rewy_jax.ops.clamp_gates) by the kernel that forms G,
+    # the clamp's VJP applied by the one that sums dg: XLA then neither writes a clamped copy
+    # of g nor masks dg (two select fusions, 0.11 ms of KDA's 2.71 at the anchor: profile-23)
+    g_floor: float | None = None
 
 
 def _mode(G):
@@ -63,25 +68,35 @@ def _chunks(x, C):
     return x.reshape((x.shape[0], x.shape[1] // C, C) + x.shape[2:])
 
 
-def _cum_gates(g, C, interpret):
-    """G: the chunk-local inclusive cumsum of the log-decays g (None stays None); vector gates
-    by a kernel (``kernels.cum_gates``: XLA's scan was the slowest of KDA's glue)."""
+def _cum_gates(g, C, interpret, floor=None, keep_below=False):
+    """(G, below): G the chunk-local inclusive cumsum of the log-decays g clamped to ``floor``
+    (None: not clamped), below None or — with keep_below and a floor — where g < floor (the
+    clamp's VJP zeroes dg there: ``_gate_grad``), int8 for vector gates, bool for scalar ones.
+    g None gives (None, None). Vector gates by a kernel (``kernels.cum_gates``: XLA's scan was
+    the slowest of KDA's glue)."""
     if g is None:
-        return None
+        return None, None
+    keep_below = keep_below and floor is not None
     if g.ndim == 4:
-        return kn.cum_gates(g, C, interpret=interpret)
-    return jnp.cumsum(_chunks(g, C), axis=2).reshape(g.shape)
+        out = kn.cum_gates(g, C, interpret=interpret, floor=floor, below=keep_below)
+        return out if keep_below else (out, None)
+    below = None if floor is None else g < floor
+    gc = g if floor is None else jnp.where(below, floor, g)
+    return (jnp.cumsum(_chunks(gc, C), axis=2).reshape(g.shape),
+            below if keep_below else None)
 
 
-def _gate_grad(parts, C, interpret):
+def _gate_grad(parts, C, interpret, below=None):
     """g's gradient from ``kernels.bwd_leaf``'s two parts (pairs, path): per chunk, the reverse
     cumsum of pairs (the terms that cross every earlier token) plus the exclusive cumsum of path
     (each row's path into the end state crosses only the later tokens). Summed so, no term
-    enters with both signs (chunk_algebra._leaf_grads). Vector gates by ``kernels.gate_grad``."""
+    enters with both signs (chunk_algebra._leaf_grads). Vector gates by ``kernels.gate_grad``.
+    below: None, or ``_cum_gates``'s mask of the gates the clamp raised (their dg is 0)."""
     if parts[0].ndim == 4:
-        return kn.gate_grad(*parts, C, interpret=interpret)
+        return kn.gate_grad(*parts, C, interpret=interpret, below=below)
     pairs, path = (_chunks(x, C) for x in parts)
-    return (reverse_cumsum(pairs, 2) + exclusive_cumsum(path, 2)).reshape(parts[0].shape)
+    dg = (reverse_cumsum(pairs, 2) + exclusive_cumsum(path, 2)).reshape(parts[0].shape)
+    return dg if below is None else jnp.where(below, 0.0, dg)
 
 
 def _precision(dtype, interpret):
@@ -219,13 +234,13 @@ def general_delta(cfg: Config, q, k, e, z, g, h0, reset, end, seq, rows=None):
     (βe, βz) directly (DEFAULTS "forward.row_scaled_ez": DeltaNet, GDN and KDA, whose β is one
     number per row).
     """
-    G = _cum_gates(g, cfg.chunk_size, cfg.interpret)
+    G, _ = _cum_gates(g, cfg.chunk_size, cfg.interpret, cfg.g_floor)
     o, final, _ = _forward(cfg, q, k, e, z, G, h0, reset, end, seq, keep_states=False, rows=rows)
     return o, final
 
 
 def _fwd(cfg, q, k, e, z, g, h0, reset, end, seq, rows=None):
-    G = _cum_gates(g, cfg.chunk_size, cfg.interpret)
+    G, below = _cum_gates(g, cfg.chunk_size, cfg.interpret, cfg.g_floor, keep_below=True)
     o, final, saved = _forward(cfg, q, k, e, z, G, h0, reset, end, seq,
                                keep_states=cfg.policy == "save", rows=rows)
     if cfg.policy == "recompute":
@@ -237,10 +252,9 @@ def _fwd(cfg, q, k, e, z, g, h0, reset, end, seq, rows=None):
         A, _, _, _, P = saved
         P = P if _mode(g) == "vector" else None
         saved = (A, P) if kn.setting("recompute.keep_chunk_matrices") else None
-    # G, not g, is the residual: the backward reads only G (the clamped, padded g the caller
-    # made is no buffer of theirs either), so the same bytes are kept and the backward does
-    # not form G again (profile-21 call 3: 0.037 ms of KDA's at the anchor)
-    return (o, final), (q, k, e, z, G, h0, reset, end, seq, saved, rows)
+    # G, not g, is the residual: the backward reads only G (and the clamp's int8 mask), so it
+    # does not form G again (profile-21 call 3: 0.037 ms of KDA's at the anchor)
+    return (o, final), (q, k, e, z, G, below, h0, reset, end, seq, saved, rows)
 
 
 def _stored_dtypes(dtype):
@@ -257,7 +271,7 @@ def _stored_dtypes(dtype):
 
 
 def _bwd(cfg, res, cts):
-    q, k, e, z, G, h0, reset, end, seq, saved, rows = res
+    q, k, e, z, G, below, h0, reset, end, seq, saved, rows = res
     we, wz, wu_rows = e, z, None  # what W, U are re-formed from
     if rows is not None and kn.setting("backward.row_scaled_wu"):  # Ē, Z from k, v exactly
         we, wu_rows = k, rows
@@ -329,7 +343,7 @@ def _bwd(cfg, res, cts):
         drows = (jnp.sum(de32 * k.astype(F32), axis=-1), jnp.sum(dz32 * z_v.astype(F32), axis=-1))
         dk = (dk.astype(F32) + be[..., None] * de32).astype(k.dtype)
         de, dz = None, (bz[..., None] * dz32).astype(z_v.dtype)
-    dg = None if dg is None else _gate_grad(dg, cfg.chunk_size, cfg.interpret)
+    dg = None if dg is None else _gate_grad(dg, cfg.chunk_size, cfg.interpret, below)
     return dq, dk, de, dz, dg, dh0, None, None, None, drows
 
 
@@ -372,7 +386,7 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
     ``plan``: a ``rewy_jax.layout.ChunkPlan`` for variable-length inputs (its ``gather`` and
     ``scatter`` re-lay tokens so every sequence starts on a chunk boundary), else None.
     """
-    k, v, g, b, w, h0 = call.k, call.v, call.g, call.b, call.w, call.h0
+    k, v, b, w, h0 = call.k, call.v, call.b, call.w, call.h0
     # a Python scale multiplies in-kernel (Config.scale), so the kernels read q as given — a bf16
     # q·K^−½ would round again (K^−½ is not a power of two at K = 128); a traced one cannot
     # enter the kernels' static config, so it is folded into q here
@@ -382,7 +396,7 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
     dt = call.out_dtype  # inputs' dtype (q, k may arrive in fp32 after L2 normalisation)
     q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
     C = chunk_size
-    g = None if g is None else g.astype(F32)
+    g = call.g_in  # fp32, clamped to call.g_floor in-kernel (Config.g_floor), not by XLA
     # per-row erase and write gates (DeltaNet, GDN, KDA): the kernels form Ē = β ⊙ k and
     # Z = β ⊙ v themselves, exactly, and return dk, dv, dβ through them (DEFAULTS
     # "forward.row_scaled_ez"); otherwise e, z are formed here, rounded to the inputs' dtype
@@ -426,7 +440,8 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
     centred = (gate_lower_bound is not None and g is not None and g.ndim == 4
                and gate_lower_bound >= CENTRED_MIN_GATE)
     cfg = Config(C, policy, backward, bool(interpret), BV or DEFAULT_BV, centred, n_seq is None,
-                 float(call.scale) if static_scale else 1.0)
+                 float(call.scale) if static_scale else 1.0,
+                 None if g is None else float(call.g_floor))
     o, final = general_delta(cfg, lay(q), lay(k), lay(e), lay(z), lay(g), h0x, reset, end, seq,
                              None if rows is None else tuple(map(lay, rows)))
     if n_seq is None:

@@ -1175,15 +1175,29 @@ def _gate_call(kernel, xs, C, name, *, interpret, out_dtypes=None):
     return tuple(out) if out_dtypes else out[0]
 
 
-def cum_gates(g, C, *, interpret):
+def cum_gates(g, C, *, interpret, floor=None, below=False):
     """Vector gates' chunk-local inclusive cumsum G [B,Tp,H,K] fp32 of the log-decays g (same
     shape), one program per (chunk, head, key tile): one read and one write of g. In XLA the
     cumsum and the gate gradient's two cumsums were the three slowest fusions of KDA's glue
     (profile-21, anchor: 0.144 + 0.082 ms of device time plus 0.067 of slices; the scan lowers
-    to a reduce-window there, up to 64 reads per output)."""
-    def kernel(g_ref, G_ref):
-        G_ref[...] = jnp.cumsum(g_ref[...], axis=0)
+    to a reduce-window there, up to 64 reads per output).
 
+    floor: None, or a Python float g is first clamped to, as ``rewy_jax.ops.clamp_gates`` does
+    (g < floor → floor). below (with a floor): also return the int8 mask [B,Tp,H,K] of g < floor
+    — (G, mask) — for ``gate_grad`` to zero those gates' gradient (the clamp's VJP)."""
+    def kernel(g_ref, G_ref, below_ref=None):
+        x = g_ref[...]
+        if floor is not None:
+            raised = x < floor
+            x = jnp.where(raised, floor, x)
+            if below_ref is not None:
+                below_ref[...] = raised.astype(jnp.int8)
+        G_ref[...] = jnp.cumsum(x, axis=0)
+
+    if below:
+        assert floor is not None, "below is the mask of the clamp to floor"
+        return _gate_call(kernel, [g], C, "rewy_cum_gates", interpret=interpret,
+                          out_dtypes=[F32, jnp.int8])
     return _gate_call(kernel, [g], C, "rewy_cum_gates", interpret=interpret)
 
 
@@ -1224,22 +1238,28 @@ def _triangle_sum(tri, x):
     return dot(tri, lo, prec) + dot(tri, mid, prec) + dot(tri, hi, prec)
 
 
-def gate_grad(pairs, path, C, *, interpret):
+def gate_grad(pairs, path, C, *, interpret, below=None):
     """Vector gates' dg [B,Tp,H,K] fp32 from ``bwd_leaf``'s two parts (same shape): per chunk
     and channel, the suffix sum of pairs (terms that cross every earlier token) plus the strict
     prefix sum of path (a row's path into the end state crosses only the later tokens), each a
     product with a 0/1 triangle (``_triangle_sum``; Triton's lowering has no reverse scan).
     Every output sums only its own terms, so nothing cancels — as in
     ``chunk_algebra.reverse_cumsum`` / ``exclusive_cumsum``: a chunk-wide total minus a prefix
-    would put 2⁻²⁴ of the total into outputs that are ~0 (a fully decayed sequence's dg)."""
-    def kernel(pairs_ref, path_ref, dg_ref):
+    would put 2⁻²⁴ of the total into outputs that are ~0 (a fully decayed sequence's dg).
+    below: None, or ``cum_gates``'s int8 mask: dg is 0 where it is set (the clamp's VJP)."""
+    def kernel(pairs_ref, path_ref, *refs):
+        below_ref, dg_ref = refs if below is not None else (None,) + refs
         r, c = iota((C, C), 0), iota((C, C), 1)
         suffix = jnp.where(c >= r, 1.0, 0.0).astype(jnp.bfloat16)
         strict_prefix = jnp.where(c < r, 1.0, 0.0).astype(jnp.bfloat16)
-        dg_ref[...] = (_triangle_sum(suffix, pairs_ref[...])
-                       + _triangle_sum(strict_prefix, path_ref[...]))
+        dg = (_triangle_sum(suffix, pairs_ref[...])
+              + _triangle_sum(strict_prefix, path_ref[...]))
+        if below_ref is not None:
+            dg = jnp.where(below_ref[...] != 0, 0.0, dg)
+        dg_ref[...] = dg
 
-    return _gate_call(kernel, [pairs, path], C, "rewy_gate_grad", interpret=interpret)
+    ins = [pairs, path] + ([] if below is None else [below])
+    return _gate_call(kernel, ins, C, "rewy_gate_grad", interpret=interpret)
 
 
 def row_scale_vjp(dk, de, k, dz, v, be, bz, *, C, interpret):
