@@ -10,7 +10,8 @@
 # *.autotune.json into $OUT/fla-autotune.tgz: unpack it here and refresh the cache with
 # `bash benchmarks/update_autotune_cache.sh <files_at>/fla-autotune.tgz`.
 # Env: BENCH_TIMEOUT (s, default 480) bounds the Python run; BENCH_SPLIT and BENCH_STEM run
-# several processes side by side (below).
+# several processes side by side (below), at most BENCH_PARALLEL at once (default: one per
+# 20 GiB of GPU memory).
 # A carried .whl/triton-*-slim.tar.xz (benchmarks/slim_triton.sh: Triton 3.7.1, which FLA needs
 # for GDN/GDN2's backward on Hopper) is unpacked to /tmp/triton-new and put first on PYTHONPATH
 # of the BENCH_SPLIT processes whose ops name gdn (BENCH_NEW_TRITON=all: every process; =none:
@@ -63,14 +64,17 @@ if [ -n "${BENCH_SPLIT:-}" ]; then
   # $OUT ends with $BENCH_STEM.{json,md,png}, parts.tgz (every part and log), fla-autotune.tgz.
   stem="${BENCH_STEM:?BENCH_SPLIT needs BENCH_STEM}"
   n_items=$(wc -w <<< "$BENCH_SPLIT")
-  # run h200-6: eleven processes ran FLA's set-ups out of GPU memory; run h200-18a: eight ran
-  # FLA's CUDA-graph fwd+bwd out of memory at the two largest DeltaNet shapes
-  if (( n_items > 7 )); then
-    echo "warning: BENCH_SPLIT has $n_items items; 8 or more processes have run out of GPU" \
-      "memory (each keeps what its allocator grew to): rows may be refused for that reason"
-  fi
+  # At most BENCH_PARALLEL processes at once (default: one per 20 GiB of GPU memory — 6 on an
+  # H200, 3 on an H100), the rest start as earlier ones end: each keeps what its allocators
+  # grew to, and too many side by side ran out of GPU memory — run h200-6 (eleven, FLA's
+  # set-ups), h200-18a (eight, FLA's CUDA-graph fwd+bwd at the two largest DeltaNet shapes),
+  # h200-19a (seven on an H100: most FLA rows and our largest GDN shape).
+  mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  parallel=${BENCH_PARALLEL:-$(( ${mem_mib:-81920} / 20480 ))}
+  (( parallel < 1 )) && parallel=1
+  echo "$n_items processes, at most $parallel at once (GPU memory ${mem_mib:-?} MiB)"
   lock="$(mktemp /tmp/rewy-gpu-lock.XXXXXX)"
-  pids=() i=0
+  i=0
   for item in $BENCH_SPLIT; do
     part=(--ops "${item%%@*}")
     [[ "$item" == *@* ]] && part+=(--shapes "${item#*@}")
@@ -78,12 +82,18 @@ if [ -n "${BENCH_SPLIT:-}" ]; then
     if [ -n "$new_triton" ] && { [ "${BENCH_NEW_TRITON:-gdn}" = all ] || [[ "${item%%@*}" == *gdn* ]]; }; then
       env_new=(env PYTHONPATH="$new_triton:$PYTHONPATH" TRITON_BACKENDS_IN_TREE=1)
     fi
-    timeout -k 10 "${BENCH_TIMEOUT:-480}" ${env_new[@]+"${env_new[@]}"} python3 -m benchmarks.run --out-dir "$OUT" \
-      --gpu-lock "$lock" --stem "$stem-p$i" "${part[@]}" "$@" > "$OUT/bench-p$i.log" 2>&1 &
-    pids+=($!) i=$((i + 1))
+    # a later wave's processes start when earlier ones end; BENCH_TIMEOUT bounds each one, so
+    # size the device call's limit for the waves (items ÷ parallel, rounded up)
+    while (( $(jobs -rp | wc -l) >= parallel )); do wait -n; done
+    ( timeout -k 10 "${BENCH_TIMEOUT:-480}" ${env_new[@]+"${env_new[@]}"} python3 -m benchmarks.run \
+        --out-dir "$OUT" --gpu-lock "$lock" --stem "$stem-p$i" "${part[@]}" "$@" \
+        > "$OUT/bench-p$i.log" 2>&1; echo $? > "$OUT/rc-p$i" ) &
+    i=$((i + 1))
   done
+  wait
   rc=0
-  for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+  for f in "$OUT"/rc-p*; do r=$(cat "$f"); (( r != 0 )) && rc=$r; done
+  rm -f "$OUT"/rc-p*
   parts=("$OUT/$stem"-p*.json)
   python3 -m benchmarks.merge "${parts[@]}" --out-dir "$OUT" --stem "$stem" >/dev/null \
     || { echo "merge failed"; rc=1; }

@@ -633,7 +633,7 @@ def test_interpret_qk_gram_centred(monkeypatch):
     kq, kg = jax.random.split(key)
     q = (jax.random.normal(kq, k.shape) / k.shape[-1] ** 0.5).astype(jnp.bfloat16)
     g = -jax.random.uniform(kg, k.shape, jnp.float32, 0.0, 5.0).at[:, ::7].set(-5.0)
-    G = api._cum_gates(g, s.C, True)
+    G, _ = api._cum_gates(g, s.C, True)
     h0 = jnp.zeros((1, 2, 2, 32, 32), jnp.float32)
     centred = api._shape(api.Config(s.C, "recompute", "rewy", True, 64, centred=True,
                                     one_seq=True), k, k, G, h0)
@@ -1200,7 +1200,7 @@ def _wu_case(mode, K, V, seed):
     if mode != "none":
         g = -jax.random.uniform(ks[2], (B, T, H) if mode == "scalar" else (B, T, H, K),
                                 jnp.float32, 0.01, 3.0)
-        G = api._cum_gates(g, C, True)
+        G, _ = api._cum_gates(g, C, True)
     h0 = jnp.zeros((B, H, 2, K, V), jnp.float32)
     s = api._shape(api.Config(C, "recompute", "rewy", True, 64, one_seq=True), k, z, G, h0)
     return s, k, e, z, G, ks[3]
