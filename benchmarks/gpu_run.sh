@@ -11,7 +11,10 @@
 # `bash benchmarks/update_autotune_cache.sh <files_at>/fla-autotune.tgz`.
 # Env: BENCH_TIMEOUT (s, default 480) bounds the Python run; BENCH_SPLIT and BENCH_STEM run
 # several processes side by side (below), at most BENCH_PARALLEL at once (default: one per
-# 20 GiB of GPU memory).
+# 20 GiB of GPU memory). BENCH_WALL (s, optional): the whole split's budget — each process's
+# timeout is cut to what is left of it (minus 20 s to pack the parts), and an item with under
+# 60 s left is skipped, so that the parts come back packed before the device call's own limit
+# kills everything (run h100-19, call c: four processes in two waves, killed unpacked).
 # A carried .whl/triton-*-slim.tar.xz (benchmarks/slim_triton.sh: Triton 3.7.1, which FLA needs
 # for GDN/GDN2's backward on Hopper) is unpacked to /tmp/triton-new and put first on PYTHONPATH
 # of the BENCH_SPLIT processes whose ops name gdn (BENCH_NEW_TRITON=all: every process; =none:
@@ -68,7 +71,7 @@ if [ -n "${BENCH_SPLIT:-}" ]; then
   # H200, 3 on an H100), the rest start as earlier ones end: each keeps what its allocators
   # grew to, and too many side by side ran out of GPU memory — run h200-6 (eleven, FLA's
   # set-ups), h200-18a (eight, FLA's CUDA-graph fwd+bwd at the two largest DeltaNet shapes),
-  # h200-19a (seven on an H100: most FLA rows and our largest GDN shape).
+  # h100-19a (seven on an H100: most FLA rows, our largest GDN shape).
   mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   parallel=${BENCH_PARALLEL:-$(( ${mem_mib:-81920} / 20480 ))}
   (( parallel < 1 )) && parallel=1
@@ -85,14 +88,23 @@ if [ -n "${BENCH_SPLIT:-}" ]; then
     # a later wave's processes start when earlier ones end; BENCH_TIMEOUT bounds each one, so
     # size the device call's limit for the waves (items ÷ parallel, rounded up)
     while (( $(jobs -rp | wc -l) >= parallel )); do wait -n; done
-    ( timeout -k 10 "${BENCH_TIMEOUT:-480}" ${env_new[@]+"${env_new[@]}"} python3 -m benchmarks.run \
+    limit=${BENCH_TIMEOUT:-480}
+    if [ -n "${BENCH_WALL:-}" ]; then
+      left=$(( BENCH_WALL - 20 - SECONDS ))
+      if (( left < 60 )); then
+        echo "skipped (BENCH_WALL: ${left}s left): $item" | tee "$OUT/bench-p$i.log"
+        echo 1 > "$OUT/rc-p$i"; i=$((i + 1)); continue
+      fi
+      (( left < limit )) && limit=$left
+    fi
+    ( timeout -k 10 "$limit" ${env_new[@]+"${env_new[@]}"} python3 -m benchmarks.run \
         --out-dir "$OUT" --gpu-lock "$lock" --stem "$stem-p$i" "${part[@]}" "$@" \
         > "$OUT/bench-p$i.log" 2>&1; echo $? > "$OUT/rc-p$i" ) &
     i=$((i + 1))
   done
   wait
   rc=0
-  for f in "$OUT"/rc-p*; do r=$(cat "$f"); (( r != 0 )) && rc=$r; done
+  for f in "$OUT"/rc-p*; do [ -f "$f" ] && r=$(cat "$f") && (( r != 0 )) && rc=$r; done
   rm -f "$OUT"/rc-p*
   parts=("$OUT/$stem"-p*.json)
   python3 -m benchmarks.merge "${parts[@]}" --out-dir "$OUT" --stem "$stem" >/dev/null \
