@@ -882,6 +882,30 @@ def test_interpret_leaf_e_rows(op, decay, kw, diag, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("kw", [{}, {"n_seqs": 2}])
+def test_interpret_leaf_native_decayed(kw, small_tiles, monkeypatch):
+    """DEFAULTS "rewy_bwd_leaf.native_decayed" (GDN, bf16): the leaf rounds its decayed dT and
+    dA_qk to bf16 for native products. Every output and gradient stays within the bf16
+    thresholds of the float64 recurrence (strong decays, β in [0, 2], packed sequences); against
+    the fp32 form, o, the final state and dv (none of them the leaf's) are bit for bit the same
+    and the leaf's gradients move by about a bf16 rounding, not more."""
+    from pallas_kernels.gpu import kernels
+
+    inp, cts, kw2 = _bf16_case("gdn", "strong", 71, kw)
+    assert kernels.DEFAULTS["rewy_bwd_leaf.native_decayed"]
+    _check(testing.accuracy_report("gdn", inp, **kw2))
+    jax.clear_caches()
+    o, s, g = testing.loss_and_grads("gdn", inp, cts, **kw2)
+    monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.native_decayed", False)
+    jax.clear_caches()
+    o2, s2, g2 = testing.loss_and_grads("gdn", inp, cts, **kw2)
+    assert np.array_equal(o, o2) and np.array_equal(s, s2) and np.array_equal(g["dv"], g2["dv"])
+    for name in ("dq", "dk", "dg", "dbeta"):
+        moved = testing.ratio(g[name], g2[name])
+        assert 0 < moved < 1e-2, (name, moved)
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,qdo", [("deltanet", "none", False), ("gdn", "strong", True),
                                           ("kda", "normal", False)])
 def test_interpret_bwd_local_tile_loop(op, decay, qdo, small_tiles, monkeypatch):
@@ -1600,6 +1624,7 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("gdn", 64, 64, jnp.bfloat16, {"_tune": "noleafe"}, False),
     ("kda", 128, 128, jnp.bfloat16, {"_tune": "leafev", "gate_lower_bound": -5.0}, False),
     ("kda", 64, 64, jnp.bfloat16, {"_tune": "leafev"}, True),
+    ("gdn", 128, 128, jnp.bfloat16, {"_tune": "leaftf32"}, False),
 ]
 # "_tune": kernel settings of profile_kernels.VARIANTS ("a+b": several) that change what the
 # kernels lower to — options off by default, or the forms the defaults replaced

@@ -544,6 +544,21 @@ WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2,
 #               with per-pair diagonals: untimed, off — ptxas (KDA bounded, K = 128, 4 warps)
 #               150 -> 152 registers and SASS 4504 -> 4744 in a leaf of 0.93 ms that is bound
 #               by instruction issue, against the same 0.026-ms fusion saved.
+#   rewy_bwd_leaf.native_decayed  scalar gates (GDN): the decayed chunk cotangents dT ⊙ D and
+#               dA_qk ⊙ D (D_rs = e^{G_r − G_s}) rounded back to the dtype dT, dA_qk are stored
+#               in, so that with 16-bit inputs their four products with k, q, e run natively in
+#               bf16, as DeltaNet's do — off, they are fp32 and every product TF32 (twice the
+#               shared memory per operand, half the rate). One more bf16 rounding of each
+#               element, as FLA's GDN backward rounds its decayed dA before its dots (dA_qk's
+#               diagonal, decay factor 1, is the stored value: its products stay exact). ptxas
+#               (sm_90, K = 128, 8 warps, 3 stages): GDN's leaf 120 -> 96 KB of shared memory,
+#               255 -> 237 registers, no spills (20 B before), SASS 1814 -> 1454, mma 64 -> 48
+#               (DeltaNet's leaf: 80 KB, 138, 600, 40). (dA_qk's diagonal as element-wise row
+#               scales instead of [C, C] products: 88 KB, 245, SASS 1534; without the rounding
+#               112 KB and 148 B of spills — not taken.) GDN's leaf was 0.478 ms against
+#               DeltaNet's 0.203 at the anchor (profile-23, H100). Emulated accuracy:
+#               benchmarks/results/interpret-accuracy-16/. Untimed (twenty-fourth session: no
+#               device time left); variant leaftf32 turns it off.
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
@@ -571,7 +586,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "backward.row_vjp_kernel": False, "backward.chunk_qdo": False,
             "rewy_bwd_local.tile_loop": False, "fwd_pass.predecayed": True,
             "backward.predecayed": False, "rewy_qk_gram.row_frames": True,
-            "backward.leaf_e_rows": ("none", "scalar")}
+            "backward.leaf_e_rows": ("none", "scalar"), "rewy_bwd_leaf.native_decayed": True}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -1979,6 +1994,8 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         if D is not None:
             d_qk = jnp.where(r == c, dAqk, 0.0)  # dA_qk's diagonal, as a [C, C] matrix
             dT, dAqk = dT * D, dAqk * D
+            if setting("rewy_bwd_leaf.native_decayed"):  # back to 16 bits: native products
+                dT, dAqk = dT.astype(dT_ref.dtype), dAqk.astype(dAqk_ref.dtype)
         if wy:
             dW = -dot_stored(dR_ref[...], S0, prec, tb=True)
             dEs = dot(A_ref[...].astype(F32), dW, prec, ta=True)

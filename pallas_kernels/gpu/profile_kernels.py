@@ -335,6 +335,9 @@ VARIANTS = {
     "leafe": ({"backward.leaf_e_rows": ("none", "scalar")}, 64, None, None),
     "noleafe": ({"backward.leaf_e_rows": False}, 64, None, None),
     "leafev": ({"backward.leaf_e_rows": True}, 64, None, None),  # vector gates too
+    # GDN's leaf with its decayed dT, dA_qk in fp32 and TF32 products (the form before the
+    # twenty-fourth session)
+    "leaftf32": ({"rewy_bwd_leaf.native_decayed": False}, 64, None, None),
     "noqrowf": ({"rewy_qk_gram.row_frames": False}, 64, None, None),
     "nopd": ({"fwd_pass.predecayed": False}, 64, None, None),
     "unfusedg": ({"fwd_pass.fused_output": ("none", "vector")}, 64, None, None),
