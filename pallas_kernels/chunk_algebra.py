@@ -369,6 +369,15 @@ def _leaf_grads(q, k, e, decay, loc, S0, R, dO, dS, dT, dA_qk, dEg_state, dz):
     return ChunkGrads(dq=dq, dk=dk, de=de, dz=dz, dg=dg)
 
 
+def clamp_gates(g, floor):
+    """Log-decays g with every value below ``floor`` raised to it (None stays None): what every
+    backend's recurrence reads (rewy_jax.ops.GATE_FLOOR, or a declared gate bound). ``where``,
+    not ``maximum``: maximum's VJP halves the gradient of a gate exactly at the floor; here a
+    gate at the floor keeps its gradient and one below it gets none. The Pallas GPU kernels
+    apply it in-kernel (kernels.cum_gates) and its VJP there too (kernels.gate_grad)."""
+    return None if g is None else jnp.where(g < floor, floor, g)
+
+
 def reverse_cumsum(x, axis: int = 0):
     """Σ_{s ≥ r} x_s along ``axis``, as a flipped forward cumsum (``inclusive_cumsum`` says
     why)."""

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.chunk_algebra import clamp_gates
 from rewy_jax import backends, validate
 from rewy_jax.reference import l2norm, reference_general
 
@@ -46,13 +47,6 @@ log = logging.getLogger("rewy_jax")
 # (full reset) from turning exp(G_r − G_s) into exp(−inf + inf) = NaN, and keeps the chunk-local
 # cumulative sums small enough that their differences stay accurate.
 GATE_FLOOR = -40.0
-
-
-def clamp_gates(g, floor):
-    """g [..] fp32 with every value below ``floor`` raised to it (None stays None). ``where``,
-    not ``maximum``: maximum's VJP halves the gradient of a gate exactly at the floor; here a
-    gate at the floor keeps its gradient and one below it gets none."""
-    return None if g is None else jnp.where(g < floor, floor, g)
 
 
 class GeneralCall(NamedTuple):

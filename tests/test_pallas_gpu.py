@@ -513,12 +513,12 @@ def _bit_identical_with(monkeypatch, case, key, value):
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("vector", [True, False])
 def test_interpret_gate_clamp_in_kernel(vector):
-    """The clamp of g to its floor (rewy_jax.ops.clamp_gates) done by the kernel that forms G,
+    """The clamp of g to its floor (chunk_algebra.clamp_gates) done by the kernel that forms G,
     and its VJP by the one that sums dg (api.Config.g_floor): G, the mask and dg equal the
     clamp in jnp followed by the unclamped kernels, bit for bit, with gates below the floor,
     exactly at it (their gradient passes) and −inf."""
     from pallas_kernels.gpu import api
-    from rewy_jax.ops import clamp_gates
+    from pallas_kernels.chunk_algebra import clamp_gates
 
     C, floor = 16, -5.0
     shape = (2, 48, 3) + ((32,) if vector else ())

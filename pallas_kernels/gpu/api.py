@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.chunk_algebra import exclusive_cumsum, reverse_cumsum
+from pallas_kernels.chunk_algebra import clamp_gates, exclusive_cumsum, reverse_cumsum
 from pallas_kernels.gpu import kernels as kn
 from pallas_kernels.gpu.blocks import CENTRED_MIN_GATE
 
@@ -53,7 +53,7 @@ class Config(NamedTuple):
     one_seq: bool = False
     # the op's query scale, applied in-kernel to the products of q and of dO (kernels.Shape.scaled)
     scale: float = 1.0
-    # None, or the floor g is clamped to (rewy_jax.ops.clamp_gates) by the kernel that forms G,
+    # None, or the floor g is clamped to (chunk_algebra.clamp_gates) by the kernel that forms G,
     # the clamp's VJP applied by the one that sums dg: XLA then neither writes a clamped copy
     # of g nor masks dg (two select fusions, 0.11 ms of KDA's 2.71 at the anchor: profile-23)
     g_floor: float | None = None
@@ -80,10 +80,9 @@ def _cum_gates(g, C, interpret, floor=None, keep_below=False):
     if g.ndim == 4:
         out = kn.cum_gates(g, C, interpret=interpret, floor=floor, below=keep_below)
         return out if keep_below else (out, None)
-    below = None if floor is None else g < floor
-    gc = g if floor is None else jnp.where(below, floor, g)
+    gc = g if floor is None else clamp_gates(g, floor)
     return (jnp.cumsum(_chunks(gc, C), axis=2).reshape(g.shape),
-            below if keep_below else None)
+            g < floor if keep_below else None)
 
 
 def _gate_grad(parts, C, interpret, below=None):

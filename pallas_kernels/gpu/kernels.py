@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.chunk_algebra import clamp_gates
 from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Gates, Rows, ScaledRows, _sum, dot, dot_split, dot_stored, exp,
                                        inv_blocks, iota, load_rows, load_scaled_rows)
 
@@ -1197,16 +1198,14 @@ def cum_gates(g, C, *, interpret, floor=None, below=False):
     (profile-21, anchor: 0.144 + 0.082 ms of device time plus 0.067 of slices; the scan lowers
     to a reduce-window there, up to 64 reads per output).
 
-    floor: None, or a Python float g is first clamped to, as ``rewy_jax.ops.clamp_gates`` does
-    (g < floor → floor). below (with a floor): also return the int8 mask [B,Tp,H,K] of g < floor
+    floor: None, or a Python float g is first clamped to (``chunk_algebra.clamp_gates``). below (with a floor): also return the int8 mask [B,Tp,H,K] of g < floor
     — (G, mask) — for ``gate_grad`` to zero those gates' gradient (the clamp's VJP)."""
     def kernel(g_ref, G_ref, below_ref=None):
         x = g_ref[...]
         if floor is not None:
-            raised = x < floor
-            x = jnp.where(raised, floor, x)
             if below_ref is not None:
-                below_ref[...] = raised.astype(jnp.int8)
+                below_ref[...] = (x < floor).astype(jnp.int8)
+            x = clamp_gates(x, floor)
         G_ref[...] = jnp.cumsum(x, axis=0)
 
     if below:
