@@ -1198,8 +1198,9 @@ def cum_gates(g, C, *, interpret, floor=None, below=False):
     (profile-21, anchor: 0.144 + 0.082 ms of device time plus 0.067 of slices; the scan lowers
     to a reduce-window there, up to 64 reads per output).
 
-    floor: None, or a Python float g is first clamped to (``chunk_algebra.clamp_gates``). below (with a floor): also return the int8 mask [B,Tp,H,K] of g < floor
-    — (G, mask) — for ``gate_grad`` to zero those gates' gradient (the clamp's VJP)."""
+    floor: None, or a Python float g is first clamped to (``chunk_algebra.clamp_gates``).
+    below (with a floor): also return the int8 mask [B,Tp,H,K] of g < floor — (G, mask) — for
+    ``gate_grad`` to zero those gates' gradient (the clamp's VJP)."""
     def kernel(g_ref, G_ref, below_ref=None):
         x = g_ref[...]
         if floor is not None:
