@@ -882,27 +882,59 @@ def test_interpret_leaf_e_rows(op, decay, kw, diag, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("kw", [{}, {"n_seqs": 2}])
-def test_interpret_leaf_native_decayed(kw, small_tiles, monkeypatch):
-    """DEFAULTS "rewy_bwd_leaf.native_decayed" (GDN, bf16): the leaf rounds its decayed dT and
-    dA_qk to bf16 for native products. Every output and gradient stays within the bf16
-    thresholds of the float64 recurrence (strong decays, β in [0, 2], packed sequences); against
-    the fp32 form, o, the final state and dv (none of them the leaf's) are bit for bit the same
-    and the leaf's gradients move by about a bf16 rounding, not more."""
+@pytest.mark.parametrize("key,kw", [("backward.dlam_decays", {}),
+                                    ("backward.dlam_decays", {"n_seqs": 2}),
+                                    ("rewy_bwd_leaf.native_decayed", {})])
+def test_interpret_gdn_decayed_cotangents(key, kw, small_tiles, monkeypatch):
+    """Where GDN's decayed chunk cotangents dT ⊙ D, dA_qk ⊙ D are rounded to bf16 for native
+    products: in bwd_dlam, once per chunk (DEFAULTS "backward.dlam_decays", dA_qk's diagonal
+    inside), or in the leaf ("rewy_bwd_leaf.native_decayed", dlam_decays off). Either way every
+    output and gradient stays within the bf16 thresholds of the float64 recurrence (strong
+    decays, β in [0, 2], packed sequences); against the form without it, o, the final state and
+    dv (none of them the leaf's) are bit for bit the same and the leaf's gradients move by about
+    a bf16 rounding, not more."""
     from pallas_kernels.gpu import kernels
 
     inp, cts, kw2 = _bf16_case("gdn", "strong", 71, kw)
-    assert kernels.DEFAULTS["rewy_bwd_leaf.native_decayed"]
+    assert kernels.DEFAULTS[key]
+    if key != "backward.dlam_decays":
+        monkeypatch.setitem(kernels.TUNE, "backward.dlam_decays", False)
     _check(testing.accuracy_report("gdn", inp, **kw2))
     jax.clear_caches()
     o, s, g = testing.loss_and_grads("gdn", inp, cts, **kw2)
-    monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.native_decayed", False)
+    monkeypatch.setitem(kernels.TUNE, key, False)
     jax.clear_caches()
     o2, s2, g2 = testing.loss_and_grads("gdn", inp, cts, **kw2)
     assert np.array_equal(o, o2) and np.array_equal(s, s2) and np.array_equal(g["dv"], g2["dv"])
     for name in ("dq", "dk", "dg", "dbeta"):
         moved = testing.ratio(g[name], g2[name])
         assert 0 < moved < 1e-2, (name, moved)
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@pytest.mark.parametrize("kw", [{}, {"n_seqs": 2}, {"policy": "save", "backward": "wy"}])
+def test_interpret_gdn_value_side_decay(kw, small_tiles, monkeypatch):
+    """DEFAULTS "state_pass.value_side_decay" (GDN): the state passes scale R, k·dS, q·S0 and
+    dO by the scalar decays instead of k and q. Every output and gradient stays within the
+    bf16 thresholds of the float64 recurrence (strong decays, packed sequences, both
+    policies); against the key-side form the final state and every gradient move by about a
+    rounding, not more — and do move, so the setting reaches the passes."""
+    from pallas_kernels.gpu import kernels
+
+    inp, cts, kw2 = _bf16_case("gdn", "strong", 73, kw)
+    assert kernels.DEFAULTS["state_pass.value_side_decay"]
+    _check(testing.accuracy_report("gdn", inp, **kw2))
+    jax.clear_caches()
+    o, s, g = testing.loss_and_grads("gdn", inp, cts, **kw2)
+    monkeypatch.setitem(kernels.TUNE, "state_pass.value_side_decay", False)
+    jax.clear_caches()
+    o2, s2, g2 = testing.loss_and_grads("gdn", inp, cts, **kw2)
+    # o is bf16: an fp32 rounding apart may round to the same values
+    assert testing.ratio(o, o2) < 1e-2 and 0 < testing.ratio(s, s2) < 1e-2
+    # (under "save" the backward reads S0 and R as the forward stored them, in bf16: some
+    # gradients may not move at all)
+    moved = {name: testing.ratio(g[name], g2[name]) for name in ("dq", "dk", "dv", "dg", "dbeta")}
+    assert max(moved.values()) < 1e-2 and moved["dk"] > 0, moved
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")

@@ -559,7 +559,27 @@ WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2,
 #               112 KB and 148 B of spills — not taken.) GDN's leaf was 0.478 ms against
 #               DeltaNet's 0.203 at the anchor (profile-23, H100). Emulated accuracy:
 #               benchmarks/results/interpret-accuracy-16/. Untimed (twenty-fourth session: no
-#               device time left); variant leaftf32 turns it off.
+#               device time left); variant leaftf32 turns it off. Moot under dlam_decays below.
+#   backward.dlam_decays  scalar gates (GDN): bwd_dlam stores dT ⊙ D and dA_qk ⊙ D (dA_qk's
+#               diagonal with its factor 1) instead of the leaf forming D and both products per
+#               key tile; the leaf's maps are then DeltaNet's — native products of the stored
+#               16-bit values, and no products with dA_qk's diagonal: in the gate gradient's
+#               pairs its terms d_r k_r q_r − d_r q_r k_r cancel channel by channel, so dq, dk
+#               keep them. One rounding of each decayed element (native_decayed: two). ptxas
+#               (sm_90, K = 128): the leaf 96 -> 88 KB, 237 -> 172 registers, SASS 1454 -> 1134,
+#               mma 48 -> 40 (DeltaNet's: 80 KB, 138, 600, 40); bwd_dlam 186 -> 217 registers,
+#               SASS 1144 -> 1296. Default since the twenty-fifth session (variant leafdecay:
+#               the form before); timing in PERF.md.
+#   state_pass.value_side_decay  scalar gates (GDN): the state passes put the per-row decays
+#               on the [C, BVs] operand of each product — K̄ dS = d ⊙ (k dS), Qγᵀ dO =
+#               qᵀ (γ ⊙ dO) (γ ⊙ dO rounded to dO's dtype: a native product), Qγ S0 =
+#               γ ⊙ (q S0), and in native passes K̄ᵀ R = kᵀ (d ⊙ R) — instead of scaling the
+#               [C, K] rows of k and q: 4× fewer elements at K = 128, BVs = 32, and k, q used as
+#               stored (exact). ptxas (sm_90, K = 128): the twin pass 242 -> 156 registers,
+#               103 -> 119 KB, SASS 2503 -> 1745, mma 48 -> 40 (DeltaNet's: 154, 123 KB, 1477,
+#               40); the fused forward pass SASS 2420 -> 2380, spills 180 -> 200 B (its TF32
+#               K̄ᵀ R in the value-side form spills 412 B: kept on the key side). Default since
+#               the twenty-fifth session (variant keyside: the form before).
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
@@ -587,7 +607,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "backward.row_vjp_kernel": False, "backward.chunk_qdo": False,
             "rewy_bwd_local.tile_loop": False, "fwd_pass.predecayed": True,
             "backward.predecayed": False, "rewy_qk_gram.row_frames": True,
-            "backward.leaf_e_rows": ("none", "scalar"), "rewy_bwd_leaf.native_decayed": True}
+            "backward.leaf_e_rows": ("none", "scalar"), "rewy_bwd_leaf.native_decayed": True,
+            "backward.dlam_decays": True, "state_pass.value_side_decay": True}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -666,6 +687,20 @@ def intra_forms_P(mode):
     "rewy_intra.emit_P"), so that the output (fused or not) and ``bwd_local`` read it instead
     of rebuilding it per value tile. Vector gates always take theirs from ``qk_gram``."""
     return mode != "vector" and _names_mode("rewy_intra.emit_P", mode)
+
+
+def dlam_decays(mode):
+    """Whether ``bwd_dlam`` stores the chunk cotangents already decayed, dT ⊙ D and dA_qk ⊙ D
+    with D_rs = e^{G_r − G_s} (DEFAULTS "backward.dlam_decays"; scalar gates only — a vector
+    gate's decay is no [C, C] matrix)."""
+    return mode == "scalar" and bool(setting("backward.dlam_decays"))
+
+
+def value_side_decay(mode):
+    """Whether the state passes put a scalar gate's per-row decays on the [C, BVs] value-side
+    operand of each product instead of the [C, K] key side (DEFAULTS
+    "state_pass.value_side_decay"; a vector gate's decay runs along K and cannot move)."""
+    return mode == "scalar" and bool(setting("state_pass.value_side_decay"))
 
 
 def parse_tune(text):
@@ -1398,6 +1433,11 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native, dec
     # the forward's W stored in bf16 (DEFAULTS "forward.low_precision"): W S as W ⋅ (S_hi + S_lo)
     # in two native products (DEFAULTS "fwd_pass.split_w"), else W upcast for one TF32 product
     split_w = setting("fwd_pass.split_w") and S_dt is None and W.dtype == jnp.bfloat16
+    # scalar gates: Qγ S0 = γ ⊙ (q S0), and where the pass multiplies natively K̄ᵀ R =
+    # kᵀ (d ⊙ R) with k as stored (ptxas, sm_90, GDN K = 128: the fused pass's TF32 product
+    # in that form spills 412 B against 200)
+    vside = value_side_decay(mode)
+    vside_kr = vside and not split_kr and R_dt is not None
 
     def kernel(*refs):
         refs = list(refs)
@@ -1436,13 +1476,21 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native, dec
                     P = P_ref[c]
                 else:
                     _, P = _qk_full(mode, q_ref, k_ref, G_ref, C, prec, base)
-                o = _chunk_output(s, Gc, load_rows(q_ref, base, C), S, P, R, decayed=decayed)
+                if vside:
+                    o = s.scaled(exp(Gc)[:, None] * dot(load_rows(q_ref, base, C), S, prec)
+                                 + dot(P, R, prec))
+                else:
+                    o = _chunk_output(s, Gc, load_rows(q_ref, base, C), S, P, R,
+                                      decayed=decayed)
                 o_ref[pl.ds(base, C), :] = o.astype(o_ref.dtype)
             else:
                 R_ref[pl.ds(base, C), :] = R.astype(R_ref.dtype)
             if split_kr:  # K̄ᵀ R = kᵀ (d ⊙ R), k as stored, R in two bf16 parts
                 Rd = R if mode == "none" else exp(gl - Gc)[:, None] * R
                 S_new = dot_split(load_rows(k_ref, base, C, None), Rd, prec, ta=True)
+            elif vside_kr:  # the row decay on R's [C, BVs] tile: k as stored (exact in bf16)
+                S_new = _pass_dot(load_rows(k_ref, base, C, None if R_dt else F32),
+                                  exp(gl - Gc)[:, None] * R, prec, R_dt, ta=True)
             else:
                 kc = load_rows(k_ref, base, C)
                 Kt = kc if decayed else _kt(mode, Gc, gl, kc)
@@ -1478,6 +1526,13 @@ def _fwd_pass_parts(s, W, U, k, G, h0, reset, end, seq, dtypes, out, native, dec
     return kernel, ins, in_specs, outputs
 
 
+def _scalar_decay(Gc, C, strict=False):
+    """D_rs = e^{G_r − G_s} for s < r (``strict``) or s ≤ r, 0 above: [C, C] fp32 from a chunk's
+    scalar-gate rows Gc [C] (masked before exp, so no factor exceeds 1; the diagonal's is 1)."""
+    r, c = iota((C, C), 0), iota((C, C), 1)
+    return exp(jnp.where(c < r if strict else c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
+
+
 def _qk_full(mode, q_ref, k_ref, G_ref, C, prec, base=0):
     """No or scalar gates: (G rows or None, P = tril(Qγ K̄ᵀ) = (Q Kᵀ) ⊙ e^{G_r − G_s}) on the
     whole chunk at row ``base`` (the decay is masked before exp, so no factor exceeds 1)."""
@@ -1487,7 +1542,7 @@ def _qk_full(mode, q_ref, k_ref, G_ref, C, prec, base=0):
     if mode == "none":
         return None, jnp.where(c <= r, P, 0.0)
     Gc = load_rows(G_ref, base, C)
-    return Gc, P * exp(jnp.where(c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
+    return Gc, P * _scalar_decay(Gc, C)
 
 
 def _chunk_output(s, Gc, qc, S0, P, R, decayed=False):
@@ -1594,11 +1649,15 @@ def bwd_local(s: Shape, q, k, G, P, dO, *, interpret, dtype=F32, qdo_dtype=None)
                  tile_axis=tile_axis)(*ins)
 
 
-def _chunk_q_dO(s, Gc, q, dO, decayed=False):
+def _chunk_q_dO(s, Gc, q, dO, decayed=False, vside=False):
     """scale · Qγᵀ dO [K, BV] of one chunk from its rows q [C, K] and dO [C, BV] as stored
     (the reverse state pass's state-free term; ``bwd_pass`` or, ahead of it, ``bwd_local``).
     No gates: the product of q and dO as stored (exact products, native rate); scalar gates:
-    Qγ in fp32 (``decayed``: q is Qγ already)."""
+    Qγ in fp32 (``decayed``: q is Qγ already), or with ``vside`` (``value_side_decay``)
+    qᵀ (γ ⊙ dO), γ ⊙ dO rounded to dO's dtype so that the product stays native."""
+    if vside:
+        return s.scaled(dot_stored(q, (exp(Gc)[:, None] * dO.astype(F32)).astype(dO.dtype),
+                                   s.prec, ta=True))
     if s.mode != "none":
         q, dO = q.astype(F32) if decayed else _qg(s.mode, Gc, q.astype(F32)), dO.astype(F32)
     return s.scaled(dot_stored(q, dO, s.prec, ta=True))
@@ -1630,6 +1689,8 @@ def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes, qdo=N
     # K̄ dS and Wᵀ dR in the stored dtypes of dS and dR, or on fp32 values
     dS_dt, dR_dt = dtypes if _native_pass_dots(dtypes) else (None, None)
     given_qdo = qdo is not None
+    # scalar gates: K̄ dS = d ⊙ (k dS) and Qγᵀ dO = qᵀ (γ ⊙ dO), k and q as stored
+    vside = value_side_decay(mode) and not decayed
 
     def kernel(*refs):
         refs, qdo_ref = _split(refs, mode, 3), None
@@ -1651,12 +1712,17 @@ def _bwd_pass_parts(s, q, k, G, W, dO, dRl, dfin, reset, end, seq, dtypes, qdo=N
                 Kt = load_rows(k_ref, base, C)
             else:
                 Gc, gl = _chunk_decay(mode, G_ref, base, C)
-                Kt = _kt(mode, Gc, gl, load_rows(k_ref, base, C))
-            dR = load_rows(dRl_ref, base, C) + _pass_dot(Kt, dS, prec, dS_dt)
+                Kt = None if vside else _kt(mode, Gc, gl, load_rows(k_ref, base, C))
+            if vside:  # the row decay on the [C, BVs] product
+                kdS = _pass_dot(load_rows(k_ref, base, C, None if dS_dt else F32), dS, prec,
+                                dS_dt)
+                dR = load_rows(dRl_ref, base, C) + exp(gl - Gc)[:, None] * kdS
+            else:
+                dR = load_rows(dRl_ref, base, C) + _pass_dot(Kt, dS, prec, dS_dt)
             dR_ref[pl.ds(base, C), :] = dR.astype(dR_ref.dtype)
             qdo_c = (_chunk_q_dO(s, Gc, load_rows(q_ref, base, C, None),
-                                 load_rows(dO_ref, base, C, None), decayed) if qdo_ref is None
-                     else qdo_ref[c].astype(F32))
+                                 load_rows(dO_ref, base, C, None), decayed, vside)
+                     if qdo_ref is None else qdo_ref[c].astype(F32))
             dS0 = qdo_c - _pass_dot(  # W as stored
                 load_rows(W_ref, base, C, None if dR_dt else F32), dR, prec, dR_dt, ta=True)
             dS0 = dS0 + (dS if mode == "none" else _col(exp(gl)) * dS)
@@ -1742,7 +1808,11 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
     No gate enters these products (only WY's Ē), so they run on whole-chunk [C, ·] tiles
     (one matmul each) rather than 16-row sub-chunk blocks: far fewer live accumulators.
     Returns Λ [B,Tp,H,V] in ``lam_dtype`` (= dz), dT and dA_qk [B,H,N,C,C] in ``dt_dtype``
-    (masked; formed in fp32).
+    (masked; formed in fp32). With ``dlam_decays`` (scalar gates) both leave decayed, dT ⊙ D
+    and dA_qk ⊙ D (``_scalar_decay``; dA_qk's diagonal keeps its factor 1): the C × C decay is
+    formed once per chunk here instead of once per key tile in ``bwd_leaf``, and the leaf's
+    products meet the decayed values in their stored 16 bits (one rounding, FLA's GDN rounds
+    its decayed dA likewise) with no diagonal products of their own.
 
     rows = (βe, βz) [B,Tp,H] fp32: e, z are k, v as stored and Ē = βe ⊙ k, Z = βz ⊙ v (formed
     here in fp32 where WY reads them). Then also the leaf gradients of Z = βz ⊙ v, from Λ in
@@ -1752,6 +1822,7 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
     C, prec, mode, V, BV = s.C, s.prec, s.mode, s.V, s.BV
     wy = backward == "wy"
     with_rows = rows is not None
+    decays = dlam_decays(mode)
 
     def kernel(*refs):
         refs = list(refs)
@@ -1761,9 +1832,12 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
             be_ref, bz_ref = refs[n_in - 2:n_in]
             del refs[-2:]
             del refs[n_in - 2:n_in]
-        if not wy:  # ReWY reads no e, G, S0 (and z = v only with rows)
+        if not wy:  # ReWY reads no e, S0, G only to decay (and z = v only with rows)
             refs[4:4] = [None] if with_rows else [None, None]  # e (, z)
-            refs[6:6] = [None, None]  # G, S0
+            if decays:
+                refs.insert(7, None)  # S0, after G
+            else:
+                refs[6:6] = [None, None]  # G, S0
         elif mode == "none":
             refs.insert(6, None)
         A_ref, R_ref, dO_ref, dR_ref, e_ref, z_ref, G_ref, S0_ref, lam_ref, dT_ref, dAqk_ref = refs
@@ -1800,8 +1874,15 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
         if wy:
             A = A.astype(F32)
             dT = -dot(dot(A, dT, prec, ta=True), A, prec, tb=True)  # −Aᵀ dA Aᵀ
-        dT_ref[...] = jnp.where(c < r, dT, 0.0).astype(dT_ref.dtype)
-        dAqk_ref[...] = jnp.where(c <= r, s.scaled(dAqk), 0.0).astype(dAqk_ref.dtype)
+        if decays:
+            D = _scalar_decay(load_rows(G_ref, 0, C), C, strict=True)
+            dT_ref[...] = (dT * D).astype(dT_ref.dtype)
+            # the diagonal's factor 1 as the strict matrix's zero diagonal plus 1
+            dAqk_ref[...] = (s.scaled(dAqk) * jnp.where(c == r, 1.0, D)).astype(
+                dAqk_ref.dtype)
+        else:
+            dT_ref[...] = jnp.where(c < r, dT, 0.0).astype(dT_ref.dtype)
+            dAqk_ref[...] = jnp.where(c <= r, s.scaled(dAqk), 0.0).astype(dAqk_ref.dtype)
         if with_rows:
             dbz_ref[...] = dbz
 
@@ -1810,9 +1891,10 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
         ins = [A, R, dO, dR, e, z] + ([] if mode == "none" else [G]) + [S0]
         in_specs = [s.chunk_mat(C, C)] + [full_v] * 3 + [s.chunk_tok(s.K), full_v] + (
             [] if mode == "none" else [s.chunk_gate()]) + [s.chunk_mat(s.K, V)]
-    else:  # v itself only for the row scales' gradients
-        ins = [A, R, dO, dR] + ([z] if with_rows else [])
-        in_specs = [s.chunk_mat(C, C)] + [full_v] * (4 if with_rows else 3)
+    else:  # v itself only for the row scales' gradients; G only to decay
+        ins = [A, R, dO, dR] + ([z] if with_rows else []) + ([G] if decays else [])
+        in_specs = [s.chunk_mat(C, C)] + [full_v] * (4 if with_rows else 3) + (
+            [s.chunk_gate()] if decays else [])
     n_in = len(ins) + (2 if with_rows else 0)
     out_specs = [full_v, s.chunk_mat(C, C), s.chunk_mat(C, C)]
     out_shape = [s.sds_tok(V, lam_dtype),
@@ -1865,6 +1947,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     diag = "centred" if s.centred else setting("rewy_bwd_leaf.exact_diag")
     shared = bool(setting("rewy_bwd_leaf.shared_decay"))
     with_be, with_es = be is not None, e_scale is not None
+    pre_decayed = dlam_decays(mode)  # dT, dA_qk arrive decayed (bwd_dlam)
     if with_es and (with_be or e is not None or (mode == "vector" and diag == "loop")):
         raise ValueError("bwd_leaf: e_scale needs e None, no βe, and no per-pair diagonals")
 
@@ -1968,7 +2051,8 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
     def _leaf_full(refs, dg_refs, be_ref, dbe_ref, es_ref):
         """No or scalar gates: every decay is one [C, C] matrix D_rs = e^{G_r − G_s} (s < r,
         masked before exp; the diagonal's factor is 1), so the leaf maps are whole-chunk
-        matmuls (no sub-chunk frames)."""
+        matmuls (no sub-chunk frames). With ``dlam_decays`` dT and dA_qk arrive decayed
+        (dA_qk with its diagonal): no D here, and the maps are DeltaNet's."""
         (q_ref, k_ref, e_ref, G_ref, A_ref, S0_ref, dSe_ref, lam_ref, R_ref, dO_ref, dR_ref,
          dT_ref, dAqk_ref, dq_ref, dk_ref, de_ref) = refs
         r, c = iota((C, C), 0), iota((C, C), 1)
@@ -1987,7 +2071,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             gl = load_rows(G_ref, C - 1, 1)  # [1]
             # strictly lower: dT has no diagonal, and dA_qk's (decay factor 1) joins dq, dk
             # apart from the gate gradient's terms (below)
-            D = exp(jnp.where(c < r, Gc[:, None] - Gc[None, :], -jnp.inf))
+            D = None if pre_decayed else _scalar_decay(Gc, C, strict=True)
             gam, tail = exp(Gc)[:, None], exp(gl - Gc)[:, None]
         dT, dAqk = dT_ref[...], dAqk_ref[...]
         d_qk = None
@@ -2037,14 +2121,17 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
                 store_de()
             return
         # each result stored as soon as it is whole (fewer live [C, K] tiles); the gate
-        # gradient's parts summed over this tile's channels (one decay per row)
+        # gradient's parts summed over this tile's channels (one decay per row). Pre-decayed,
+        # dq and dk hold dA_qk's diagonal terms d_r k_r and d_r q_r: in the pairs they cancel
+        # channel by channel (d_r k_r q_r − d_r q_r k_r), as they must — their factor is 1.
         pairs_ref, path_ref = dg_refs
         store_de()
-        dq_ref[...] = (dq + dot_stored(d_qk, ks_, prec)).astype(dq_ref.dtype)
+        dq_ref[...] = (dq if d_qk is None else dq + dot_stored(d_qk, ks_, prec)).astype(
+            dq_ref.dtype)
         pairs = de * ec + dq * qc
         path_ref[...] = jnp.sum(RdS_t * kc, axis=1, keepdims=True)
         dk = dot_stored(dT_e, es_, prec, ta=True) + dot_stored(dAqk, qs_, prec, ta=True)
-        dk_all = dk + RdS_t + dot_stored(d_qk, qs_, prec, ta=True)
+        dk_all = dk + RdS_t + (0.0 if d_qk is None else dot_stored(d_qk, qs_, prec, ta=True))
         dk_ref[...] = (dk_all if dk_e is None else dk_all + dk_e).astype(dk_ref.dtype)
         sd = jnp.sum(dSe.astype(F32) * S0.astype(F32), axis=1)[None, :]
         pairs = pairs - dk * kc + jnp.where(iota((C, 1), 0) == C - 1, exp(gl) * sd, 0.0)

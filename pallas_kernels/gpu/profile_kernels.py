@@ -338,6 +338,12 @@ VARIANTS = {
     # GDN's leaf with its decayed dT, dA_qk in fp32 and TF32 products (the form before the
     # twenty-fourth session)
     "leaftf32": ({"rewy_bwd_leaf.native_decayed": False}, 64, None, None),
+    # GDN's decays where they were before the twenty-fifth session: dT, dA_qk decayed in the
+    # leaf (per key tile) rather than in bwd_dlam (backward.dlam_decays), and the state passes'
+    # scalar decays on the key side (state_pass.value_side_decay); profile-23's GDN is
+    # "leafdecay+keyside+leaftf32"
+    "leafdecay": ({"backward.dlam_decays": False}, 64, None, None),
+    "keyside": ({"state_pass.value_side_decay": False}, 64, None, None),
     "noqrowf": ({"rewy_qk_gram.row_frames": False}, 64, None, None),
     "nopd": ({"fwd_pass.predecayed": False}, 64, None, None),
     "unfusedg": ({"fwd_pass.fused_output": ("none", "vector")}, 64, None, None),
