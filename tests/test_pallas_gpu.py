@@ -912,29 +912,45 @@ def test_interpret_gdn_decayed_cotangents(key, kw, small_tiles, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("kw", [{}, {"n_seqs": 2}, {"policy": "save", "backward": "wy"}])
-def test_interpret_gdn_value_side_decay(kw, small_tiles, monkeypatch):
-    """DEFAULTS "state_pass.value_side_decay" (GDN): the state passes scale R, k·dS, q·S0 and
-    dO by the scalar decays instead of k and q. Every output and gradient stays within the
-    bf16 thresholds of the float64 recurrence (strong decays, packed sequences, both
-    policies); against the key-side form the final state and every gradient move by about a
-    rounding, not more — and do move, so the setting reaches the passes."""
+@pytest.mark.parametrize("key,kw", [("state_pass.value_side_decay", {}),
+                                    ("state_pass.value_side_decay", {"n_seqs": 2}),
+                                    ("state_pass.value_side_decay",
+                                     {"policy": "save", "backward": "wy"}),
+                                    ("rewy_intra.gate_on_A", {"n_seqs": 2})])
+def test_interpret_gdn_value_side_decay(key, kw, small_tiles, monkeypatch):
+    """GDN's decays on the narrow side of a product: DEFAULTS "state_pass.value_side_decay"
+    (the state passes scale R, k·dS, q·S0 and dO instead of k and q) and "rewy_intra.gate_on_A"
+    (intra and wu put γ on A's columns instead of Ē's rows). Every output and gradient stays
+    within the bf16 thresholds of the float64 recurrence (strong decays, packed sequences, both
+    policies); against the key-side form the outputs and gradients move by about a rounding,
+    not more — and something moves, so the setting reaches the kernels."""
     from pallas_kernels.gpu import kernels
 
     inp, cts, kw2 = _bf16_case("gdn", "strong", 73, kw)
-    assert kernels.DEFAULTS["state_pass.value_side_decay"]
+    assert kernels.DEFAULTS[key]
     _check(testing.accuracy_report("gdn", inp, **kw2))
+    intra, W = kernels.intra, []  # the forward's W: where gate_on_A shows (sub-ulp in o here)
+
+    def recording(*a, **k):
+        out = intra(*a, **k)
+        if k.get("A") is None:  # the forward's (A, W, U), not the backward's (W, U)
+            W.append(out[1])
+        return out
+
+    monkeypatch.setattr(kernels, "intra", recording)
     jax.clear_caches()
     o, s, g = testing.loss_and_grads("gdn", inp, cts, **kw2)
-    monkeypatch.setitem(kernels.TUNE, "state_pass.value_side_decay", False)
+    n_first = len(W)
+    monkeypatch.setitem(kernels.TUNE, key, False)
     jax.clear_caches()
     o2, s2, g2 = testing.loss_and_grads("gdn", inp, cts, **kw2)
-    # o is bf16: an fp32 rounding apart may round to the same values
-    assert testing.ratio(o, o2) < 1e-2 and 0 < testing.ratio(s, s2) < 1e-2
-    # (under "save" the backward reads S0 and R as the forward stored them, in bf16: some
-    # gradients may not move at all)
+    # Some may not move at all: o is bf16 (values an fp32 rounding apart may round alike), the
+    # interpreter multiplies fp32 exactly where the GPU rounds to TF32, and under "save" the
+    # backward reads S0 and R as the forward stored them, in bf16.
     moved = {name: testing.ratio(g[name], g2[name]) for name in ("dq", "dk", "dv", "dg", "dbeta")}
-    assert max(moved.values()) < 1e-2 and moved["dk"] > 0, moved
+    moved.update(o=testing.ratio(o, o2), final_state=testing.ratio(s, s2),
+                 W=testing.ratio(W[0], W[n_first]))
+    assert max(moved.values()) < 1e-2 and max(moved.values()) > 0, moved
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")

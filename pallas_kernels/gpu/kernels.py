@@ -580,6 +580,12 @@ WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2,
 #               40); the fused forward pass SASS 2420 -> 2380, spills 180 -> 200 B (its TF32
 #               K̄ᵀ R in the value-side form spills 412 B: kept on the key side). Default since
 #               the twenty-fifth session (variant keyside: the form before).
+#   rewy_intra.gate_on_A  scalar gates (GDN): intra's and wu's W = A (γ ⊙ Ē) as
+#               (A diag(βe γ)) e — the decay joins the row scale on A's [16, 16] column blocks
+#               instead of scaling Ē's [16, K] rows for every block product. ptxas (sm_90,
+#               K = 128, 2 warps): intra 184 -> 40 B of spills, SASS 6164 -> 5588 (DeltaNet's
+#               5172); wu SASS 3896 -> 3576 (3328). Default since the twenty-fifth session
+#               (variant gaterows: the form before).
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
@@ -608,7 +614,8 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_bwd_local.tile_loop": False, "fwd_pass.predecayed": True,
             "backward.predecayed": False, "rewy_qk_gram.row_frames": True,
             "backward.leaf_e_rows": ("none", "scalar"), "rewy_bwd_leaf.native_decayed": True,
-            "backward.dlam_decays": True, "state_pass.value_side_decay": True}
+            "backward.dlam_decays": True, "state_pass.value_side_decay": True,
+            "rewy_intra.gate_on_A": True}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed
@@ -938,6 +945,7 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
     """
     n, C, prec, mode = s.n, s.C, s.prec, s.mode
     given_T, given_A, with_P = T is not None, A is not None, q is not None
+    gate_on_A = mode == "scalar" and bool(setting("rewy_intra.gate_on_A"))
     assert not (given_T and given_A), "intra takes T (to invert) or A (inverted), not both"
     assert not with_P or (mode != "vector" and not given_A), "P: no or scalar gates, forward"
     assert wu or not (given_A or with_P), "wu=False: the inverse alone"
@@ -977,13 +985,20 @@ def intra(s: Shape, k, e, z, G, *, interpret, T=None, A=None, dtypes=(F32, F32),
                         x_ref=e_ref if gt.kslice else None)  # key slices need the ref
             return t if be_ref is None else t * load_rows(be_ref, i * BS)[:, None]
 
-        def scaled(a, j, b_ref):  # A[i, j] diag(β_j): the row scale of Ē_j or Z_j
-            return a if b_ref is None else a * load_rows(b_ref, j * BS)[None, :]
+        def scaled(a, j, b_ref, gated=False):
+            """A[i, j] diag(β_j) (the row scale of Ē_j or Z_j), and diag(γ_j) when ``gated``
+            (scalar gates: W = A (γ ⊙ Ē) with γ on A's [16, 16] columns, not Ē's [16, K] rows:
+            DEFAULTS "rewy_intra.gate_on_A")."""
+            f = None if b_ref is None else load_rows(b_ref, j * BS)
+            if gated:
+                f = exp(gt.blk(j)) if f is None else f * exp(gt.blk(j))
+            return a if f is None else a * f[None, :]
 
         def on_row(i, A):  # row block i of A is final: emit W_i, U_i (and A's row)
             if wu:
                 W_ref[pl.ds(i * BS, BS), :] = _sum(
-                    dot(scaled(A[i, j], j, be_ref), gt.head(j, es[j]), prec)
+                    dot(scaled(A[i, j], j, be_ref, gate_on_A),
+                        es[j] if gate_on_A else gt.head(j, es[j]), prec)
                     for j in range(i + 1)).astype(W_ref.dtype)
                 U_ref[pl.ds(i * BS, BS), :] = _sum(
                     dot(scaled(A[i, j], j, bz_ref), zs[j], prec)

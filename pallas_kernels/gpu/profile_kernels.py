@@ -341,9 +341,11 @@ VARIANTS = {
     # GDN's decays where they were before the twenty-fifth session: dT, dA_qk decayed in the
     # leaf (per key tile) rather than in bwd_dlam (backward.dlam_decays), and the state passes'
     # scalar decays on the key side (state_pass.value_side_decay); profile-23's GDN is
-    # "leafdecay+keyside+leaftf32"
+    # "leafdecay+keyside+gaterows+leaftf32"
     "leafdecay": ({"backward.dlam_decays": False}, 64, None, None),
     "keyside": ({"state_pass.value_side_decay": False}, 64, None, None),
+    # and intra's and wu's W = A (γ ⊙ Ē) with γ on Ē's [16, K] rows, not A's columns
+    "gaterows": ({"rewy_intra.gate_on_A": False}, 64, None, None),
     "noqrowf": ({"rewy_qk_gram.row_frames": False}, 64, None, None),
     "nopd": ({"fwd_pass.predecayed": False}, 64, None, None),
     "unfusedg": ({"fwd_pass.fused_output": ("none", "vector")}, 64, None, None),
