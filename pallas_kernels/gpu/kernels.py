@@ -1925,6 +1925,17 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
                  name="rewy_bwd_dlam")(*ins)
 
 
+def _state_inner(dS, S0, prec):
+    """Σ_v dS ⊙ S0 per key channel, [1, BK] fp32, of two [BK, V] state tiles as stored: the
+    diagonal of the product dS S0ᵀ — a native product of tiles the leaf has staged for its other
+    products, where the element-wise form held both tiles in fp32 registers (ptxas, sm_90,
+    K = 128: GDN's leaf 172 -> 147 registers, SASS 1134 -> 1130). Not for vector gates: in
+    KDA's row-grid leaf (BK = 32, 4 warps) it took 150 -> 255 registers."""
+    M = dot_stored(dS, S0, prec, tb=True)
+    r, c = iota(M.shape, 0), iota(M.shape, 1)
+    return jnp.sum(jnp.where(r == c, M, 0.0), axis=0)[None, :]
+
+
 def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, backward, dtypes,
              interpret, be=None, e_scale=None):
     """Leaf gradients, grid (N, B·H, K/BK): every map below acts per key channel, so key tiles
@@ -2038,7 +2049,7 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             pairs = de * e_i - dk_x * ks[i] + dq * qs[i]
             if i == n - 1:  # the start state's decay γ_C into the end state, on the last row
                 sd = jnp.sum(dSe_ref[...].astype(F32) * S0_ref[...].astype(F32),
-                             axis=1)[None, :]  # [1, BK]
+                             axis=1)[None, :]  # [1, BK] (``_state_inner``: slower here)
                 pairs = pairs + jnp.where(iota((BS, 1), 0) == BS - 1, exp(gt.glast()) * sd, 0.0)
             rows = pl.ds(i * BS, BS)
             dq_ref[rows, :] = (dq + d_i * ks[i]).astype(dq_ref.dtype)
@@ -2148,9 +2159,11 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
         dk = dot_stored(dT_e, es_, prec, ta=True) + dot_stored(dAqk, qs_, prec, ta=True)
         dk_all = dk + RdS_t + (0.0 if d_qk is None else dot_stored(d_qk, qs_, prec, ta=True))
         dk_ref[...] = (dk_all if dk_e is None else dk_all + dk_e).astype(dk_ref.dtype)
-        sd = jnp.sum(dSe.astype(F32) * S0.astype(F32), axis=1)[None, :]
-        pairs = pairs - dk * kc + jnp.where(iota((C, 1), 0) == C - 1, exp(gl) * sd, 0.0)
-        pairs_ref[...] = jnp.sum(pairs, axis=1, keepdims=True)
+        # the start state's decay into the end state, on the last row: γ_C Σ_k Σ_v dS ⊙ S0
+        # over this tile's channels
+        sd = jnp.sum(_state_inner(dSe, S0, prec), axis=1)  # [1]
+        pairs = jnp.sum(pairs - dk * kc, axis=1, keepdims=True)
+        pairs_ref[...] = pairs + jnp.where(iota((C, 1), 0) == C - 1, exp(gl) * sd, 0.0)
 
     # Row grid (vector gates, DEFAULTS): n programs per chunk, one per 16-row block — n× the
     # parallelism and one block's live tiles per program (the gate gradient's parts are summed

@@ -106,6 +106,9 @@ VARIANTS = {
     "lk32w4": ({"rewy_bwd_leaf.warps": 4}, 64, None, 32),
     "lk32": ({"rewy_bwd_leaf.warps": 8}, 64, None, 32),
     "lk64": ({"rewy_bwd_leaf.warps": 8}, 64, None, 64),
+    # no or scalar gates at K = 128: one key tile, so the leaf reads its [C, V] tiles (Λ, dO, R)
+    # and dT, dA_qk once per chunk instead of once per tile of 64
+    "lk128": ({"rewy_bwd_leaf.warps": 8}, 64, None, 128),
     # the leaf on key tiles of 16 at 4 warps — for GDN at K = 256, whose tiles of 32 hold 219
     # registers at 8 warps (one program per SM) and spill 558 B at 4; ptxas for 16 at 4 warps:
     # 255 registers, no spills, 94 KB shared (two programs per SM), SASS 1550 -> 1918
