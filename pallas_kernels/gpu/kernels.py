@@ -558,8 +558,9 @@ WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2,
 #               scales instead of [C, C] products: 88 KB, 245, SASS 1534; without the rounding
 #               112 KB and 148 B of spills — not taken.) GDN's leaf was 0.478 ms against
 #               DeltaNet's 0.203 at the anchor (profile-23, H100). Emulated accuracy:
-#               benchmarks/results/interpret-accuracy-16/. Untimed (twenty-fourth session: no
-#               device time left); variant leaftf32 turns it off. Moot under dlam_decays below.
+#               benchmarks/results/interpret-accuracy-16/. Profile-24 (H100, anchor, with
+#               dlam_decays off): leaf 0.475 -> 0.366 ms. Variant leaftf32 turns it off. Moot
+#               under dlam_decays below, which decays dT, dA_qk before the leaf.
 #   backward.dlam_decays  scalar gates (GDN): bwd_dlam stores dT ⊙ D and dA_qk ⊙ D (dA_qk's
 #               diagonal with its factor 1) instead of the leaf forming D and both products per
 #               key tile; the leaf's maps are then DeltaNet's — native products of the stored
@@ -568,8 +569,9 @@ WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2,
 #               keep them. One rounding of each decayed element (native_decayed: two). ptxas
 #               (sm_90, K = 128): the leaf 96 -> 88 KB, 237 -> 172 registers, SASS 1454 -> 1134,
 #               mma 48 -> 40 (DeltaNet's: 80 KB, 138, 600, 40); bwd_dlam 186 -> 217 registers,
-#               SASS 1144 -> 1296. Default since the twenty-fifth session (variant leafdecay:
-#               the form before); timing in PERF.md.
+#               SASS 1144 -> 1296. Profile-24 (H100, anchor): leaf 0.366 -> 0.324 ms, bwd_dlam
+#               0.073 -> 0.077; GDN fwd+bwd 1.426 -> 1.385. Default since the twenty-fifth
+#               session (variant leafdecay: the form before).
 #   state_pass.value_side_decay  scalar gates (GDN): the state passes put the per-row decays
 #               on the [C, BVs] operand of each product — K̄ dS = d ⊙ (k dS), Qγᵀ dO =
 #               qᵀ (γ ⊙ dO) (γ ⊙ dO rounded to dO's dtype: a native product), Qγ S0 =
@@ -578,14 +580,17 @@ WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2,
 #               stored (exact). ptxas (sm_90, K = 128): the twin pass 242 -> 156 registers,
 #               103 -> 119 KB, SASS 2503 -> 1745, mma 48 -> 40 (DeltaNet's: 154, 123 KB, 1477,
 #               40); the fused forward pass SASS 2420 -> 2380, spills 180 -> 200 B (its TF32
-#               K̄ᵀ R in the value-side form spills 412 B: kept on the key side). Default since
-#               the twenty-fifth session (variant keyside: the form before).
+#               K̄ᵀ R in the value-side form spills 412 B: kept on the key side). Profile-24
+#               (H100, anchor): fused pass 0.279 -> 0.253 ms, twin 0.293 -> 0.277; GDN fwd+bwd
+#               1.438 -> 1.385. Default since the twenty-fifth session (variant keyside: the
+#               form before).
 #   rewy_intra.gate_on_A  scalar gates (GDN): intra's and wu's W = A (γ ⊙ Ē) as
 #               (A diag(βe γ)) e — the decay joins the row scale on A's [16, 16] column blocks
 #               instead of scaling Ē's [16, K] rows for every block product. ptxas (sm_90,
 #               K = 128, 2 warps): intra 184 -> 40 B of spills, SASS 6164 -> 5588 (DeltaNet's
-#               5172); wu SASS 3896 -> 3576 (3328). Default since the twenty-fifth session
-#               (variant gaterows: the form before).
+#               5172); wu SASS 3896 -> 3576 (3328). Profile-24 (H100, anchor): intra 0.194 ->
+#               0.174 ms, wu 0.102 -> 0.094; GDN fwd+bwd 1.409 -> 1.385. Default since the
+#               twenty-fifth session (variant gaterows: the form before).
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
