@@ -77,6 +77,18 @@ if [ -n "${BENCH_SPLIT:-}" ]; then
   (( parallel < 1 )) && parallel=1
   echo "$n_items processes, at most $parallel at once (GPU memory ${mem_mib:-?} MiB)"
   lock="$(mktemp /tmp/rewy-gpu-lock.XXXXXX)"
+  # The parts and their logs live outside $OUT and travel as one tarball, $OUT/parts.tgz,
+  # re-packed every 30 s and whenever a process ends: the device tool returns at most 8 files
+  # and nothing once it kills the call at its limit (run h100-20, call c: six loose logs came
+  # back, no part), so what finished — and the logs so far — must already be in one file.
+  parts_dir="$(mktemp -d /tmp/rewy-bench-parts.XXXXXX)"
+  pack() {
+    (cd "$parts_dir" && ls bench-p*.log >/dev/null 2>&1 \
+      && tar czf "$OUT/parts.tgz.tmp" bench-p*.log $(ls "$stem"-p*.* 2>/dev/null) \
+      && mv -f "$OUT/parts.tgz.tmp" "$OUT/parts.tgz")
+  }
+  ( while sleep 30; do pack; done ) &
+  packer=$!
   i=0
   for item in $BENCH_SPLIT; do
     part=(--ops "${item%%@*}")
@@ -87,31 +99,31 @@ if [ -n "${BENCH_SPLIT:-}" ]; then
     fi
     # a later wave's processes start when earlier ones end; BENCH_TIMEOUT bounds each one, so
     # size the device call's limit for the waves (items ÷ parallel, rounded up)
-    while (( $(jobs -rp | wc -l) >= parallel )); do wait -n; done
+    # (the packer is one of the jobs)
+    while (( $(jobs -rp | wc -l) >= parallel + 1 )); do wait -n; pack; done
     limit=${BENCH_TIMEOUT:-480}
     if [ -n "${BENCH_WALL:-}" ]; then
       left=$(( BENCH_WALL - 20 - SECONDS ))
       if (( left < 60 )); then
-        echo "skipped (BENCH_WALL: ${left}s left): $item" | tee "$OUT/bench-p$i.log"
-        echo 1 > "$OUT/rc-p$i"; i=$((i + 1)); continue
+        echo "skipped (BENCH_WALL: ${left}s left): $item" | tee "$parts_dir/bench-p$i.log"
+        echo 1 > "$parts_dir/rc-p$i"; i=$((i + 1)); continue
       fi
       (( left < limit )) && limit=$left
     fi
     ( timeout -k 10 "$limit" ${env_new[@]+"${env_new[@]}"} python3 -m benchmarks.run \
-        --out-dir "$OUT" --gpu-lock "$lock" --stem "$stem-p$i" "${part[@]}" "$@" \
-        > "$OUT/bench-p$i.log" 2>&1; echo $? > "$OUT/rc-p$i" ) &
+        --out-dir "$parts_dir" --gpu-lock "$lock" --stem "$stem-p$i" "${part[@]}" "$@" \
+        > "$parts_dir/bench-p$i.log" 2>&1; echo $? > "$parts_dir/rc-p$i" ) &
     i=$((i + 1))
   done
-  wait
+  while (( $(jobs -rp | wc -l) > 1 )); do wait -n; pack; done
+  kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null
   rc=0
-  for f in "$OUT"/rc-p*; do [ -f "$f" ] && r=$(cat "$f") && (( r != 0 )) && rc=$r; done
-  rm -f "$OUT"/rc-p*
-  parts=("$OUT/$stem"-p*.json)
+  for f in "$parts_dir"/rc-p*; do [ -f "$f" ] && r=$(cat "$f") && (( r != 0 )) && rc=$r; done
+  parts=("$parts_dir/$stem"-p*.json)
   python3 -m benchmarks.merge "${parts[@]}" --out-dir "$OUT" --stem "$stem" >/dev/null \
     || { echo "merge failed"; rc=1; }
-  grep -h "accuracy\|error\|Error" "$OUT"/bench-p*.log | cut -c1-400
-  # the device tool returns at most 8 files: the parts and their logs travel as one tarball
-  (cd "$OUT" && tar czf parts.tgz bench-p*.log "$stem"-p*.* && rm -f bench-p*.log "$stem"-p*.*)
+  grep -h "accuracy\|error\|Error" "$parts_dir"/bench-p*.log | cut -c1-400
+  pack; rm -rf "$parts_dir"
   [ -f "$OUT/$stem.md" ] && sed -n "/^## Headline/,/^## All rows/p" "$OUT/$stem.md"
 else
   if [ -n "$new_triton" ] && [ "${BENCH_NEW_TRITON:-gdn}" = all ]; then
