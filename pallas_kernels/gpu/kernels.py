@@ -564,14 +564,18 @@ WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2,
 #   backward.dlam_decays  scalar gates (GDN): bwd_dlam stores dT ⊙ D and dA_qk ⊙ D (dA_qk's
 #               diagonal with its factor 1) instead of the leaf forming D and both products per
 #               key tile; the leaf's maps are then DeltaNet's — native products of the stored
-#               16-bit values, and no products with dA_qk's diagonal: in the gate gradient's
-#               pairs its terms d_r k_r q_r − d_r q_r k_r cancel channel by channel, so dq, dk
-#               keep them. One rounding of each decayed element (native_decayed: two). ptxas
-#               (sm_90, K = 128): the leaf 96 -> 88 KB, 237 -> 172 registers, SASS 1454 -> 1134,
-#               mma 48 -> 40 (DeltaNet's: 80 KB, 138, 600, 40); bwd_dlam 186 -> 217 registers,
-#               SASS 1144 -> 1296. Profile-24 (H100, anchor): leaf 0.366 -> 0.324 ms, bwd_dlam
-#               0.073 -> 0.077; GDN fwd+bwd 1.426 -> 1.385. Default since the twenty-fifth
-#               session (variant leafdecay: the form before).
+#               16-bit values. One rounding of each decayed element (native_decayed: two).
+#               dA_qk's diagonal (factor 1) still goes through two products of its own (the
+#               leaf splits it off): the gate gradient's pairs must not read dq, dk holding
+#               those terms, which cancel there (d_r k_r q_r − d_r q_r k_r) but leave rounding
+#               at dk's size — the form timed below kept them in and failed the fp32
+#               fully-decayed property test (dg ratio 0.63; tests/test_properties.py). ptxas
+#               (sm_90, K = 128): the leaf 237 -> 185 registers, SASS 1454 -> 1250, mma 48 -> 56
+#               (DeltaNet's: 80 KB, 138, 600, 40; the timed form 172, 1134, 40); bwd_dlam 186 ->
+#               217 registers, SASS 1144 -> 1296. Profile-24 (H100, anchor, the timed form):
+#               leaf 0.366 -> 0.324 ms, bwd_dlam 0.073 -> 0.077; GDN fwd+bwd 1.426 -> 1.385 —
+#               the corrected form is untimed. Default since the twenty-fifth session (variant
+#               leafdecay: the form before).
 #   state_pass.value_side_decay  scalar gates (GDN): the state passes put the per-row decays
 #               on the [C, BVs] operand of each product — K̄ dS = d ⊙ (k dS), Qγᵀ dO =
 #               qᵀ (γ ⊙ dO) (γ ⊙ dO rounded to dO's dtype: a native product), Qγ S0 =
@@ -1832,7 +1836,7 @@ def bwd_dlam(s: Shape, A, R, dO, dR, e, z, G, S0, *, backward, interpret, lam_dt
     and dA_qk ⊙ D (``_scalar_decay``; dA_qk's diagonal keeps its factor 1): the C × C decay is
     formed once per chunk here instead of once per key tile in ``bwd_leaf``, and the leaf's
     products meet the decayed values in their stored 16 bits (one rounding, FLA's GDN rounds
-    its decayed dA likewise) with no diagonal products of their own.
+    its decayed dA likewise).
 
     rows = (βe, βz) [B,Tp,H] fp32: e, z are k, v as stored and Ē = βe ⊙ k, Z = βz ⊙ v (formed
     here in fp32 where WY reads them). Then also the leaf gradients of Z = βz ⊙ v, from Λ in
@@ -2106,7 +2110,16 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
             gam, tail = exp(Gc)[:, None], exp(gl - Gc)[:, None]
         dT, dAqk = dT_ref[...], dAqk_ref[...]
         d_qk = None
-        if D is not None:
+        if pre_decayed:
+            # dA_qk arrives with its diagonal (factor 1): taken out of the maps that the gate
+            # gradient's pairs read, so that dq, dk there hold no terms of dk's size that
+            # cancel (d_r k_r q_r − d_r q_r k_r): their rounding would swamp a fully decayed
+            # row's dg (tests/test_properties.py, fp32: dg ~1e-9 against dk ~1). ptxas (K =
+            # 128): as a [C, C] matrix for two more products 185 registers, SASS 1250; as a
+            # [C, 1] column scaling k and q 204, 1306 (and 147, 1122 with the terms left in)
+            d_qk = jnp.where(r == c, dAqk, jnp.zeros_like(dAqk))
+            dAqk = jnp.where(r == c, jnp.zeros_like(dAqk), dAqk)
+        elif D is not None:
             d_qk = jnp.where(r == c, dAqk, 0.0)  # dA_qk's diagonal, as a [C, C] matrix
             dT, dAqk = dT * D, dAqk * D
             if setting("rewy_bwd_leaf.native_decayed"):  # back to 16 bits: native products
@@ -2152,17 +2165,15 @@ def bwd_leaf(s: Shape, q, k, e, G, A, S0, dSe, lam, R, dO, dR, dT, dAqk, *, back
                 store_de()
             return
         # each result stored as soon as it is whole (fewer live [C, K] tiles); the gate
-        # gradient's parts summed over this tile's channels (one decay per row). Pre-decayed,
-        # dq and dk hold dA_qk's diagonal terms d_r k_r and d_r q_r: in the pairs they cancel
-        # channel by channel (d_r k_r q_r − d_r q_r k_r), as they must — their factor is 1.
+        # gradient's parts summed over this tile's channels (one decay per row); dA_qk's
+        # diagonal (decay factor 1) joins dq and dk only as they are stored
         pairs_ref, path_ref = dg_refs
         store_de()
-        dq_ref[...] = (dq if d_qk is None else dq + dot_stored(d_qk, ks_, prec)).astype(
-            dq_ref.dtype)
+        dq_ref[...] = (dq + dot_stored(d_qk, ks_, prec)).astype(dq_ref.dtype)
         pairs = de * ec + dq * qc
         path_ref[...] = jnp.sum(RdS_t * kc, axis=1, keepdims=True)
         dk = dot_stored(dT_e, es_, prec, ta=True) + dot_stored(dAqk, qs_, prec, ta=True)
-        dk_all = dk + RdS_t + (0.0 if d_qk is None else dot_stored(d_qk, qs_, prec, ta=True))
+        dk_all = dk + RdS_t + dot_stored(d_qk, qs_, prec, ta=True)
         dk_ref[...] = (dk_all if dk_e is None else dk_all + dk_e).astype(dk_ref.dtype)
         # the start state's decay into the end state, on the last row: γ_C Σ_k Σ_v dS ⊙ S0
         # over this tile's channels
