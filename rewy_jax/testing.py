@@ -184,3 +184,58 @@ def compare_to_reference(op: str, inputs: dict, *, seed: int = 1, use_qk_l2norm:
                                        backend="reference", **ref_kw)
     return {"o": (o, o_r), "final_state": (s, s_r),
             **{name: (gval, grads_r[name]) for name, gval in grads.items()}}
+
+
+class Case(NamedTuple):
+    """One random accuracy case: an op's shape, gates, packing and implementation choices."""
+    op: str
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    chunk_size: int
+    decay: str  # make_inputs' decay; "bounded" also declares gate_lower_bound=-5 (vector gates)
+    backward: str  # "rewy" | "wy"
+    policy: str  # "recompute" | "save"
+    initial_state: bool
+    n_seqs: int | None  # packed sequences (cu_seqlens), B = 1
+    dtype: str  # "float32" | "bfloat16"
+
+    def label(self) -> str:
+        pack = f" n_seqs={self.n_seqs}" if self.n_seqs else ""
+        h0 = " h0" if self.initial_state else ""
+        return (f"{self.op} B={self.B} T={self.T} H={self.H} K={self.K} V={self.V} "
+                f"C={self.chunk_size} {self.decay} {self.backward}/{self.policy}{h0}{pack} "
+                f"{self.dtype}")
+
+    def inputs(self, seed: int) -> dict:
+        return make_inputs(self.op, self.B, self.T, self.H, self.K, self.V,
+                           dtype=jnp.dtype(self.dtype), seed=seed, decay=self.decay,
+                           initial_state=self.initial_state, n_seqs=self.n_seqs)
+
+    def kwargs(self) -> dict:
+        """The op's keyword arguments that this case fixes (add backend=... and the like)."""
+        kw = dict(chunk_size=self.chunk_size, backward=self.backward, policy=self.policy)
+        if self.decay == "bounded" and "g_vector" in OPS[self.op].gate_kinds:
+            kw["gate_lower_bound"] = -5.0
+        return kw
+
+    def report(self, seed: int, **kw) -> dict:
+        """accuracy_report on this case's inputs drawn from ``seed`` (cotangents from seed + 1)."""
+        return accuracy_report(self.op, self.inputs(seed), seed=seed + 1, **self.kwargs(), **kw)
+
+
+def random_case(rng: np.random.Generator, *, dims=(16, 32), max_T: int = 150,
+                dtypes=("float32", "float32", "bfloat16")) -> Case:
+    """A random :class:`Case`: any op, T not a multiple of the chunk most of the time, K = V or
+    not, every decay regime, both backward schemes and policies, initial states and packed
+    sequences half the time each, β/b/w in [0, 2] (make_inputs)."""
+    pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+    n_seqs = pick([None, None, 2, 3])
+    return Case(op=pick(sorted(OPS)), B=1 if n_seqs else int(rng.integers(1, 3)),
+                T=int(rng.integers(n_seqs or 1, max_T + 1)), H=int(rng.integers(1, 3)),
+                K=pick(dims), V=pick(dims), chunk_size=pick([16, 32, 64]),
+                decay=pick(["normal", "strong", "bounded", "none"]),
+                backward=pick(["rewy", "wy"]), policy=pick(["recompute", "save"]),
+                initial_state=bool(rng.integers(2)), n_seqs=n_seqs, dtype=pick(dtypes))

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import rewy_jax
 from rewy_jax import backends, testing
@@ -64,6 +66,21 @@ def test_interpret_matches_reference(op, T, K, V, C, decay, kw, small_tiles):
     inp = testing.make_inputs(op, 2, T, 2, K, V, decay=decay, seed=3)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
                                    chunk_size=C, **kw))
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+@settings(max_examples=3, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31 - 1))
+def test_interpret_random_cases(seed, small_tiles):
+    """Redrawn cases beside the fixed ones above (``testing.random_case``: any op, T, K ≠ V,
+    chunk, decay regime, scheme, policy, initial state, packing), fp32: the kernels' defaults
+    within 1e-4 of the float64 recurrence for every output and gradient. The same draws, many
+    more and in bf16 too: ``python -m benchmarks.interpret_sweep``."""
+    case = testing.random_case(np.random.default_rng(seed), max_T=90, dtypes=("float32",))
+    rep = case.report(seed=seed, backend="pallas_gpu", interpret=True)
+    bad = {n: f"{r:.2e} > {tol:.0e}" for n, (r, tol) in rep.items() if not r <= tol}
+    assert not bad, (case.label(), bad)
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
