@@ -8,8 +8,10 @@ hypothesis draws; this draws many more (``testing.random_case``: every op, T not
 the chunk, K ≠ V, initial states, packed sequences, strong and bounded decays, β/b/w in [0, 2],
 both backward schemes and policies, fp32 and bf16) with the kernels' defaults, and prints one row
 per case: every output and gradient's ratio against its rewy-math §8 threshold. The tiles are
-made small (``--tiles``) so that K, V = 32 run two tiles through every kernel. Exits 1 if any
-ratio is over its threshold or not finite.
+made small (``--tiles``) so that K, V = 32 run two tiles through every kernel. At K ≤ 32 16-bit
+calls run the kernels on fp32 (``api.NARROW_KEYS``); ``--narrow-keys 0`` runs the 16-bit
+kernels there instead, as production head dims (≥ 64) do. Exits 1 if any ratio is over its
+threshold or not finite.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import json
 import math
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 
-def run(seed: int, cases: int, backend: str, tiles: int) -> list[dict]:
+def run(seed: int, cases: int, backend: str, tiles: int, **draw) -> list[dict]:
+    """``cases`` rows; ``draw``: testing.random_case's keywords (ops, dtypes, max_T)."""
     from pallas_kernels.gpu import api
     from rewy_jax import testing
 
@@ -34,7 +38,7 @@ def run(seed: int, cases: int, backend: str, tiles: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(cases):
-        case = testing.random_case(rng)
+        case = testing.random_case(rng, **draw)
         t0 = time.time()
         rep = case.report(seed=seed * 1000 + 2 * i,
                           backend=backend, interpret=True)
@@ -56,9 +60,20 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", type=int, default=40)
     ap.add_argument("--backend", default="pallas_gpu", choices=["pallas_gpu", "pallas_tpu", "xla"])
     ap.add_argument("--tiles", type=int, default=16, help="key/value tile (0: the defaults)")
+    ap.add_argument("--ops", nargs="+", help="draw only these ops (default: all four)")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "float32", "bfloat16"],
+                    help="input dtypes to draw from (repeat one to weight it)")
+    ap.add_argument("--max-T", type=int, default=150)
+    ap.add_argument("--narrow-keys", type=int, help="api.NARROW_KEYS for the run (0: 16-bit "
+                    "calls run the 16-bit kernels at every K; default: the library's)")
     ap.add_argument("--out-dir", type=Path)
     a = ap.parse_args(argv)
-    rows = run(a.seed, a.cases, a.backend, a.tiles)
+    if a.narrow_keys is not None:
+        from pallas_kernels.gpu import api
+
+        api.NARROW_KEYS = a.narrow_keys
+    rows = run(a.seed, a.cases, a.backend, a.tiles, ops=a.ops, dtypes=tuple(a.dtypes),
+               max_T=a.max_T)
     n_bad = sum(bool(r["bad"]) for r in rows)
     worst = max(rows, key=lambda r: r["ratios"][r["worst"]] / r["tolerances"][r["worst"]])
     w = worst["worst"]
@@ -72,8 +87,7 @@ def main(argv=None) -> int:
                                 text=True).stdout.strip()
         meta = dict(seed=a.seed, backend=a.backend, tiles=a.tiles, commit=commit,
                     python=platform.python_version(),
-                    command=f"python -m benchmarks.interpret_sweep --seed {a.seed} --cases "
-                            f"{a.cases} --backend {a.backend} --tiles {a.tiles}")
+                    command="python -m benchmarks.interpret_sweep " + " ".join(argv or sys.argv[1:]))
         (a.out_dir / "sweep.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         (a.out_dir / "summary.txt").write_text(summary + "\n")
     return 1 if n_bad else 0

@@ -41,6 +41,16 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(api, "DEFAULT_BV_STATE", 16)
 
 
+@pytest.fixture(autouse=True)
+def sixteen_bit_kernels_at_small_keys(monkeypatch):
+    """This file's small K (16, 32) stand in for the production head dims (≥ 64), at which 16-bit
+    calls run the 16-bit kernels; ``api.NARROW_KEYS`` would run them on fp32 here. The tests of
+    that policy set it back."""
+    from pallas_kernels.gpu import api
+
+    monkeypatch.setattr(api, "NARROW_KEYS", 0)
+
+
 # (op, T, K, V, chunk, decay, extra kwargs) — each case compiles its own interpret kernels.
 CPU_CASES = [
     ("deltanet", 40, 16, 32, 16, "normal", {}),
@@ -81,6 +91,29 @@ def test_interpret_random_cases(seed, small_tiles):
     rep = case.report(seed=seed, backend="pallas_gpu", interpret=True)
     bad = {n: f"{r:.2e} > {tol:.0e}" for n, (r, tol) in rep.items() if not r <= tol}
     assert not bad, (case.label(), bad)
+
+
+@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
+def test_interpret_narrow_keys_run_in_fp32(small_tiles, monkeypatch):
+    """api.NARROW_KEYS: at K ≤ 32 a bf16 call runs the kernels on fp32 q, k, v (three-TF32
+    products on the GPU, exact fp32 here) and still returns o in bf16. On the case an interpret
+    sweep found (benchmarks/results/interpret-sweep-26: DeltaNet, K = 16, T = 272, no decay,
+    β ∈ [0, 2], two packed sequences with initial states) the 16-bit kernels' dk exceeds
+    rewy-math §8's 1e-2; this path meets every bound with room."""
+    from pallas_kernels.gpu import api
+
+    case = testing.Case("deltanet", 1, 272, 1, 16, 16, 64, "none", "rewy", "recompute", True, 2,
+                        "bfloat16")
+    monkeypatch.setattr(api, "NARROW_KEYS", 32)
+    o, _ = testing.run_op("deltanet", case.inputs(27002), backend="pallas_gpu", interpret=True,
+                          use_qk_l2norm=True, **case.kwargs())
+    assert o.dtype == jnp.bfloat16
+    rep = case.report(27002, backend="pallas_gpu", interpret=True)
+    assert all(r <= tol / 2 for r, tol in rep.values()), rep
+    assert api._precision(jnp.bfloat16, False, narrow=True) == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    monkeypatch.setattr(api, "NARROW_KEYS", 0)  # the 16-bit kernels on the same case
+    sixteen = case.report(27002, backend="pallas_gpu", interpret=True)
+    assert sixteen["dk"][0] > sixteen["dk"][1], sixteen
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
@@ -1676,6 +1709,9 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("gdn2", 128, 64, jnp.bfloat16, {"_expf": True}, False),
     ("deltanet", 128, 64, jnp.bfloat16, {"_unfused": True}, False),
     ("deltanet", 128, 128, jnp.bfloat16, {"_tune": "qdotl"}, False),
+    # narrow keys (api.NARROW_KEYS): fp32 kernels for a bf16 call, three-TF32 products
+    ("deltanet", 32, 32, jnp.bfloat16, {}, True),
+    ("kda", 16, 32, jnp.bfloat16, {"policy": "save"}, False),
     ("gdn", 64, 128, jnp.bfloat16, {"_tune": "qdo", "policy": "save"}, True),
     ("kda", 128, 128, jnp.bfloat16, {"_tune": "nopd", "gate_lower_bound": -5.0}, False),
     ("gdn2", 64, 64, jnp.bfloat16, {"_tune": "qdotl"}, True),

@@ -57,6 +57,9 @@ class Config(NamedTuple):
     # the clamp's VJP applied by the one that sums dg: XLA then neither writes a clamped copy
     # of g nor masks dg (two select fusions, 0.11 ms of KDA's 2.71 at the anchor: profile-23)
     g_floor: float | None = None
+    # the caller's 16-bit dtype where the kernels run on fp32 q, k, v for it (narrow keys:
+    # ``NARROW_KEYS``): their fp32 products then stay TF32, as a 16-bit call's are
+    caller_dtype: str | None = None
 
 
 def _mode(G):
@@ -98,14 +101,21 @@ def _gate_grad(parts, C, interpret, below=None):
     return dg if below is None else jnp.where(below, 0.0, dg)
 
 
-def _precision(dtype, interpret):
-    """Dot precision for fp32 operands inside the kernels.
+def _precision(dtype, interpret, narrow=False):
+    """Dot precision for fp32 operands inside the kernels; ``dtype``: the caller's inputs'.
 
     fp32 inputs promise ~1e-4 (rewy-math §8): full fp32 (IEEE) dots. bf16/fp16 inputs promise
-    5e-3..2e-2: TF32 dots on fp32 operands are ample and run on tensor cores.
+    5e-3..2e-2: TF32 dots on fp32 operands are ample and run on tensor cores — except where the
+    kernels run on fp32 inputs for a 16-bit call because its keys are narrow (``NARROW_KEYS``):
+    one TF32 rounding of the state per chunk is then most of the error (interpret mode, TF32
+    truncation emulated: DeltaNet K = 16 o 0.81 of its bound), so three TF32 products per dot
+    (~fp32). The interpreter (CPU) has no TF32: its 16-bit calls' DEFAULT dots are exact fp32
+    (blocks.TF32_EMULATION can round their operands), the rest HIGHEST.
     """
-    if interpret or jnp.dtype(dtype) == jnp.dtype(F32):
+    if jnp.dtype(dtype) == jnp.dtype(F32) or (narrow and interpret):
         return lax.Precision.HIGHEST
+    if narrow:
+        return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     return lax.Precision.DEFAULT
 
 
@@ -113,7 +123,8 @@ def _shape(cfg, q, v, G, h0):
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     return kn.Shape(B, Tp, H, K, V, cfg.chunk_size, h0.shape[2], _mode(G),
-                    _precision(q.dtype, cfg.interpret), min(cfg.BV, V), DEFAULT_BK,
+                    _precision(cfg.caller_dtype or q.dtype, cfg.interpret,
+                               narrow=cfg.caller_dtype is not None), min(cfg.BV, V), DEFAULT_BK,
                     DEFAULT_BV_STATE, cfg.centred, cfg.one_seq, cfg.scale)
 
 
@@ -370,6 +381,17 @@ def supports(call, chunk_size, interpret):
     return None
 
 
+# Key dims at or below this run the kernels on fp32 q, k, v whatever the inputs' dtype (no
+# 16-bit stores, TF32 products on the GPU, o rounded to the inputs' dtype at the end). In
+# K ≤ 32 channels unit keys overlap by ~K^−½, so I + T is far from the identity and the
+# delta rule's transitions (β up to 2) amplify the 16-bit roundings — of q and k after their
+# L2 normalisation, and of the backward's bf16 stores (A's the largest) — past rewy-math §8:
+# interpret-mode sweeps found bf16 dk 1.14e-2 (DeltaNet K = 16, T = 272) and 1.06e-2 (GDN2
+# K = 32, T = 285) against 1e-2 (benchmarks/results/interpret-sweep-26). At K = 64 the same
+# regime stays under (0.93–0.96 of it); FLA's shapes all have K ≥ 64.
+NARROW_KEYS = 32
+
+
 def leaf_product(gate, x):
     """gate ⊙ x formed in fp32 and rounded to x's dtype — e = b ⊙ k or z = w ⊙ v as the kernels
     read them where they do not form them (per-channel gates; DEFAULTS "forward.row_scaled_ez"
@@ -392,7 +414,9 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
     static_scale = not isinstance(call.scale, jax.core.Tracer)
     q = call.q if static_scale else call.q_scaled
     B, T = q.shape[:2]
-    dt = call.out_dtype  # inputs' dtype (q, k may arrive in fp32 after L2 normalisation)
+    out_dt = call.out_dtype  # inputs' dtype (q, k may arrive in fp32 after L2 normalisation)
+    K = k.shape[-1]
+    dt = F32 if K <= NARROW_KEYS else out_dt  # what the kernels read
     q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
     C = chunk_size
     g = call.g_in  # fp32, clamped to call.g_floor in-kernel (Config.g_floor), not by XLA
@@ -440,9 +464,11 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
                and gate_lower_bound >= CENTRED_MIN_GATE)
     cfg = Config(C, policy, backward, bool(interpret), BV or DEFAULT_BV, centred, n_seq is None,
                  float(call.scale) if static_scale else 1.0,
-                 None if g is None else float(call.g_floor))
+                 None if g is None else float(call.g_floor),
+                 None if jnp.dtype(dt) == jnp.dtype(out_dt) else jnp.dtype(out_dt).name)
     o, final = general_delta(cfg, lay(q), lay(k), lay(e), lay(z), lay(g), h0x, reset, end, seq,
                              None if rows is None else tuple(map(lay, rows)))
+    o = o.astype(out_dt)
     if n_seq is None:
         return o[:, :T], final[:, :, 0]
     return o[:, plan.scatter], jnp.moveaxis(final[0, :, :n_seq], 1, 0)

@@ -49,7 +49,7 @@ def exp(x):
 
 
 # Interpret mode only (benchmarks.interpret_accuracy --tf32): the GPU multiplies fp32 operands
-# of 16-bit-input calls in TF32 (api._precision), the interpreter in exact fp32. "truncate" drops
+# of 16-bit-input calls in TF32 (api._precision: DEFAULT dots), the interpreter in exact fp32. "truncate" drops
 # each fp32 operand's 13 low mantissa bits, as the tensor cores read an fp32 register as TF32;
 # "round" rounds them to nearest instead (the better case). None: exact.
 TF32_EMULATION: str | None = None
@@ -67,7 +67,7 @@ def _as_tf32(x):
 def dot(a, b, prec, ta=False, tb=False):
     """``a @ b`` (``aᵀ`` / ``bᵀ`` when ta / tb) with fp32 accumulation."""
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-    if TF32_EMULATION:
+    if TF32_EMULATION and prec != lax.Precision.HIGHEST:  # fp32 calls stay IEEE on the GPU
         a, b = _as_tf32(a), _as_tf32(b)
     return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=F32)
 
