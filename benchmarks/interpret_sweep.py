@@ -29,7 +29,7 @@ import numpy as np
 
 
 def run(seed: int, cases: int, backend: str, tiles: int, **draw) -> list[dict]:
-    """``cases`` rows; ``draw``: testing.random_case's keywords (ops, dtypes, max_T)."""
+    """``cases`` rows; ``draw``: testing.random_case's keywords (ops, dtypes, max_T, dims)."""
     from pallas_kernels.gpu import api
     from rewy_jax import testing
 
@@ -64,6 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float32", "bfloat16"],
                     help="input dtypes to draw from (repeat one to weight it)")
     ap.add_argument("--max-T", type=int, default=150)
+    ap.add_argument("--dims", type=int, nargs="+", default=[16, 32], help="K and V to draw from")
     ap.add_argument("--narrow-keys", type=int, help="api.NARROW_KEYS for the run (0: 16-bit "
                     "calls run the 16-bit kernels at every K; default: the library's)")
     ap.add_argument("--out-dir", type=Path)
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
 
         api.NARROW_KEYS = a.narrow_keys
     rows = run(a.seed, a.cases, a.backend, a.tiles, ops=a.ops, dtypes=tuple(a.dtypes),
-               max_T=a.max_T)
+               max_T=a.max_T, dims=tuple(a.dims))
     n_bad = sum(bool(r["bad"]) for r in rows)
     worst = max(rows, key=lambda r: r["ratios"][r["worst"]] / r["tolerances"][r["worst"]])
     w = worst["worst"]
