@@ -9,7 +9,7 @@ the chunk, K ≠ V, initial states, packed sequences, strong and bounded decays,
 both backward schemes and policies, fp32 and bf16) with the kernels' defaults, and prints one row
 per case: every output and gradient's ratio against its rewy-math §8 threshold. The tiles are
 made small (``--tiles``) so that K, V = 32 run two tiles through every kernel. At K ≤ 32 16-bit
-calls run the kernels on fp32 (``api.NARROW_KEYS``); ``--narrow-keys 0`` runs the 16-bit
+calls run the kernels on fp32 (kernels.DEFAULTS "precision.narrow_keys"); ``--narrow-keys 0`` runs the 16-bit
 kernels there instead, as production head dims (≥ 64) do. Exits 1 if any ratio is over its
 threshold or not finite.
 """
@@ -65,14 +65,14 @@ def main(argv=None) -> int:
                     help="input dtypes to draw from (repeat one to weight it)")
     ap.add_argument("--max-T", type=int, default=150)
     ap.add_argument("--dims", type=int, nargs="+", default=[16, 32], help="K and V to draw from")
-    ap.add_argument("--narrow-keys", type=int, help="api.NARROW_KEYS for the run (0: 16-bit "
+    ap.add_argument("--narrow-keys", type=int, help="precision.narrow_keys for the run (0: 16-bit "
                     "calls run the 16-bit kernels at every K; default: the library's)")
     ap.add_argument("--out-dir", type=Path)
     a = ap.parse_args(argv)
     if a.narrow_keys is not None:
-        from pallas_kernels.gpu import api
+        from pallas_kernels.gpu import kernels
 
-        api.NARROW_KEYS = a.narrow_keys
+        kernels.TUNE["precision.narrow_keys"] = a.narrow_keys
     rows = run(a.seed, a.cases, a.backend, a.tiles, ops=a.ops, dtypes=tuple(a.dtypes),
                max_T=a.max_T, dims=tuple(a.dims))
     n_bad = sum(bool(r["bad"]) for r in rows)

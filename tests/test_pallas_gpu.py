@@ -44,11 +44,11 @@ def small_tiles(monkeypatch):
 @pytest.fixture(autouse=True)
 def sixteen_bit_kernels_at_small_keys(monkeypatch):
     """This file's small K (16, 32) stand in for the production head dims (≥ 64), at which 16-bit
-    calls run the 16-bit kernels; ``api.NARROW_KEYS`` would run them on fp32 here. The tests of
-    that policy set it back."""
-    from pallas_kernels.gpu import api
+    calls run the 16-bit kernels; DEFAULTS "precision.narrow_keys" would run them on fp32 here.
+    The tests of that policy set it back."""
+    from pallas_kernels.gpu import kernels
 
-    monkeypatch.setattr(api, "NARROW_KEYS", 0)
+    monkeypatch.setitem(kernels.TUNE, "precision.narrow_keys", 0)
 
 
 # (op, T, K, V, chunk, decay, extra kwargs) — each case compiles its own interpret kernels.
@@ -95,23 +95,24 @@ def test_interpret_random_cases(seed, small_tiles):
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 def test_interpret_narrow_keys_run_in_fp32(small_tiles, monkeypatch):
-    """api.NARROW_KEYS: at K ≤ 32 a bf16 call runs the kernels on fp32 q, k, v (three-TF32
+    """DEFAULTS "precision.narrow_keys": at K ≤ 32 a bf16 call runs the kernels on fp32 q, k, v (three-TF32
     products on the GPU, exact fp32 here) and still returns o in bf16. On the case an interpret
     sweep found (benchmarks/results/interpret-sweep-26: DeltaNet, K = 16, T = 272, no decay,
     β ∈ [0, 2], two packed sequences with initial states) the 16-bit kernels' dk exceeds
     rewy-math §8's 1e-2; this path meets every bound with room."""
-    from pallas_kernels.gpu import api
+    from pallas_kernels.gpu import api, kernels
 
     case = testing.Case("deltanet", 1, 272, 1, 16, 16, 64, "none", "rewy", "recompute", True, 2,
                         "bfloat16")
-    monkeypatch.setattr(api, "NARROW_KEYS", 32)
+    monkeypatch.setitem(kernels.TUNE, "precision.narrow_keys", kernels.DEFAULTS["precision.narrow_keys"])
+    assert kernels.DEFAULTS["precision.narrow_keys"] >= 16
     o, _ = testing.run_op("deltanet", case.inputs(27002), backend="pallas_gpu", interpret=True,
                           use_qk_l2norm=True, **case.kwargs())
     assert o.dtype == jnp.bfloat16
     rep = case.report(27002, backend="pallas_gpu", interpret=True)
     assert all(r <= tol / 2 for r, tol in rep.values()), rep
     assert api._precision(jnp.bfloat16, False, narrow=True) == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    monkeypatch.setattr(api, "NARROW_KEYS", 0)  # the 16-bit kernels on the same case
+    monkeypatch.setitem(kernels.TUNE, "precision.narrow_keys", 0)  # the 16-bit kernels, same case
     sixteen = case.report(27002, backend="pallas_gpu", interpret=True)
     assert sixteen["dk"][0] > sixteen["dk"][1], sixteen
 
@@ -1709,9 +1710,10 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("gdn2", 128, 64, jnp.bfloat16, {"_expf": True}, False),
     ("deltanet", 128, 64, jnp.bfloat16, {"_unfused": True}, False),
     ("deltanet", 128, 128, jnp.bfloat16, {"_tune": "qdotl"}, False),
-    # narrow keys (api.NARROW_KEYS): fp32 kernels for a bf16 call, three-TF32 products
-    ("deltanet", 32, 32, jnp.bfloat16, {}, True),
-    ("kda", 16, 32, jnp.bfloat16, {"policy": "save"}, False),
+    # narrow keys (DEFAULTS "precision.narrow_keys", which this file's fixture sets off and
+    # "_narrow" back on): fp32 kernels for a bf16 call, three-TF32 products
+    ("deltanet", 32, 32, jnp.bfloat16, {"_narrow": True}, True),
+    ("kda", 16, 32, jnp.bfloat16, {"policy": "save", "_narrow": True}, False),
     ("gdn", 64, 128, jnp.bfloat16, {"_tune": "qdo", "policy": "save"}, True),
     ("kda", 128, 128, jnp.bfloat16, {"_tune": "nopd", "gate_lower_bound": -5.0}, False),
     ("gdn2", 64, 64, jnp.bfloat16, {"_tune": "qdotl"}, True),
@@ -1762,6 +1764,9 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
         monkeypatch.setitem(kernels.TUNE, "backward.low_precision", ())
     if kw.pop("_expf", False):  # e^x as jnp.exp (libdevice's expf; the alternative to exp2)
         monkeypatch.setitem(kernels.TUNE, "exp2", False)
+    if kw.pop("_narrow", False):  # the narrow-key policy's default (this file sets it off)
+        monkeypatch.setitem(kernels.TUNE, "precision.narrow_keys",
+                            kernels.DEFAULTS["precision.narrow_keys"])
     unfused = kw.pop("_unfused", False)  # the forward's output kernel instead of the fused pass
     if unfused:
         monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", False)

@@ -57,8 +57,8 @@ class Config(NamedTuple):
     # the clamp's VJP applied by the one that sums dg: XLA then neither writes a clamped copy
     # of g nor masks dg (two select fusions, 0.11 ms of KDA's 2.71 at the anchor: profile-23)
     g_floor: float | None = None
-    # the caller's 16-bit dtype where the kernels run on fp32 q, k, v for it (narrow keys:
-    # ``NARROW_KEYS``): their fp32 products then stay TF32, as a 16-bit call's are
+    # the caller's 16-bit dtype where the kernels run on fp32 q, k, v for it (DEFAULTS
+    # "precision.narrow_keys"): its products are then three-TF32 ones (``_precision``)
     caller_dtype: str | None = None
 
 
@@ -106,7 +106,8 @@ def _precision(dtype, interpret, narrow=False):
 
     fp32 inputs promise ~1e-4 (rewy-math §8): full fp32 (IEEE) dots. bf16/fp16 inputs promise
     5e-3..2e-2: TF32 dots on fp32 operands are ample and run on tensor cores — except where the
-    kernels run on fp32 inputs for a 16-bit call because its keys are narrow (``NARROW_KEYS``):
+    kernels run on fp32 inputs for a 16-bit call because its keys are narrow (DEFAULTS
+    "precision.narrow_keys"):
     one TF32 rounding of the state per chunk is then most of the error (interpret mode, TF32
     truncation emulated: DeltaNet K = 16 o 0.81 of its bound), so three TF32 products per dot
     (~fp32). The interpreter (CPU) has no TF32: its 16-bit calls' DEFAULT dots are exact fp32
@@ -381,15 +382,6 @@ def supports(call, chunk_size, interpret):
     return None
 
 
-# Key dims at or below this run the kernels on fp32 q, k, v whatever the inputs' dtype (no
-# 16-bit stores, TF32 products on the GPU, o rounded to the inputs' dtype at the end). In
-# K ≤ 32 channels unit keys overlap by ~K^−½, so I + T is far from the identity and the
-# delta rule's transitions (β up to 2) amplify the 16-bit roundings — of q and k after their
-# L2 normalisation, and of the backward's bf16 stores (A's the largest) — past rewy-math §8:
-# interpret-mode sweeps found bf16 dk 1.14e-2 (DeltaNet K = 16, T = 272) and 1.06e-2 (GDN2
-# K = 32, T = 285) against 1e-2 (benchmarks/results/interpret-sweep-26). At K = 64 the same
-# regime stays under (0.93–0.96 of it); FLA's shapes all have K ≥ 64.
-NARROW_KEYS = 32
 
 
 def leaf_product(gate, x):
@@ -416,7 +408,9 @@ def delta_rule_call(call, *, chunk_size, policy, backward, interpret, plan=None,
     B, T = q.shape[:2]
     out_dt = call.out_dtype  # inputs' dtype (q, k may arrive in fp32 after L2 normalisation)
     K = k.shape[-1]
-    dt = F32 if K <= NARROW_KEYS else out_dt  # what the kernels read
+    # what the kernels read: fp32 for a 16-bit call with narrow keys (DEFAULTS
+    # "precision.narrow_keys": its 16-bit roundings would exceed rewy-math §8 there)
+    dt = F32 if K <= kn.setting("precision.narrow_keys") else out_dt
     q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
     C = chunk_size
     g = call.g_in  # fp32, clamped to call.g_floor in-kernel (Config.g_floor), not by XLA

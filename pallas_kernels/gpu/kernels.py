@@ -595,6 +595,18 @@ WARPS = {"intra": 2, "wu": 2, "wu:vector": 4, "qk_gram": 2,
 #               5172); wu SASS 3896 -> 3576 (3328). Profile-24 (H100, anchor): intra 0.194 ->
 #               0.174 ms, wu 0.102 -> 0.094; GDN fwd+bwd 1.409 -> 1.385. Default since the
 #               twenty-fifth session (variant gaterows: the form before).
+#   precision.narrow_keys  16-bit calls with K at or below it run the kernels on fp32 q, k, v
+#               (no 16-bit stores; three TF32 products per dot on the GPU, api._precision;
+#               o rounded to the inputs' dtype at the end) — 0: the 16-bit kernels at every K.
+#               Unit keys in K channels overlap by ~K^−½, so at small K the chunk's I + T and
+#               its inverse A are far from the identity and the delta rule's transitions (β
+#               up to 2) amplify the 16-bit roundings (q, k rounded after their L2
+#               normalisation; the backward's bf16 stores, A's the largest) past rewy-math §8:
+#               interpret sweeps (benchmarks/results/interpret-sweep-26) found bf16 dk 1.14e-2
+#               (DeltaNet K = 16, T = 272) and 1.06e-2 (GDN2 K = 32, T = 285) of 1e-2; fp32
+#               there: 1.9e-3, 1.8e-3. At K = 64 the same regime stays under (dk 0.93–0.96 of
+#               its bound). Untimed (no device in the twenty-sixth session); FLA's shapes all
+#               have K ≥ 64. Since the twenty-sixth session (variant narrow16: 0).
 DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "rewy_intra.exact_diag": "loop", "rewy_qk_gram.exact_diag": "loop",
             "rewy_bwd_leaf.exact_diag": "levels", "rewy_intra.gram_from_qk": True,
@@ -624,7 +636,7 @@ DEFAULTS = {"rewy_bwd_leaf.rowgrid": True, "rewy_qk_gram.rowgrid": True,
             "backward.predecayed": False, "rewy_qk_gram.row_frames": True,
             "backward.leaf_e_rows": ("none", "scalar"), "rewy_bwd_leaf.native_decayed": True,
             "backward.dlam_decays": True, "state_pass.value_side_decay": True,
-            "rewy_intra.gate_on_A": True}
+            "rewy_intra.gate_on_A": True, "precision.narrow_keys": 32}
 # The backward's stored tensors that "backward.low_precision" may name: the recomputed chunk
 # start states S0 [B,H,N,K,V] and residuals R [B,Tp,H,V], dS_end "dS" [B,H,N,K,V], dR and its
 # state-free part "dRl" [B,Tp,H,V], Λ "lam" [B,Tp,H,V], W [B,Tp,H,K], U [B,Tp,H,V] as re-formed

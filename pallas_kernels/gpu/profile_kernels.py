@@ -349,6 +349,9 @@ VARIANTS = {
     "keyside": ({"state_pass.value_side_decay": False}, 64, None, None),
     # and intra's and wu's W = A (γ ⊙ Ē) with γ on Ē's [16, K] rows, not A's columns
     "gaterows": ({"rewy_intra.gate_on_A": False}, 64, None, None),
+    # 16-bit calls at K ≤ 32 on the 16-bit kernels, not on fp32 (precision.narrow_keys; time
+    # the narrow-key path at a K = 32 shape against it)
+    "narrow16": ({"precision.narrow_keys": 0}, 64, None, None),
     "noqrowf": ({"rewy_qk_gram.row_frames": False}, 64, None, None),
     "nopd": ({"fwd_pass.predecayed": False}, 64, None, None),
     "unfusedg": ({"fwd_pass.fused_output": ("none", "vector")}, 64, None, None),
