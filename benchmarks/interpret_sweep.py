@@ -69,6 +69,8 @@ def main(argv=None) -> int:
                     "calls run the 16-bit kernels at every K; default: the library's)")
     ap.add_argument("--out-dir", type=Path)
     a = ap.parse_args(argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()  # the code this run loads
     if a.narrow_keys is not None:
         from pallas_kernels.gpu import kernels
 
@@ -84,8 +86,6 @@ def main(argv=None) -> int:
     print(summary)
     if a.out_dir:
         a.out_dir.mkdir(parents=True, exist_ok=True)
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
         meta = dict(seed=a.seed, backend=a.backend, tiles=a.tiles, commit=commit,
                     python=platform.python_version(),
                     command="python -m benchmarks.interpret_sweep " + " ".join(argv or sys.argv[1:]))
