@@ -49,7 +49,9 @@ def reference(op: str, shape: Shape):
 def check(op: str, H: int, D: int, T: int = 512, tune: dict | None = None,
           gate_bound: float | None = None) -> dict:
     """{"bf16-backward" | "fp32-backward" [| "bf16-backward + tune"]: accuracy.compare's report}
-    at (1, T, H, D); ``tune``: kernel settings (kernels.TUNE) for a third row, on the defaults;
+    at (1, T, H, D); ``tune``: kernel settings (kernels.TUNE) for a third row; every row on the
+    settings the caller left in kernels.TUNE (at D ≤ 32 DEFAULTS "precision.narrow_keys" runs
+    16-bit calls on fp32 kernels: set it to 0 to check the 16-bit ones there);
     ``gate_bound``: declare g ≥ it (vector gates), as the benchmark's "g≥-5" rows do."""
     from pallas_kernels.gpu import kernels
 
@@ -61,8 +63,9 @@ def check(op: str, H: int, D: int, T: int = 512, tune: dict | None = None,
     out = {}
     saved = dict(kernels.TUNE)
     try:
-        for name, settings in rows.items():
+        for name, settings in rows.items():  # each row: the caller's settings, then its own
             kernels.TUNE.clear()
+            kernels.TUNE.update(saved)
             kernels.TUNE.update(settings)
             out[name] = accuracy.compare(*accuracy.run_impl(impl, op, inp, cts), ref)
     finally:

@@ -300,13 +300,15 @@ def test_gpu_turn_is_a_readers_writer_lock(tmp_path):
         assert not can(lock + ".turn", fcntl.LOCK_EX)  # so a new set-up turn would wait
 
 
-def test_interpret_accuracy_tool_reports_both_storages():
+def test_interpret_accuracy_tool_reports_both_storages(monkeypatch):
     """benchmarks/interpret_accuracy.py: the benchmark's accuracy check of our kernels on CPU —
     both backward storages pass at a small shape, the bf16 one moves the gradients (not o),
-    and the kernel settings are left as found."""
+    its rows keep the caller's settings (here the 16-bit kernels at D = 32, which
+    "precision.narrow_keys" would run in fp32), and the kernel settings are left as found."""
     from benchmarks import interpret_accuracy
     from pallas_kernels.gpu import kernels
 
+    monkeypatch.setitem(kernels.TUNE, "precision.narrow_keys", 0)
     before = dict(kernels.TUNE)
     reps = interpret_accuracy.check("gdn", 2, 32, T=96, tune={"backward.native_pass_dots": False})
     third = "bf16-backward + backward.native_pass_dots=False"
