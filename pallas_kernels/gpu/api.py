@@ -107,11 +107,11 @@ def _precision(dtype, interpret, narrow=False):
     fp32 inputs promise ~1e-4 (rewy-math §8): full fp32 (IEEE) dots. bf16/fp16 inputs promise
     5e-3..2e-2: TF32 dots on fp32 operands are ample and run on tensor cores — except where the
     kernels run on fp32 inputs for a 16-bit call because its keys are narrow (DEFAULTS
-    "precision.narrow_keys"):
-    one TF32 rounding of the state per chunk is then most of the error (interpret mode, TF32
-    truncation emulated: DeltaNet K = 16 o 0.81 of its bound), so three TF32 products per dot
-    (~fp32). The interpreter (CPU) has no TF32: its 16-bit calls' DEFAULT dots are exact fp32
-    (blocks.TF32_EMULATION can round their operands), the rest HIGHEST.
+    "precision.narrow_keys"): one TF32 rounding of the state per chunk is then most of the
+    error (interpret mode, TF32 truncation emulated: DeltaNet K = 16 o 0.81 of its bound), so
+    three TF32 products per dot (~fp32). The interpreter (CPU) has no TF32: its 16-bit calls'
+    DEFAULT dots are exact fp32 (blocks.TF32_EMULATION can round their operands), the rest
+    HIGHEST.
     """
     if jnp.dtype(dtype) == jnp.dtype(F32) or (narrow and interpret):
         return lax.Precision.HIGHEST
@@ -380,8 +380,6 @@ def supports(call, chunk_size, interpret):
     if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(F32)):
         return f"input dtype {dt} is not supported (bf16, fp16 or fp32)"
     return None
-
-
 
 
 def leaf_product(gate, x):

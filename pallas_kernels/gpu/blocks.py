@@ -49,9 +49,9 @@ def exp(x):
 
 
 # Interpret mode only (benchmarks.interpret_accuracy --tf32): the GPU multiplies fp32 operands
-# of 16-bit-input calls in TF32 (api._precision: DEFAULT dots), the interpreter in exact fp32. "truncate" drops
-# each fp32 operand's 13 low mantissa bits, as the tensor cores read an fp32 register as TF32;
-# "round" rounds them to nearest instead (the better case). None: exact.
+# of 16-bit-input calls in TF32 (api._precision: DEFAULT dots), the interpreter in exact fp32.
+# "truncate" drops each fp32 operand's 13 low mantissa bits, as the tensor cores read an fp32
+# register as TF32; "round" rounds them to nearest instead (the better case). None: exact.
 TF32_EMULATION: str | None = None
 
 
