@@ -5,6 +5,8 @@
 * :func:`ratio` — ``‖x − ref‖_rms / ‖ref‖_rms``.
 * :func:`accuracy_report` — every output and gradient of an op against the float64 token
   recurrence, as ratios, with the §8 thresholds.
+* :class:`Case`, :func:`random_case` — a whole random accuracy case (op, shape, gates, packing,
+  backward scheme, policy, dtype) for sweeps and property tests.
 
 The float64 oracle needs ``jax.config.update("jax_enable_x64", True)`` (done by
 :func:`accuracy_report` on entry when needed).
