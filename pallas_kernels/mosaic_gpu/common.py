@@ -1,0 +1,103 @@
+"""Per-tile helpers shared by the Mosaic GPU kernels (register and SMEM tiles of one warpgroup).
+
+Conventions:
+* A chunk is ``C = 64`` tokens: one WGMMA M-tile. Register tiles use the WGMMA layout;
+  per-token vectors are loaded in the row (``ROWS``) or column (``COLS``) slice of it.
+* Chunk-local log-decays arrive pre-scaled to log2 (``G·log2 e``), so the kernels use ``exp2``.
+* Every exponent is masked *before* ``exp2`` (acausal pairs get ``-inf``), so no entry overflows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax import lax
+
+C = 64  # tokens per chunk: the WGMMA M-tile
+F32 = jnp.float32
+WGMMA = plgpu.Layout.WGMMA
+ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, N] register tile
+COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+
+def smem(shape, dtype) -> plgpu.SMEM:
+    """An SMEM buffer tiled and swizzled so TMA can fill it and WGMMA can read it (minor dim last)."""
+    dtype = jnp.dtype(dtype)
+    swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
+    return plgpu.SMEM(shape, dtype, transforms=(
+        plgpu.TilingTransform((8, swizzle // dtype.itemsize)), plgpu.SwizzleTransform(swizzle)))
+
+
+def vectors(stages: int) -> plgpu.SMEM:
+    """Per-stage fp32 per-token vectors ``[stages, C]`` (gates, β)."""
+    return plgpu.SMEM((stages, C), F32)
+
+
+def mma(a, b, shape, acc=None):
+    """``acc + a @ b`` on the tensor cores, fp32 result ``shape`` in registers.
+
+    ``a`` and ``b`` are SMEM refs (``.T`` views allowed for 16-bit operands). A register tile
+    goes through :func:`stage` first: the GPU interpreter that checks these kernels on CPU
+    reads WGMMA operands from SMEM only, and one code path serves both. The product goes into a
+    fresh accumulator and ``acc`` is added after it (a pre-initialised accumulator needs
+    ``pl.run_state``, which the interpreter cannot run either). The result passes an
+    optimisation barrier: reading a WGMMA accumulator lowers to a ``wgmma.wait_group`` with no
+    data dependence on the accumulator registers, and without the barrier LLVM may schedule
+    arithmetic on the result before the wait (stale values).
+    """
+    def scoped(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    out = lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, F32)))
+    return out if acc is None else out + acc
+
+
+def stage(ref, x):
+    """Store register tile ``x`` into SMEM ``ref`` and fence it for the tensor cores; returns
+    ``ref``. The caller owns ``ref`` until the WGMMA that reads it has completed (:func:`mma`
+    waits for its result, so the next :func:`stage` into the same ref is safe)."""
+    ref[...] = x.astype(ref.dtype)
+    plgpu.commit_smem()
+    return ref
+
+
+def iota(shape, dim: int) -> jax.Array:
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
+
+
+def rows_of(vec, shape):
+    """``vec[i]`` along row ``i`` (``vec`` in ``ROWS``)."""
+    return lax.broadcast_in_dim(vec, shape, [0])
+
+
+def cols_of(vec, shape):
+    """``vec[j]`` along column ``j`` (``vec`` in ``COLS``)."""
+    return lax.broadcast_in_dim(vec, shape, [1])
+
+
+def causal_decay(g_row, g_col, *, strict: bool):
+    """``[C, C]`` tile ``exp2(G_i − G_j)`` for ``j < i`` (strict) or ``j ≤ i``, zero elsewhere.
+
+    ``g_row``/``g_col``: the chunk's log2 cumulative gates in ``ROWS``/``COLS``; ``None`` means
+    no gate (DeltaNet): the tile is the causal 0/1 mask.
+    """
+    shape = (C, C)
+    r, c = iota(shape, 0), iota(shape, 1)
+    keep = r > c if strict else r >= c
+    if g_row is None:
+        return jnp.where(keep, 1.0, 0.0).astype(F32)
+    expo = jnp.where(keep, rows_of(g_row, shape) - cols_of(g_col, shape), -jnp.inf)
+    return jnp.exp2(expo)
+
+
+def finish_together(done) -> None:
+    """Every warpgroup arrives at ``done`` and waits for the others before the kernel ends.
+
+    A warpgroup that exits while another still issues WGMMAs has faulted on sm_90
+    (``CUDA_ERROR_ILLEGAL_INSTRUCTION``), so warp-specialised kernels end here.
+    """
+    plgpu.barrier_arrive(done)
+    plgpu.barrier_wait(done)

@@ -1,0 +1,54 @@
+"""Typed, frozen settings of the Mosaic GPU kernels, passed with each call (part of the jit key).
+
+:func:`default_config` is the one place that chooses them per shape and dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.mosaic_gpu.common import C
+
+# SMEM a CTA may use on sm_90 (227 KB), less room for the barriers and the compiler's scratch.
+SMEM_BUDGET = 220 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """The fused forward's tiling.
+
+    block_v: value columns per CTA (the state tile Sᵀ is ``[block_v, K]`` fp32 in registers).
+    stages: depth of the TMA input pipeline (chunks in flight).
+    """
+
+    block_v: int = 64
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.block_v != 64:
+            raise ValueError(f"ForwardConfig.block_v must be 64 (one WGMMA M-tile), got {self.block_v}")
+        if not 2 <= self.stages <= 4:
+            raise ValueError(f"ForwardConfig.stages must be in [2, 4], got {self.stages}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """All Mosaic GPU kernel settings of one call."""
+
+    forward: ForwardConfig = ForwardConfig()
+
+
+def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_state: bool) -> int:
+    """SMEM the fused forward needs (its scratch list, see forward.fused_forward)."""
+    per_stage = 2 * C * K * itemsize + C * block_v * itemsize + C * C * itemsize + 2 * C * 4
+    fixed = 2 * block_v * K * itemsize + 5 * C * block_v * itemsize + C * C * itemsize
+    fixed += block_v * K * 4 if with_state else 0
+    return stages * per_stage + fixed
+
+
+def default_config(K: int, V: int, itemsize: int) -> Config:
+    """The measured defaults: the deepest input pipeline that fits SMEM."""
+    for stages in (4, 3, 2):
+        if forward_smem_bytes(K, 64, stages, itemsize, True) <= SMEM_BUDGET:
+            return Config(forward=ForwardConfig(block_v=64, stages=stages))
+    raise ValueError(f"no Mosaic GPU forward tiling fits SMEM for K={K}, V={V}")

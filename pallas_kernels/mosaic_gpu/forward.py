@@ -1,0 +1,218 @@
+"""Fused forward of the scalar-gate delta rule (DeltaNet, GDN): state pass + output, one kernel.
+
+Pipeline position:  prep (XLA: pad, log2 gate cumsum, gate-free inverse T0)  ->  **this kernel**.
+
+One CTA per ``(b, h, 64 value columns)`` walks its chunks in order with three warpgroups:
+
+* WG0 (state chain) keeps ``Sᵀ [BV, K]`` fp32 in registers. Per chunk, with ``Γ = diag(exp2 G)``:
+      Wᵀ = Vᵀ − (Sᵀ Kᵀ) Γ                 (the values minus what the state already predicts)
+      Rᵀ = Wᵀ Agᵀ                         (Ag = T0 ⊙ exp2(G_i − G_j) ⊙ β_j: the gated inverse)
+      Sᵀ ← exp2(G_C) Sᵀ + (Rᵀ diag(exp2(G_C − G_j))) K
+  and publishes ``Sᵀ`` (chunk start state) and ``R`` in the input dtype through double-buffered SMEM.
+* WG1 (output) builds ``Ag`` in place of T0 for WG0, then
+      O = scale · (Γ Q S + (Q Kᵀ ⊙ exp2(G_i − G_j))_{j ≤ i} R)
+  from the published tiles and stores it with TMA.
+* WG2 (memory) streams q, k, v, T0, the gates and β with TMA into ``stages`` buffers.
+
+All three matmuls of the chain take their left operand from registers (WGMMA), so neither W, R
+nor the chunk states reach HBM, unless ``save_states`` asks for the chunk start states
+(``[B, H, N, V, K]`` in the input dtype; the backward's ``save`` policy reads them).
+Math: docs/math.md (§ chunked forward); this is the scalar-gate, gate-free-inverse form of it.
+
+Reads:  q, k [B, Tp, H, K]; v [B, Tp, H, V]; t0 [B, H, Tp, C]; g2, beta [B, H, Tp] fp32;
+        h0t [B, H, V, K] fp32 (optional).
+Writes: o [B, Tp, H, V]; final state ᵀ [B, H, V, K] fp32 (optional); chunk states (optional).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax import lax
+
+from pallas_kernels.mosaic_gpu.common import (
+    C, COLS, F32, ROWS, WGMMA, causal_decay, cols_of, finish_together, mma, rows_of, smem, stage,
+    vectors)
+from pallas_kernels.mosaic_gpu import compat
+from pallas_kernels.mosaic_gpu.config import ForwardConfig
+
+
+def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: ForwardConfig,
+                  out_final: bool, save_states: bool, interpret=None):
+    """``(o [B, Tp, H, V], final ᵀ [B, H, V, K] fp32 | None, states [B, H, N, V, K] | None)``.
+
+    ``g2`` is ``None`` for DeltaNet (no gate); ``h0t`` is ``None`` for a zero initial state.
+    """
+    B, Tp, H, K = k.shape
+    V = v.shape[-1]
+    N = Tp // C
+    bv = cfg.block_v
+    dtype = k.dtype
+    gated = g2 is not None
+    has_h0 = h0t is not None
+    stages = cfg.stages
+
+    out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dtype)]
+    if out_final:
+        out_type.append(jax.ShapeDtypeStruct((B, H, V, K), F32))
+    if save_states:
+        out_type.append(jax.ShapeDtypeStruct((B, H, N, V, K), dtype))
+    n_copies = 5 + gated  # q, k, v, t0, beta (+ g)
+    scratch = dict(
+        q_s=smem((stages, C, K), dtype), k_s=smem((stages, C, K), dtype),
+        v_s=smem((stages, C, bv), dtype), t_s=smem((stages, C, C), dtype),
+        b_s=vectors(stages), g_s=vectors(stages),
+        s_pub=smem((2, bv, K), dtype), r_pub=smem((2, C, bv), dtype), o_out=smem((2, C, bv), dtype),
+        w_stage=smem((bv, C), dtype), p_stage=smem((C, C), dtype),
+        in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
+        in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ag_ready=plgpu.Barrier(num_barriers=stages),
+        s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2),
+        state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
+    )
+    if has_h0 or out_final:
+        scratch["state_s"] = smem((bv, K), F32)
+
+    def body(*refs, q_s, k_s, v_s, t_s, b_s, g_s, s_pub, r_pub, o_out, w_stage, p_stage, in_bar,
+             in_free, ag_ready, s_ready, s_free, state_bar, done, state_s=None):
+        refs = list(refs)
+        q_ref, k_ref, v_ref, t_ref, b_ref = (refs.pop(0) for _ in range(5))
+        g_ref = refs.pop(0) if gated else None
+        h0_ref = refs.pop(0) if has_h0 else None
+        o_ref = refs.pop(0)
+        fin_ref = refs.pop(0) if out_final else None
+        st_ref = refs.pop(0) if save_states else None
+        b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        vcols = pl.ds(iv * bv, bv)
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def issue(n, slot):
+                rows = pl.ds(n * C, C)
+                bar = in_bar.at[slot]
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, vcols], v_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(t_ref.at[b, h, rows], t_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(b_ref.at[b, h, rows], b_s.at[slot], bar)
+                if gated:
+                    plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_s.at[slot], bar)
+
+            for n in range(min(stages, N)):
+                issue(n, n)
+
+            @pl.loop(stages, N)
+            def _refill(n):
+                slot = lax.rem(n, stages)
+                plgpu.barrier_wait(in_free.at[slot])
+                issue(n, slot)
+
+            for n in range(max(N - stages, 0), N):  # observe the last releases before exiting
+                plgpu.barrier_wait(in_free.at[n % stages])
+
+        @pl.when(wg == 0)
+        def _state_chain():
+            plgpu.set_max_registers(232, action="increase")
+            if has_h0:
+                plgpu.copy_gmem_to_smem(h0_ref.at[b, h, vcols], state_s, state_bar)
+                plgpu.barrier_wait(state_bar)
+                s0 = plgpu.load(state_s, layout=WGMMA)
+            else:
+                s0 = plgpu.layout_cast(jnp.zeros((bv, K), F32), WGMMA)
+
+            def step(n, s_t):
+                slot, half = lax.rem(n, stages), lax.rem(n, 2)
+                plgpu.barrier_wait(in_bar.at[slot])
+
+                @pl.when(n >= 2)
+                def _():  # WG1 is done with the tiles published two chunks ago
+                    plgpu.barrier_wait(s_free.at[half])
+
+                if save_states:  # the TMA store of chunk n − 2's state has read s_pub[half]
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                s_lo = stage(s_pub.at[half], s_t)  # the chunk start state, for WG1 and the chain
+                if save_states:
+                    plgpu.copy_smem_to_gmem(s_pub.at[half], st_ref.at[b, h, n, vcols])
+                pred = mma(s_lo, k_s.at[slot].T, (bv, C))  # (Sᵀ Kᵀ) [BV, C]
+                v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32)
+                if gated:
+                    g_col = plgpu.load(g_s.at[slot], layout=COLS)
+                    g_last = g_s[slot, C - 1]
+                    w_t = v_t - pred * cols_of(jnp.exp2(g_col), (bv, C))
+                else:
+                    w_t = v_t - pred
+                plgpu.barrier_wait(ag_ready.at[slot])
+                r_t = mma(stage(w_stage, w_t), t_s.at[slot].T, (bv, C))  # Rᵀ = Wᵀ Agᵀ
+                r_pub.at[half].T[...] = r_t.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(s_ready.at[half])
+                if gated:
+                    tail = stage(w_stage, r_t * cols_of(jnp.exp2(g_last - g_col), (bv, C)))
+                    s_new = mma(tail, k_s.at[slot], (bv, K), acc=s_t * jnp.exp2(g_last))
+                else:
+                    s_new = mma(r_pub.at[half].T, k_s.at[slot], (bv, K), acc=s_t)
+                plgpu.barrier_arrive(in_free.at[slot])
+                return s_new
+
+            s_t = lax.fori_loop(0, N, step, s0)
+            for n in range(max(N - 2, 0), N):  # observe WG1's last releases of the published tiles
+                plgpu.barrier_wait(s_free.at[n % 2])
+            if out_final:
+                state_s[...] = s_t
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(state_s, fin_ref.at[b, h, vcols])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 1)
+        def _output():
+            plgpu.set_max_registers(232, action="increase")
+
+            def step(n, carry):
+                slot, half = lax.rem(n, stages), lax.rem(n, 2)
+                plgpu.barrier_wait(in_bar.at[slot])
+                if gated:
+                    g_row = plgpu.load(g_s.at[slot], layout=ROWS)
+                    decay = causal_decay(g_row, plgpu.load(g_s.at[slot], layout=COLS), strict=False)
+                else:
+                    decay = causal_decay(None, None, strict=False)
+                # Ag = T0 ⊙ exp2(G_i − G_j) ⊙ β_j (j ≤ i) replaces T0 in its buffer for WG0.
+                beta_c = cols_of(plgpu.load(b_s.at[slot], layout=COLS), (C, C))
+                t0_t = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
+                t_s.at[slot][...] = (t0_t * decay * beta_c).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ag_ready.at[slot])
+                p = stage(p_stage, mma(q_s.at[slot], k_s.at[slot].T, (C, C)) * decay)
+                plgpu.barrier_wait(s_ready.at[half])
+                o = mma(q_s.at[slot], s_pub.at[half].T, (C, bv))  # Q S0
+                if gated:
+                    o = o * rows_of(jnp.exp2(g_row), (C, bv))
+                o = mma(p, r_pub.at[half], (C, bv), acc=o)
+                plgpu.barrier_arrive(s_free.at[half])
+                plgpu.barrier_arrive(in_free.at[slot])
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # o_out[half] of chunk n − 2 is sent
+                o_out.at[half][...] = (o * scale).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[b, pl.ds(n * C, C), h, vcols])
+                return carry
+
+            lax.fori_loop(0, N, step, None)
+            plgpu.wait_smem_to_gmem(0)
+
+        finish_together(done)
+
+    args = [q, k, v, t0, beta] + ([g2] if gated else []) + ([h0t] if has_h0 else [])
+    outs = plgpu.kernel(
+        body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
+        grid_names=("b", "h", "v"), num_threads=3, thread_name="wg",
+        compiler_params=compat.compiler_params(), interpret=interpret,
+    )(*args)
+    outs = list(outs)
+    o = outs.pop(0)
+    final = outs.pop(0) if out_final else None
+    states = outs.pop(0) if save_states else None
+    return o, final, states
