@@ -2,11 +2,15 @@
 
 Pipeline (each stage's module docstring gives its shapes):
 
-    prep.py       XLA: pad T, log2 gate cumsum, β head-major, gate-free inverse T0 per chunk
-    forward.py    fused state pass + output (3 warpgroups); optionally saves chunk start states
+    prep.py             XLA: pad T, log2 gate cumsum, β head-major, gate-free inverse T0 per chunk
+    forward.py          fused state pass + output (3 warpgroups); saves chunk start states
+                        (policy "save"; "recompute" reruns it in the backward)
+    state_backward.py   reverse state pass: Λ per chunk, each chunk's end cotangent, dh0
+    chunk_backward.py   per-chunk gradients dq, dk, dv, dβ, dG (parallel over chunks)
+    XLA                 dg = reverse cumsum of dG within each chunk (+ the last-row terms)
 
 :func:`supports` says which calls this backend serves (``None``) or why not (a reason string);
-:func:`forward` runs the prepared kernels.
+:func:`delta_rule` is the differentiable op (a ``jax.custom_vjp`` over the kernels).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.mosaic_gpu import compat, config, prep
 from pallas_kernels.mosaic_gpu.common import C
+from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
 from pallas_kernels.mosaic_gpu.forward import fused_forward
+from pallas_kernels.mosaic_gpu.state_backward import state_backward
 
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -34,7 +40,7 @@ def is_hopper() -> bool:
 
 
 def supports(*, K: int, V: int, dtype, chunk_size: int, scalar_gates: bool, varlen: bool,
-             static_scale: bool, interpret: bool) -> str | None:
+             static_scale: bool, backward: str, interpret: bool) -> str | None:
     """``None`` when the Mosaic GPU kernels serve such a call, else the reason they do not."""
     if interpret:
         if not compat.has_interpreter():
@@ -45,8 +51,10 @@ def supports(*, K: int, V: int, dtype, chunk_size: int, scalar_gates: bool, varl
         return "the Mosaic GPU kernels serve DeltaNet and GDN (scalar β, scalar or no gate)"
     if jnp.dtype(dtype) not in DTYPES:
         return f"the Mosaic GPU kernels take bf16 or fp16 inputs, got {jnp.dtype(dtype).name}"
-    if K not in HEAD_DIMS or V not in HEAD_DIMS:
-        return f"the Mosaic GPU kernels take K, V in {HEAD_DIMS}, got K={K}, V={V}"
+    if K not in HEAD_DIMS or V != K:
+        return f"the Mosaic GPU kernels take K = V in {HEAD_DIMS}, got K={K}, V={V}"
+    if backward != "rewy":
+        return "the Mosaic GPU kernels implement the ReWY backward only (backward='rewy')"
     if chunk_size != C:
         return f"the Mosaic GPU kernels use chunk_size={C}, got {chunk_size}"
     if varlen:
@@ -82,3 +90,70 @@ def forward(q, k, v, g, beta, h0, *, scale: float, cfg: config.Config, out_final
                                        interpret=compat.interpret_params(interpret))
     final = None if final_t is None else jnp.swapaxes(final_t, -1, -2)
     return o[:, :T], final, states
+
+
+def _unpad_scalars(x, T: int):
+    """Head-major ``[B, H, Tp]`` -> ``[B, T, H]``."""
+    return jnp.swapaxes(x, 1, 2)[:, :T]
+
+
+def _gate_grad(dG, u, sds, g2):
+    """dg ``[B, H, Tp]`` from the chunk kernel's per-row dG and its last-row parts.
+
+    dg_t = Σ_{r ≥ t in t's chunk} dG_r; the last row's extra γ_C ⟨dS, S0⟩ + Σ_s u_s therefore
+    reaches every row of the chunk.
+    """
+    B, H, Tp = dG.shape
+    N = Tp // C
+    dG = dG.reshape(B, H, N, C)
+    rev = jnp.flip(jnp.cumsum(jnp.flip(dG, -1), -1), -1)
+    gamma_C = jnp.exp2(g2.reshape(B, H, N, C)[..., -1])
+    extra = gamma_C * sds.sum(-1) + u.reshape(B, H, N, C).sum(-1)
+    return (rev + extra[..., None]).reshape(B, H, Tp)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def delta_rule(q, k, v, g, beta, h0, scale: float, policy: str, cfg: config.Config, interpret: bool):
+    """DeltaNet (``g`` None) or GDN on the Mosaic GPU kernels, differentiable (ReWY backward).
+
+    q, k: [B, T, H, K], v: [B, T, H, V] (bf16/fp16, one dtype); g, beta: [B, T, H] fp32
+    (g ≤ 0, already clamped); h0: [B, H, K, V] fp32. ``scale`` multiplies q. ``policy``:
+    "save" keeps the chunk start states for the backward, "recompute" reruns the forward there.
+    Returns ``(o [B, T, H, V], final [B, H, K, V] fp32)``.
+    """
+    return _forward(q, k, v, g, beta, h0, scale, policy, cfg, interpret)[0]
+
+
+def _forward(q, k, v, g, beta, h0, scale, policy, cfg, interpret):
+    T = q.shape[1]
+    qp, kp, vp, t0, g2, beta_hm = prepare(q, k, v, g, beta)
+    h0t = jnp.swapaxes(h0.astype(jnp.float32), -1, -2)
+    o, final_t, states = fused_forward(qp, kp, vp, t0, g2, beta_hm, h0t, scale=scale, cfg=cfg.forward,
+                                       out_final=True, save_states=policy == "save",
+                                       interpret=compat.interpret_params(interpret))
+    res = (qp, kp, vp, t0, g2, beta_hm, h0t, states, g is None)
+    return (o[:, :T], jnp.swapaxes(final_t, -1, -2)), res
+
+
+def _backward(scale, policy, cfg, interpret, res, cts):
+    qp, kp, vp, t0, g2, beta_hm, h0t, states, no_gate = res
+    do, dfinal = cts
+    T = do.shape[1]
+    Tp = kp.shape[1]
+    ip = compat.interpret_params(interpret)
+    if states is None:  # policy "recompute": the forward again, keeping only the chunk states
+        _, _, states = fused_forward(qp, kp, vp, t0, g2, beta_hm, h0t, scale=scale, cfg=cfg.forward,
+                                     out_final=False, save_states=True, interpret=ip)
+    dop = prep.pad_time(do.astype(vp.dtype), Tp)
+    dfinal_t = jnp.swapaxes(dfinal.astype(jnp.float32), -1, -2)
+    lam, dstates, dh0t = state_backward(qp, kp, dop, t0, g2, beta_hm, dfinal_t, scale=scale,
+                                        cfg=cfg.state_backward, interpret=ip)
+    outs = chunk_backward(qp, kp, vp, dop, lam, states, dstates, t0, g2, beta_hm, scale=scale,
+                          interpret=ip)
+    dq, dk, dv, dbeta = outs[:4]
+    dg = None if no_gate else _unpad_scalars(_gate_grad(*outs[4:], g2), T)
+    return (dq[:, :T], dk[:, :T], dv[:, :T], dg, _unpad_scalars(dbeta, T),
+            jnp.swapaxes(dh0t, -1, -2))
+
+
+delta_rule.defvjp(_forward, _backward)

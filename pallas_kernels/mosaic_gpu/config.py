@@ -32,10 +32,25 @@ class ForwardConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class StateBackwardConfig:
+    """The reverse state pass's tiling (same fields and limits as :class:`ForwardConfig`)."""
+
+    block_v: int = 64
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.block_v != 64:
+            raise ValueError(f"StateBackwardConfig.block_v must be 64, got {self.block_v}")
+        if not 2 <= self.stages <= 4:
+            raise ValueError(f"StateBackwardConfig.stages must be in [2, 4], got {self.stages}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """All Mosaic GPU kernel settings of one call."""
 
     forward: ForwardConfig = ForwardConfig()
+    state_backward: StateBackwardConfig = StateBackwardConfig()
 
 
 def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_state: bool) -> int:
@@ -46,9 +61,24 @@ def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_st
     return stages * per_stage + fixed
 
 
-def default_config(K: int, V: int, itemsize: int) -> Config:
-    """The measured defaults: the deepest input pipeline that fits SMEM."""
+def state_backward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int) -> int:
+    """SMEM the reverse state pass needs (its scratch list, see state_backward.state_backward)."""
+    per_stage = 2 * C * K * itemsize + C * block_v * itemsize + C * C * itemsize + 2 * C * 4
+    fixed = 2 * block_v * C * 4 + 2 * C * block_v * itemsize + C * C * itemsize
+    fixed += block_v * K * itemsize + block_v * C * itemsize + C * block_v * itemsize + block_v * K * 4
+    return stages * per_stage + fixed
+
+
+def _deepest(fits) -> int:
     for stages in (4, 3, 2):
-        if forward_smem_bytes(K, 64, stages, itemsize, True) <= SMEM_BUDGET:
-            return Config(forward=ForwardConfig(block_v=64, stages=stages))
-    raise ValueError(f"no Mosaic GPU forward tiling fits SMEM for K={K}, V={V}")
+        if fits(stages):
+            return stages
+    raise ValueError("no Mosaic GPU tiling fits SMEM")
+
+
+def default_config(K: int, V: int, itemsize: int) -> Config:
+    """The defaults: the deepest input pipeline that fits SMEM, per kernel."""
+    fwd = _deepest(lambda s: forward_smem_bytes(K, 64, s, itemsize, True) <= SMEM_BUDGET)
+    bwd = _deepest(lambda s: state_backward_smem_bytes(K, 64, s, itemsize) <= SMEM_BUDGET)
+    return Config(forward=ForwardConfig(block_v=64, stages=fwd),
+                  state_backward=StateBackwardConfig(block_v=64, stages=bwd))

@@ -1,0 +1,221 @@
+"""The Mosaic GPU backend's kernels on a Hopper GPU, beside jla's Mosaic GPU op, in one process.
+
+    python -m benchmarks.mosaic_kernels [--shapes anchor|fla|all] [--out FILE.json]
+
+1. Accuracy on the GPU: our Mosaic forward (and jla's, on the same inputs) against a float64
+   token recurrence (numpy) at a small shape, per op, as rewy-math §8 ratios.
+2. Timing (ms): forward and forward + backward (o and its VJP) of ours (Mosaic), jla
+   mosaic_gpu and ours (Pallas-Triton) at the benchmark shapes; host-timed loops of 20 calls
+   after warm-up, median of 7 loops. Ratios are within this run only.
+3. ``--parts``: each stage of our Mosaic pipeline alone at the anchor shape (where the time goes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.shapes import ANCHOR_SHAPE, FLA_SHAPES, Shape
+
+OPS = ("deltanet", "gdn")
+
+
+def recurrence64(q, k, v, g, beta, scale):
+    """float64 token recurrence of DeltaNet/GDN, numpy: (o [B,T,H,V], final [B,H,K,V])."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    S = np.zeros((B, H, K, V))
+    o = np.zeros((B, T, H, V))
+    for t in range(T):
+        a = np.exp(g[:, t]) if g is not None else np.ones((B, H))
+        kt, vt, bt = k[:, t], v[:, t], beta[:, t]
+        S = S * a[..., None, None]
+        pred = np.einsum("bhk,bhkv->bhv", kt, S)
+        S = S + np.einsum("bhk,bhv->bhkv", kt, bt[..., None] * (vt - pred))
+        o[:, t] = scale * np.einsum("bhk,bhkv->bhv", q[:, t], S)
+    return o, S
+
+
+def make(op, s: Shape, seed=0):
+    rng = np.random.default_rng(seed)
+    B, T, H, D = s
+    nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = nrm(rng.standard_normal((B, T, H, D)))
+    k = nrm(rng.standard_normal((B, T, H, D)))
+    v = rng.standard_normal((B, T, H, D))
+    beta = rng.uniform(0, 1, (B, T, H))
+    g = np.log(rng.uniform(0.9, 1.0, (B, T, H))) if op == "gdn" else None
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    return dict(q=bf(q), k=bf(k), v=bf(v), beta=jnp.asarray(beta, jnp.float32),
+                g=None if g is None else jnp.asarray(g, jnp.float32))
+
+
+def ours_mosaic(op, x, scale, policy="save"):
+    from pallas_kernels.mosaic_gpu import api, config
+
+    cfg = config.default_config(x["q"].shape[-1], x["v"].shape[-1], 2)
+    B, _, H, K = x["q"].shape
+    h0 = jnp.zeros((B, H, K, x["v"].shape[-1]), jnp.float32)
+    f = lambda q, k, v, g, b: api.delta_rule(q, k, v, g, b, h0, scale, policy, cfg, False)  # noqa: E731
+    return f, (x["q"], x["k"], x["v"], x["g"], x["beta"])
+
+
+def jla_mosaic(op, x, scale):
+    from jla.ops import linear_attention
+
+    kind = {"deltanet": "deltanet", "gdn": "gated_deltanet"}[op]
+
+    def f(q, k, v, g, b):
+        gates = dict(beta=b.astype(jnp.bfloat16))
+        if op == "gdn":
+            gates["g"] = g
+        return linear_attention(kind, q, k, v, impl="mosaic_gpu", scale=scale, output_final_state=True,
+                                **gates)
+    return f, (x["q"], x["k"], x["v"], x["g"], x["beta"])
+
+
+def ours_triton(op, x, scale):
+    import rewy_jax
+
+    def f(q, k, v, g, b):
+        if op == "gdn":
+            return rewy_jax.chunk_gated_delta_rule(q, k, v, g, b, scale=scale, output_final_state=True,
+                                                   backend="pallas_gpu")
+        return rewy_jax.chunk_delta_rule(q, k, v, b, scale=scale, output_final_state=True,
+                                         backend="pallas_gpu")
+    return f, (x["q"], x["k"], x["v"], x["g"], x["beta"])
+
+
+def phase(f, args, ph):
+    """A no-argument callable running ``f`` (fwd) or ``f`` and its VJP for random cotangents."""
+    if ph == "fwd":
+        jf = jax.jit(f)
+        return lambda: jf(*args)
+
+    def fb(*a):
+        (o, s), vjp = jax.vjp(f, *a)
+        return vjp((jnp.ones_like(o) * 0.01, jnp.zeros_like(s)))
+    jfb = jax.jit(fb)
+    return lambda: jfb(*args)
+
+
+def parts(op, s: Shape):
+    """Each stage of our Mosaic pipeline alone (ms)."""
+    from pallas_kernels.mosaic_gpu import api, config, prep
+    from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
+    from pallas_kernels.mosaic_gpu.forward import fused_forward
+    from pallas_kernels.mosaic_gpu.state_backward import state_backward
+
+    x = make(op, s)
+    scale = s.D ** -0.5
+    cfg = config.default_config(s.D, s.D, 2)
+    qp, kp, vp, t0, g2, bh = jax.jit(api.prepare)(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    out = {}
+    out["prepare (XLA)"] = time_ms(lambda: jax.jit(api.prepare)(x["q"], x["k"], x["v"], x["g"], x["beta"]))
+    gfi = jax.jit(prep.gate_free_inverse, static_argnums=2)
+    out["  of which T0"] = time_ms(lambda: gfi(kp, bh, kp.dtype))
+    ff = jax.jit(lambda *a: fused_forward(*a, None, scale=scale, cfg=cfg.forward, out_final=True,
+                                          save_states=False))
+    out["fused forward"] = time_ms(lambda: ff(qp, kp, vp, t0, g2, bh))
+    ffs = jax.jit(lambda *a: fused_forward(*a, None, scale=scale, cfg=cfg.forward, out_final=True,
+                                           save_states=True))
+    o, _, states = ffs(qp, kp, vp, t0, g2, bh)
+    out["fused forward + states"] = time_ms(lambda: ffs(qp, kp, vp, t0, g2, bh))
+    sb = jax.jit(lambda *a: state_backward(*a, None, scale=scale, cfg=cfg.state_backward))
+    lam, dst, _ = sb(qp, kp, o, t0, g2, bh)
+    out["state backward"] = time_ms(lambda: sb(qp, kp, o, t0, g2, bh))
+    cb = jax.jit(lambda *a: chunk_backward(*a, scale=scale))
+    out["chunk backward"] = time_ms(lambda: cb(qp, kp, vp, o, lam, states, dst, t0, g2, bh))
+    return out
+
+
+IMPLS = {"ours mosaic": ours_mosaic, "jla mosaic": jla_mosaic, "ours triton": ours_triton}
+
+
+def time_ms(fn, loops=20, reps=7):
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(loops):
+            r = fn()
+        jax.block_until_ready(r)
+        out.append((time.perf_counter() - t) / loops * 1e3)
+    return statistics.median(out)
+
+
+def ratio(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.sqrt(np.mean((x - ref) ** 2)) / np.sqrt(np.mean(ref ** 2)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="all", choices=("anchor", "fla", "all"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--parts", action="store_true")
+    ap.add_argument("--skip-accuracy", action="store_true")
+    a = ap.parse_args()
+    rows = []
+    print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
+    if a.parts:
+        for op in OPS:
+            for name, ms in parts(op, ANCHOR_SHAPE).items():
+                rows.append(dict(kind="part_ms", op=op, shape=ANCHOR_SHAPE.label(), part=name, ms=ms))
+                print(rows[-1], flush=True)
+    acc = Shape(1, 300, 4, 128)
+    for op in OPS if not a.skip_accuracy else ():
+        x = make(op, acc, seed=1)
+        scale = acc.D ** -0.5
+        f64 = {n: (None if x[n] is None else np.asarray(x[n], np.float64)) for n in x}
+        ro, rs = recurrence64(f64["q"], f64["k"], f64["v"], f64["g"], f64["beta"], scale)
+        for name, mk in IMPLS.items():
+            try:
+                f, args = mk(op, x, scale)
+                o, s = jax.jit(f)(*args)
+                rows.append(dict(kind="accuracy", op=op, impl=name, o=ratio(o.astype(jnp.float32), ro),
+                                 final=ratio(s, rs)))
+            except Exception as e:  # noqa: BLE001 - report and go on
+                rows.append(dict(kind="accuracy", op=op, impl=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            print(rows[-1], flush=True)
+    shapes = {"anchor": [ANCHOR_SHAPE], "fla": FLA_SHAPES, "all": [ANCHOR_SHAPE] + FLA_SHAPES}[a.shapes]
+    for s in shapes:
+        if s.D not in (64, 128):
+            continue
+        for op in OPS:
+            x = make(op, s)
+            for name, mk in IMPLS.items():
+                for ph in ("fwd", "fwdbwd"):
+                    try:
+                        ms = time_ms(phase(*mk(op, x, s.D ** -0.5), ph))
+                        rows.append(dict(kind=ph, op=op, shape=s.label(), impl=name, ms=ms))
+                    except Exception as e:  # noqa: BLE001
+                        rows.append(dict(kind=ph, op=op, shape=s.label(), impl=name,
+                                         error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    print(rows[-1], flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    print("\n| op | part (anchor) | ms |\n|---|---|---|")
+    for r in rows:
+        if r["kind"] == "part_ms":
+            print(f"| {r['op']} | {r['part']} | {fmt(r['ms'])} |")
+    print("\n| op | shape | phase | ours mosaic | jla mosaic | ours triton | ours/jla |")
+    print("|---|---|---|---|---|---|---|")
+    t = {(r["kind"], r["op"], r["shape"], r["impl"]): r.get("ms") for r in rows}
+    for (ph, op, shp) in dict.fromkeys((r["kind"], r["op"], r["shape"]) for r in rows
+                                       if r["kind"] in ("fwd", "fwdbwd")):
+        m, j, tr = (t.get((ph, op, shp, n)) for n in IMPLS)
+        print(f"| {op} | {shp} | {ph} | {fmt(m)} | {fmt(j)} | {fmt(tr)} | {fmt(m / j if m and j else None)} |")
+
+
+if __name__ == "__main__":
+    main()
