@@ -46,10 +46,10 @@ RUN_SLOW = os.environ.get("RUN_SLOW", "0") not in ("", "0")
 
 # The fast tier (``bash scripts/test.sh``, ≤ 5 minutes on a 2-core machine): every op on every
 # backend at a small size (test_backends), the math identities, the chunk algebra against the
-# float64 recurrence, every validation error, the layers and their README example, the demo's
-# smoke run and the CPU benchmark's smoke run. Patterns are fnmatch patterns on pytest node ids;
-# a pattern that matches no test of a full run is an error (a renamed test must not silently
-# leave the tier). Everything else runs in the full tier (``bash scripts/test.sh --all``, CI).
+# float64 recurrence, every validation error, the layers and the README's examples, and the
+# demo's smoke run. Patterns are fnmatch patterns on pytest node ids; a pattern that matches no
+# test of a full run is an error (a renamed test must not silently leave the tier). Everything
+# else runs in the full tier (``bash scripts/test.sh --all``, CI).
 FAST = (
     "tests/test_backends.py::*",
     "tests/test_math_identities.py::*",
@@ -63,7 +63,6 @@ FAST = (
     "tests/test_layers.py::test_bounded_gates_declare_their_bound*",
     "tests/test_mqar.py::*",
     "tests/test_ops_transforms.py::test_backend_none_on_cpu_is_xla",
-    "tests/test_benchmarks.py::test_smoke_run_times_and_checks",
 )
 
 
