@@ -66,6 +66,11 @@ FAST = (
 )
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fast: the fast tier, run by `bash scripts/test.sh` "
+                                       "(assigned from FAST in tests/conftest.py)")
+
+
 def _whole_suite(config) -> bool:
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     return all(os.path.abspath(a) == tests_dir for a in config.args) or not config.args
