@@ -1,6 +1,9 @@
 """Shared pytest setup for the rewy-jax CPU test suite.
 
 * float64 on (the oracle, ``rewy_jax.testing.accuracy_report``, runs the recurrence in float64);
+* the fast tier: tests whose node id matches ``FAST`` below get the ``fast`` marker, and
+  ``bash scripts/test.sh`` runs only those (``-m fast``); ``bash scripts/test.sh --all`` runs
+  every test;
 * ``@pytest.mark.slow`` tests are skipped unless ``RUN_SLOW=1``;
 * a bounded hypothesis profile (few examples, no deadline: first calls compile);
 * fixtures with small helpers: an independent NumPy float64 recurrence and report checking.
@@ -41,8 +44,53 @@ except ImportError:  # pragma: no cover
 
 RUN_SLOW = os.environ.get("RUN_SLOW", "0") not in ("", "0")
 
+# The fast tier (``bash scripts/test.sh``, ≤ 5 minutes on a 2-core machine): every op on every
+# backend at a small size (test_backends), the math identities, the chunk algebra against the
+# float64 recurrence, every validation error, the layers and the README's examples, and the
+# demo's smoke run. Patterns are fnmatch patterns on pytest node ids; a pattern that matches no
+# test of a full run is an error (a renamed test must not silently leave the tier). Everything
+# else runs in the full tier (``bash scripts/test.sh --all``, CI).
+FAST = (
+    "tests/test_backends.py::*",
+    "tests/test_math_identities.py::*",
+    "tests/test_validation.py::*",
+    "tests/test_readme.py::*",
+    "tests/test_chunk_algebra.py::test_chunk_forward_matches_recurrence*",
+    "tests/test_chunk_algebra.py::test_chunk_backward_rewy_wy_and_autodiff*",
+    "tests/test_chunk_algebra.py::test_decay_finite_and_exact_with_very_negative_G*",
+    "tests/test_layers.py::test_shape_and_dtype*",
+    "tests/test_layers.py::test_bad_*",
+    "tests/test_layers.py::test_bounded_gates_declare_their_bound*",
+    "tests/test_mqar.py::*",
+    "tests/test_ops_transforms.py::test_backend_none_on_cpu_is_xla",
+)
 
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fast: the fast tier, run by `bash scripts/test.sh` "
+                                       "(assigned from FAST in tests/conftest.py)")
+
+
+def _whole_suite(config) -> bool:
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    return all(os.path.abspath(a) == tests_dir for a in config.args) or not config.args
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    import fnmatch
+
+    fast = pytest.mark.fast
+    matched = set()
+    for item in items:
+        hits = [p for p in FAST if fnmatch.fnmatchcase(item.nodeid, p)]
+        if hits:
+            item.add_marker(fast)
+            matched.update(hits)
+    if _whole_suite(config) and len({i.nodeid.split("::")[0] for i in items}) > 1:
+        unmatched = [p for p in FAST if p not in matched]
+        if unmatched:
+            raise pytest.UsageError(f"tests/conftest.py FAST: no test matches {unmatched}")
     if RUN_SLOW:
         return
     skip = pytest.mark.skip(reason="slow test: set RUN_SLOW=1 to run it")

@@ -30,3 +30,14 @@ def test_readme_layer_example_runs_and_decoding_matches():
     assert scope["y"].shape == scope["x"].shape
     np.testing.assert_allclose(np.asarray(scope["y_next"]), np.asarray(scope["y"][:, 99:]),
                                rtol=2e-4, atol=2e-4)
+
+
+def test_readme_is_short_and_stays_inside_the_repository():
+    """A newcomer's first page: at most ~10 KB, and every link points into this repository."""
+    text = README.read_text()
+    assert len(text.encode()) <= 10_500, len(text.encode())
+    links = re.findall(r"\]\(([^)]+)\)", text)
+    assert links, "README links into docs/"
+    outside = [x for x in links if x.startswith(("/", "..", "http:", "https:"))]
+    assert not outside, outside
+    assert "../shared" not in text
