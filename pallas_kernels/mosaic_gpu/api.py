@@ -126,16 +126,23 @@ def delta_rule(q, k, v, g, beta, h0, scale: float, policy: str, cfg: config.Conf
 
 def _forward(q, k, v, g, beta, h0, scale, policy, cfg, interpret):
     T = q.shape[1]
-    qp, kp, vp, t0, g2, beta_hm = prepare(q, k, v, g, beta)
-    h0t = jnp.swapaxes(h0.astype(jnp.float32), -1, -2)
-    o, final_t, states = fused_forward(qp, kp, vp, t0, g2, beta_hm, h0t, scale=scale, cfg=cfg.forward,
-                                       out_final=True, save_states=policy == "save",
-                                       interpret=compat.interpret_params(interpret))
+    with compat.x32():
+        qp, kp, vp, t0, g2, beta_hm = prepare(q, k, v, g, beta)
+        h0t = jnp.swapaxes(h0.astype(jnp.float32), -1, -2)
+        o, final_t, states = fused_forward(qp, kp, vp, t0, g2, beta_hm, h0t, scale=scale,
+                                           cfg=cfg.forward, out_final=True,
+                                           save_states=policy == "save",
+                                           interpret=compat.interpret_params(interpret))
     res = (qp, kp, vp, t0, g2, beta_hm, h0t, states, g is None)
     return (o[:, :T], jnp.swapaxes(final_t, -1, -2)), res
 
 
 def _backward(scale, policy, cfg, interpret, res, cts):
+    with compat.x32():
+        return _backward_x32(scale, cfg, interpret, res, cts)
+
+
+def _backward_x32(scale, cfg, interpret, res, cts):
     qp, kp, vp, t0, g2, beta_hm, h0t, states, no_gate = res
     do, dfinal = cts
     T = do.shape[1]

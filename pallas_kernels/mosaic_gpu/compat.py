@@ -36,3 +36,13 @@ def compiler_params() -> plgpu.CompilerParams:
     the kernels, as ``plgpu.load(..., layout=...)``; jax 0.12 defaults to Warpgroup semantics,
     whose layout inference does not accept these kernels), fast approximate ``exp2``."""
     return plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def x32():
+    """A scope that traces the kernels with 32-bit indices even when the caller enabled x64
+    (the test suite does, for its float64 oracle): under x64 the loop indices become int64, and
+    the GPU interpreter was seen to hang on the reverse state pass then. The kernels' inputs
+    are 16-bit and fp32 either way."""
+    import jax
+
+    return jax.enable_x64(False)
