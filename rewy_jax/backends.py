@@ -143,6 +143,39 @@ def _pallas_gpu_supports(call, chunk_size, interpret):
 
 
 # ----------------------------------------------------------------------------------------------
+# mosaic_gpu: the Hopper kernels in Pallas Mosaic GPU (pallas_kernels.mosaic_gpu), DeltaNet and
+# GDN; imported lazily
+# ----------------------------------------------------------------------------------------------
+def _mosaic_gpu_reason(call, chunk_size, interpret, backward="rewy"):
+    from pallas_kernels.mosaic_gpu import api
+
+    scalar = ((call.g_in is None or call.g_in.ndim == 3) and call.b.ndim == 3 and call.w is call.b)
+    return api.supports(K=call.q.shape[-1], V=call.v.shape[-1], dtype=call.out_dtype,
+                        chunk_size=chunk_size, scalar_gates=scalar,
+                        varlen=call.cu_seqlens is not None,
+                        static_scale=isinstance(call.scale, (int, float)), backward=backward,
+                        interpret=interpret)
+
+
+def mosaic_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
+    from pallas_kernels.mosaic_gpu import api, config
+
+    reason = _mosaic_gpu_reason(call, chunk_size, interpret, backward)
+    if reason is not None:
+        raise NotImplementedError(f"backend='mosaic_gpu' cannot serve this call: {reason}")
+    dtype = call.out_dtype
+    cfg = config.default_config(call.q.shape[-1], call.v.shape[-1], jnp.dtype(dtype).itemsize)
+    g = None if call.g_in is None else call.g
+    return api.delta_rule(call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), g,
+                          call.b.astype(jnp.float32), call.h0, float(call.scale), policy, cfg,
+                          bool(interpret))
+
+
+def _mosaic_gpu_supports(call, chunk_size, interpret):
+    return _mosaic_gpu_reason(call, chunk_size, interpret)
+
+
+# ----------------------------------------------------------------------------------------------
 # Table and selection
 # ----------------------------------------------------------------------------------------------
 _TABLE: dict[str, Backend] = {
@@ -150,6 +183,7 @@ _TABLE: dict[str, Backend] = {
     "reference": Backend("reference", reference_impl, _reference_supports),
     "pallas_tpu": Backend("pallas_tpu", pallas_tpu_impl, _pallas_tpu_supports),
     "pallas_gpu": Backend("pallas_gpu", pallas_gpu_impl, _pallas_gpu_supports),
+    "mosaic_gpu": Backend("mosaic_gpu", mosaic_gpu_impl, _mosaic_gpu_supports),
 }
 
 # Preference per platform for backend=None (kernels first once registered, xla always last).

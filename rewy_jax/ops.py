@@ -142,8 +142,8 @@ _COMMON_DOC = """
       backward: "rewy" (the reduced backward, three local WY products) or "wy" (the standard
         seven-product backward, for ablations). Both give the same gradients.
       backend: None (fastest that supports the call on this device), "pallas" (this device's
-        kernels), "pallas_gpu", "pallas_tpu", "xla" (chunked jnp; runs anywhere) or
-        "reference" (token recurrence).
+        kernels), "pallas_gpu", "mosaic_gpu" (Hopper kernels: DeltaNet, GDN), "pallas_tpu",
+        "xla" (chunked jnp; runs anywhere) or "reference" (token recurrence).
       interpret: run a Pallas backend in interpret mode (on CPU).
       cu_seqlens: [N+1] int offsets of N packed sequences (FLA convention, B must be 1).
 {extra}    Returns:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BACKENDS = ("pallas", "pallas_gpu", "pallas_tpu", "xla", "reference")
+BACKENDS = ("pallas", "pallas_gpu", "mosaic_gpu", "pallas_tpu", "xla", "reference")
 POLICIES = ("recompute", "save")
 BACKWARDS = ("rewy", "wy")
 

@@ -1,0 +1,133 @@
+"""The Mosaic GPU (Hopper) backend: GPU-interpreter runs against the float64 recurrence, and
+lowering of every kernel for CUDA, both on CPU.
+
+Each interpreted case redraws its inputs (T not a multiple of the chunk, h0 and a final-state
+cotangent, β in [0, 2], strong decays for GDN) and checks o, the final state and every gradient
+against rewy-math §8's bf16 thresholds.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mosaic_gpu import compat, config
+from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
+from pallas_kernels.mosaic_gpu.forward import fused_forward
+from pallas_kernels.mosaic_gpu.state_backward import state_backward
+from rewy_jax import chunk_delta_rule, chunk_gated_delta_rule
+from rewy_jax.reference import reference_general
+from rewy_jax.testing import ratio, tolerance
+
+needs_interpreter = pytest.mark.skipif(not compat.has_interpreter(),
+                                       reason="the Mosaic GPU interpreter needs jax >= 0.12")
+
+BF16 = jnp.bfloat16
+
+
+def _case(op, T, D, seed, decay):
+    rng = np.random.default_rng(seed)
+    r16 = lambda x: np.asarray(jnp.asarray(x, BF16).astype(jnp.float64))  # noqa: E731
+    nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    B, H = 1, 2
+    x = dict(q=r16(nrm(rng.standard_normal((B, T, H, D)))), k=r16(nrm(rng.standard_normal((B, T, H, D)))),
+             v=r16(rng.standard_normal((B, T, H, D))), beta=rng.uniform(0, 2, (B, T, H)),
+             h0=rng.standard_normal((B, H, D, D)) * 0.3)
+    if op == "gdn":
+        lo = {"mild": -0.1, "strong": -4.0}[decay]
+        x["g"] = rng.uniform(lo, 0, (B, T, H))
+    cts = dict(o=rng.standard_normal((B, T, H, D)), final=rng.standard_normal((B, H, D, D)))
+    return x, cts
+
+
+def _grads(op, x, cts, **kw):
+    names = ["q", "k", "v"] + (["g"] if op == "gdn" else []) + ["beta", "h0"]
+
+    def f(*a):
+        d = dict(zip(names, a))
+        if op == "gdn":
+            return chunk_gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["h0"],
+                                          output_final_state=True, **kw)
+        return chunk_delta_rule(d["q"], d["k"], d["v"], d["beta"], initial_state=d["h0"],
+                                output_final_state=True, **kw)
+
+    return names, f
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op,policy,decay,T,seed", [
+    ("gdn", "save", "strong", 100, 0),
+    ("gdn", "recompute", "mild", 150, 1),
+    ("deltanet", "save", None, 130, 2),
+])
+def test_interpret_matches_float64(op, policy, decay, T, seed):
+    x, cts = _case(op, T, 64, seed, decay)
+    names, f = _grads(op, x, cts, backend="mosaic_gpu", interpret=True, policy=policy)
+    cast = {"q": BF16, "k": BF16, "v": BF16}
+    args = [jnp.asarray(x[n], cast.get(n, jnp.float32)) for n in names]
+    (o, fin), vjp = jax.vjp(f, *args)
+    grads = vjp((jnp.asarray(cts["o"], BF16), jnp.asarray(cts["final"], jnp.float32)))
+    _, fref = _grads(op, x, cts, backend="reference")
+    (ro, rfin), rvjp = jax.vjp(fref, *[jnp.asarray(x[n], jnp.float64) for n in names])
+    rgrads = rvjp((jnp.asarray(cts["o"]), jnp.asarray(cts["final"], rfin.dtype)))
+    key = lambda n: "dinitial_state" if n == "h0" else f"d{n}"  # noqa: E731
+    got = dict(o=o, final_state=fin, **{key(n): gr for n, gr in zip(names, grads)})
+    ref = dict(o=ro, final_state=rfin, **{key(n): gr for n, gr in zip(names, rgrads)})
+    bad = {}
+    for name, val in got.items():
+        val = np.asarray(jnp.asarray(val, jnp.float32), np.float64)
+        assert np.all(np.isfinite(val)), name
+        r = ratio(val, np.asarray(ref[name]))
+        if r > tolerance(name, BF16):
+            bad[name] = r
+    assert not bad, f"ratios over rewy-math §8 bf16 bounds: {bad}"
+
+
+def _structs(B, T, H, D):
+    S = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    N = T // 64
+    return dict(tok=S((B, T, H, D), BF16), t0=S((B, H, T, 64), BF16), vec=S((B, H, T), f32),
+                st=S((B, H, D, D), f32), states=S((B, H, N, D, D), BF16))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("gated", [True, False])
+def test_kernels_lower_for_cuda(D, gated):
+    """Every kernel lowers to Mosaic GPU for sm_90 on this CPU (layouts, SMEM budget, barriers)."""
+    s = _structs(2, 256, 2, D)
+    cfg = config.default_config(D, D, 2)
+    pick = lambda g2: g2 if gated else None  # noqa: E731
+
+    def fwd(q, k, v, t0, g2, b, h0):
+        return fused_forward(q, k, v, t0, pick(g2), b, h0, scale=0.1, cfg=cfg.forward, out_final=True,
+                             save_states=True)
+
+    def sbwd(q, k, do, t0, g2, b, df):
+        return state_backward(q, k, do, t0, pick(g2), b, df, scale=0.1, cfg=cfg.state_backward)
+
+    def cbwd(q, k, v, do, lam, st, dst, t0, g2, b):
+        return chunk_backward(q, k, v, do, lam, st, dst, t0, pick(g2), b, scale=0.1)
+
+    for f, args in ((fwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]]),
+                    (sbwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]]),
+                    (cbwd, [s["tok"]] * 5 + [s["states"]] * 2 + [s["t0"], s["vec"], s["vec"]])):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, f.__name__
+
+
+def test_supports_says_why_not():
+    from pallas_kernels.mosaic_gpu import api
+
+    common = dict(K=128, V=128, dtype=BF16, chunk_size=64, scalar_gates=True, varlen=False,
+                  static_scale=True, backward="rewy", interpret=True)
+    if compat.has_interpreter():
+        assert api.supports(**common) is None
+    for change, words in ((dict(dtype=jnp.float32), "bf16 or fp16"), (dict(K=256, V=256), "K = V"),
+                          (dict(scalar_gates=False), "DeltaNet and GDN"), (dict(chunk_size=32), "chunk_size"),
+                          (dict(varlen=True), "cu_seqlens"), (dict(backward="wy"), "ReWY")):
+        reason = api.supports(**{**common, **change})
+        assert reason is not None and words in reason, (change, reason)
+    assert "sm_90" in api.supports(**{**common, "interpret": False})
