@@ -120,6 +120,9 @@ def parts(op, s: Shape):
     out["prepare (XLA)"] = time_ms(lambda: jax.jit(api.prepare)(x["q"], x["k"], x["v"], x["g"], x["beta"]))
     gfi = jax.jit(prep.gate_free_inverse, static_argnums=2)
     out["  of which T0"] = time_ms(lambda: gfi(kp, bh, kp.dtype))
+    gfb = jax.jit(prep.gate_free_inverse_blocked, static_argnums=2)
+    out["  T0 blocked (candidate)"] = time_ms(lambda: gfb(kp, bh, kp.dtype))
+    out["  T0 blocked - T0 (max abs)"] = float(jnp.max(jnp.abs(gfb(kp, bh, jnp.float32) - gfi(kp, bh, jnp.float32))))
     ff = jax.jit(lambda *a: fused_forward(*a, None, scale=scale, cfg=cfg.forward, out_final=True,
                                           save_states=False))
     out["fused forward"] = time_ms(lambda: ff(qp, kp, vp, t0, g2, bh))

@@ -59,3 +59,33 @@ def gate_free_inverse(k, beta_hm, dtype):
     eye = jnp.broadcast_to(jnp.eye(C, dtype=jnp.float32), L.shape)
     t0 = lax.linalg.triangular_solve(L, eye, left_side=True, lower=True, unit_diagonal=True)
     return t0.reshape(B, H, Tp, C).astype(dtype)
+
+
+def gate_free_inverse_blocked(k, beta_hm, dtype):
+    """:func:`gate_free_inverse` by blocks (candidate; see benchmarks.mosaic_kernels --parts):
+    the Gram from 16-bit k with fp32 accumulation in the token layout, triangular solves of the
+    four 16×16 diagonal blocks, then two levels of block merges
+    ``[[X11, 0], [−X22 A21 X11, X22]]`` in fp32."""
+    B, Tp, H, K = k.shape
+    N = Tp // C
+    kc = k.reshape(B, N, C, H, K)
+    gram = jnp.einsum("bnihk,bnjhk->bhnij", kc, kc, preferred_element_type=jnp.float32)
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    A = jnp.where(strict, gram * beta_hm.reshape(B, H, N, C, 1), 0.0)  # strictly lower
+    s = 16
+    blocks = jnp.stack([A[..., i * s:(i + 1) * s, i * s:(i + 1) * s] for i in range(C // s)], axis=-3)
+    eye = jnp.eye(s, dtype=jnp.float32)
+    X = lax.linalg.triangular_solve(blocks + eye, jnp.broadcast_to(eye, blocks.shape), left_side=True,
+                                    lower=True, unit_diagonal=True)  # [B, H, N, 4, 16, 16]
+    inv = [X[..., i, :, :] for i in range(C // s)]
+    while s < C:  # merge pairs of diagonal blocks of size s into blocks of size 2s
+        nxt = []
+        for j in range(len(inv) // 2):
+            r0 = 2 * j * s
+            a21 = A[..., r0 + s:r0 + 2 * s, r0:r0 + s]
+            x11, x22 = inv[2 * j], inv[2 * j + 1]
+            x21 = -jnp.einsum("...ij,...jk,...kl->...il", x22, a21, x11, precision=HIGHEST)
+            top = jnp.concatenate([x11, jnp.zeros_like(x11)], axis=-1)
+            nxt.append(jnp.concatenate([top, jnp.concatenate([x21, x22], axis=-1)], axis=-2))
+        inv, s = nxt, 2 * s
+    return inv[0].reshape(B, H, Tp, C).astype(dtype)
