@@ -151,9 +151,7 @@ def _mosaic_gpu_reason(call, chunk_size, interpret, backward="rewy"):
 
     scalar = ((call.g_in is None or call.g_in.ndim == 3) and call.b.ndim == 3 and call.w is call.b)
     return api.supports(K=call.q.shape[-1], V=call.v.shape[-1], dtype=call.out_dtype,
-                        chunk_size=chunk_size, scalar_gates=scalar,
-                        varlen=call.cu_seqlens is not None,
-                        static_scale=isinstance(call.scale, (int, float)), backward=backward,
+                        chunk_size=chunk_size, scalar_gates=scalar, static_scale=isinstance(call.scale, (int, float)), backward=backward,
                         interpret=interpret)
 
 
@@ -166,9 +164,17 @@ def mosaic_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
     dtype = call.out_dtype
     cfg = config.default_config(call.q.shape[-1], call.v.shape[-1], jnp.dtype(dtype).itemsize)
     g = None if call.g_in is None else call.g
-    return api.delta_rule(call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), g,
-                          call.b.astype(jnp.float32), call.h0, float(call.scale), policy, cfg,
-                          bool(interpret))
+    xs = [call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), g,
+          call.b.astype(jnp.float32)]
+    run = lambda xs, h0, meta: api.delta_rule(*xs, h0, meta, float(call.scale), policy, cfg,  # noqa: E731
+                                              bool(interpret))
+    if call.cu_seqlens is None:
+        return run(xs, call.h0, None)
+    # Packed sequences: re-laid so that each starts on a chunk boundary (rewy_jax.layout).
+    plan = layout.plan_chunks(call.q.shape[1], chunk_size, call.cu_seqlens)
+    xs, h0, meta = api.pack(plan, xs, call.h0)
+    o, final = run(xs, h0, meta)
+    return api.unpack(plan, o, final)
 
 
 def _mosaic_gpu_supports(call, chunk_size, interpret):

@@ -15,6 +15,7 @@ import pytest
 
 from pallas_kernels.mosaic_gpu import compat, config
 from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
+from pallas_kernels.mosaic_gpu.common import META
 from pallas_kernels.mosaic_gpu.forward import fused_forward
 from pallas_kernels.mosaic_gpu.state_backward import state_backward
 from rewy_jax import chunk_delta_rule, chunk_gated_delta_rule
@@ -27,19 +28,25 @@ needs_interpreter = pytest.mark.skipif(not compat.has_interpreter(),
 BF16 = jnp.bfloat16
 
 
-def _case(op, T, D, seed, decay):
+def _case(op, T, D, seed, decay, n_seq=None):
+    """Inputs and cotangents; ``n_seq``: that many packed sequences of random lengths (B = 1)."""
     rng = np.random.default_rng(seed)
     r16 = lambda x: np.asarray(jnp.asarray(x, BF16).astype(jnp.float64))  # noqa: E731
     nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     B, H = 1, 2
+    lead = B if n_seq is None else n_seq
     x = dict(q=r16(nrm(rng.standard_normal((B, T, H, D)))), k=r16(nrm(rng.standard_normal((B, T, H, D)))),
              v=r16(rng.standard_normal((B, T, H, D))), beta=rng.uniform(0, 2, (B, T, H)),
-             h0=rng.standard_normal((B, H, D, D)) * 0.3)
+             h0=rng.standard_normal((lead, H, D, D)) * 0.3)
     if op == "gdn":
         lo = {"mild": -0.1, "strong": -4.0}[decay]
         x["g"] = rng.uniform(lo, 0, (B, T, H))
-    cts = dict(o=rng.standard_normal((B, T, H, D)), final=rng.standard_normal((B, H, D, D)))
-    return x, cts
+    cts = dict(o=rng.standard_normal((B, T, H, D)), final=rng.standard_normal((lead, H, D, D)))
+    cu = None
+    if n_seq is not None:
+        cuts = np.sort(rng.choice(np.arange(1, T), n_seq - 1, replace=False))
+        cu = np.concatenate([[0], cuts, [T]]).astype(np.int32)
+    return x, cts, cu
 
 
 def _grads(op, x, cts, **kw):
@@ -57,19 +64,20 @@ def _grads(op, x, cts, **kw):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("op,policy,decay,T,seed", [
-    ("gdn", "save", "strong", 100, 0),
-    ("gdn", "recompute", "mild", 150, 1),
-    ("deltanet", "save", None, 130, 2),
+@pytest.mark.parametrize("op,policy,decay,T,seed,n_seq", [
+    ("gdn", "save", "strong", 100, 0, None),
+    ("gdn", "recompute", "mild", 150, 1, None),
+    ("deltanet", "save", None, 130, 2, None),
+    ("gdn", "save", "mild", 150, 3, 3),  # packed: sequences re-laid on chunk boundaries
 ])
-def test_interpret_matches_float64(op, policy, decay, T, seed):
-    x, cts = _case(op, T, 64, seed, decay)
-    names, f = _grads(op, x, cts, backend="mosaic_gpu", interpret=True, policy=policy)
+def test_interpret_matches_float64(op, policy, decay, T, seed, n_seq):
+    x, cts, cu = _case(op, T, 64, seed, decay, n_seq)
+    names, f = _grads(op, x, cts, backend="mosaic_gpu", interpret=True, policy=policy, cu_seqlens=cu)
     cast = {"q": BF16, "k": BF16, "v": BF16}
     args = [jnp.asarray(x[n], cast.get(n, jnp.float32)) for n in names]
     (o, fin), vjp = jax.vjp(f, *args)
     grads = vjp((jnp.asarray(cts["o"], BF16), jnp.asarray(cts["final"], jnp.float32)))
-    _, fref = _grads(op, x, cts, backend="reference")
+    _, fref = _grads(op, x, cts, backend="reference", cu_seqlens=cu)
     (ro, rfin), rvjp = jax.vjp(fref, *[jnp.asarray(x[n], jnp.float64) for n in names])
     rgrads = rvjp((jnp.asarray(cts["o"]), jnp.asarray(cts["final"], rfin.dtype)))
     key = lambda n: "dinitial_state" if n == "h0" else f"d{n}"  # noqa: E731
@@ -94,19 +102,25 @@ def _structs(B, T, H, D):
 
 
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("gated", [True, False])
-def test_kernels_lower_for_cuda(D, gated):
+@pytest.mark.parametrize("gated,packed", [(True, False), (False, False), (True, True)])
+def test_kernels_lower_for_cuda(D, gated, packed):
     """Every kernel lowers to Mosaic GPU for sm_90 on this CPU (layouts, SMEM budget, barriers)."""
-    s = _structs(2, 256, 2, D)
+    B = 1 if packed else 2
+    s = _structs(B, 256, 2, D)
     cfg = config.default_config(D, D, 2)
     pick = lambda g2: g2 if gated else None  # noqa: E731
+    meta = jnp.zeros((4, META), jnp.int32) if packed else None  # 4 chunks: (reset, slot, end, 0...)
+    slots = dict(n_slots=3) if packed else {}
+    if packed:
+        s["st"] = jax.ShapeDtypeStruct((3, 2, D, D), jnp.float32)
 
     def fwd(q, k, v, t0, g2, b, h0):
         return fused_forward(q, k, v, t0, pick(g2), b, h0, scale=0.1, cfg=cfg.forward, out_final=True,
-                             save_states=True)
+                             save_states=True, meta=meta)
 
     def sbwd(q, k, do, t0, g2, b, df):
-        return state_backward(q, k, do, t0, pick(g2), b, df, scale=0.1, cfg=cfg.state_backward)
+        return state_backward(q, k, do, t0, pick(g2), b, df, scale=0.1, cfg=cfg.state_backward,
+                              meta=meta, **slots)
 
     def cbwd(q, k, v, do, lam, st, dst, t0, g2, b):
         return chunk_backward(q, k, v, do, lam, st, dst, t0, pick(g2), b, scale=0.1)
@@ -121,13 +135,12 @@ def test_kernels_lower_for_cuda(D, gated):
 def test_supports_says_why_not():
     from pallas_kernels.mosaic_gpu import api
 
-    common = dict(K=128, V=128, dtype=BF16, chunk_size=64, scalar_gates=True, varlen=False,
-                  static_scale=True, backward="rewy", interpret=True)
+    common = dict(K=128, V=128, dtype=BF16, chunk_size=64, scalar_gates=True, static_scale=True, backward="rewy", interpret=True)
     if compat.has_interpreter():
         assert api.supports(**common) is None
     for change, words in ((dict(dtype=jnp.float32), "bf16 or fp16"), (dict(K=256, V=256), "K = V"),
                           (dict(scalar_gates=False), "DeltaNet and GDN"), (dict(chunk_size=32), "chunk_size"),
-                          (dict(varlen=True), "cu_seqlens"), (dict(backward="wy"), "ReWY")):
+                          (dict(backward="wy"), "ReWY")):
         reason = api.supports(**{**common, **change})
         assert reason is not None and words in reason, (change, reason)
     assert "sm_90" in api.supports(**{**common, "interpret": False})

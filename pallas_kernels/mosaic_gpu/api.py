@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mosaic_gpu import compat, config, prep
-from pallas_kernels.mosaic_gpu.common import C
+from pallas_kernels.mosaic_gpu.common import C, META
 from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
 from pallas_kernels.mosaic_gpu.forward import fused_forward
 from pallas_kernels.mosaic_gpu.state_backward import state_backward
@@ -39,8 +39,8 @@ def is_hopper() -> bool:
     return dev.platform == "gpu" and getattr(dev, "compute_capability", None) == "9.0"
 
 
-def supports(*, K: int, V: int, dtype, chunk_size: int, scalar_gates: bool, varlen: bool,
-             static_scale: bool, backward: str, interpret: bool) -> str | None:
+def supports(*, K: int, V: int, dtype, chunk_size: int, scalar_gates: bool, static_scale: bool,
+             backward: str, interpret: bool) -> str | None:
     """``None`` when the Mosaic GPU kernels serve such a call, else the reason they do not."""
     if interpret:
         if not compat.has_interpreter():
@@ -57,8 +57,6 @@ def supports(*, K: int, V: int, dtype, chunk_size: int, scalar_gates: bool, varl
         return "the Mosaic GPU kernels implement the ReWY backward only (backward='rewy')"
     if chunk_size != C:
         return f"the Mosaic GPU kernels use chunk_size={C}, got {chunk_size}"
-    if varlen:
-        return "the Mosaic GPU kernels do not take cu_seqlens yet"
     if not static_scale:
         return "the Mosaic GPU kernels need a Python float scale (not traced)"
     return None
@@ -74,22 +72,6 @@ def prepare(q, k, v, g, beta):
     g2 = None if g is None else prep.log2_chunk_cumsum(g, Tp)
     t0 = prep.gate_free_inverse(k, beta_hm, dtype)
     return q, k, v, t0, g2, beta_hm
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "cfg", "out_final", "save_states", "interpret"))
-def forward(q, k, v, g, beta, h0, *, scale: float, cfg: config.Config, out_final: bool = True,
-            save_states: bool = False, interpret: bool = False):
-    """``(o [B, T, H, V], final [B, H, K, V] fp32 | None, states | None)`` of DeltaNet (``g`` None)
-    or GDN: q, k [B, T, H, K] and v [B, T, H, V] in bf16/fp16, g and beta [B, T, H] fp32
-    (g ≤ 0, already clamped), h0 [B, H, K, V] fp32 or None."""
-    T = q.shape[1]
-    qp, kp, vp, t0, g2, beta_hm = prepare(q, k, v, g, beta)
-    h0t = None if h0 is None else jnp.swapaxes(h0.astype(jnp.float32), -1, -2)
-    o, final_t, states = fused_forward(qp, kp, vp, t0, g2, beta_hm, h0t, scale=scale, cfg=cfg.forward,
-                                       out_final=out_final, save_states=save_states,
-                                       interpret=compat.interpret_params(interpret))
-    final = None if final_t is None else jnp.swapaxes(final_t, -1, -2)
-    return o[:, :T], final, states
 
 
 def _unpad_scalars(x, T: int):
@@ -112,28 +94,31 @@ def _gate_grad(dG, u, sds, g2):
     return (rev + extra[..., None]).reshape(B, H, Tp)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def delta_rule(q, k, v, g, beta, h0, scale: float, policy: str, cfg: config.Config, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def delta_rule(q, k, v, g, beta, h0, meta, scale: float, policy: str, cfg: config.Config,
+               interpret: bool):
     """DeltaNet (``g`` None) or GDN on the Mosaic GPU kernels, differentiable (ReWY backward).
 
     q, k: [B, T, H, K], v: [B, T, H, V] (bf16/fp16, one dtype); g, beta: [B, T, H] fp32
     (g ≤ 0, already clamped); h0: [B, H, K, V] fp32. ``scale`` multiplies q. ``policy``:
     "save" keeps the chunk start states for the backward, "recompute" reruns the forward there.
-    Returns ``(o [B, T, H, V], final [B, H, K, V] fp32)``.
+    ``meta``: None, or packed sequences (B = 1, each sequence starting on a chunk boundary,
+    :func:`pack`): int32 ``[N, META]`` per chunk (reset, slot, end, 0...), and h0 is
+    ``[n_slots, H, K, V]``. Returns ``(o [B, T, H, V], final [B or n_slots, H, K, V] fp32)``.
     """
-    return _forward(q, k, v, g, beta, h0, scale, policy, cfg, interpret)[0]
+    return _forward(q, k, v, g, beta, h0, meta, scale, policy, cfg, interpret)[0]
 
 
-def _forward(q, k, v, g, beta, h0, scale, policy, cfg, interpret):
+def _forward(q, k, v, g, beta, h0, meta, scale, policy, cfg, interpret):
     T = q.shape[1]
     with compat.x32():
         qp, kp, vp, t0, g2, beta_hm = prepare(q, k, v, g, beta)
         h0t = jnp.swapaxes(h0.astype(jnp.float32), -1, -2)
         o, final_t, states = fused_forward(qp, kp, vp, t0, g2, beta_hm, h0t, scale=scale,
                                            cfg=cfg.forward, out_final=True,
-                                           save_states=policy == "save",
+                                           save_states=policy == "save", meta=meta,
                                            interpret=compat.interpret_params(interpret))
-    res = (qp, kp, vp, t0, g2, beta_hm, h0t, states, g is None)
+    res = (qp, kp, vp, t0, g2, beta_hm, h0t, states, meta, g is None)
     return (o[:, :T], jnp.swapaxes(final_t, -1, -2)), res
 
 
@@ -143,24 +128,52 @@ def _backward(scale, policy, cfg, interpret, res, cts):
 
 
 def _backward_x32(scale, cfg, interpret, res, cts):
-    qp, kp, vp, t0, g2, beta_hm, h0t, states, no_gate = res
+    qp, kp, vp, t0, g2, beta_hm, h0t, states, meta, no_gate = res
     do, dfinal = cts
     T = do.shape[1]
     Tp = kp.shape[1]
     ip = compat.interpret_params(interpret)
     if states is None:  # policy "recompute": the forward again, keeping only the chunk states
         _, _, states = fused_forward(qp, kp, vp, t0, g2, beta_hm, h0t, scale=scale, cfg=cfg.forward,
-                                     out_final=False, save_states=True, interpret=ip)
+                                     out_final=False, save_states=True, meta=meta, interpret=ip)
     dop = prep.pad_time(do.astype(vp.dtype), Tp)
     dfinal_t = jnp.swapaxes(dfinal.astype(jnp.float32), -1, -2)
     lam, dstates, dh0t = state_backward(qp, kp, dop, t0, g2, beta_hm, dfinal_t, scale=scale,
-                                        cfg=cfg.state_backward, interpret=ip)
+                                        cfg=cfg.state_backward, meta=meta,
+                                        n_slots=h0t.shape[0], interpret=ip)
     outs = chunk_backward(qp, kp, vp, dop, lam, states, dstates, t0, g2, beta_hm, scale=scale,
                           interpret=ip)
     dq, dk, dv, dbeta = outs[:4]
     dg = None if no_gate else _unpad_scalars(_gate_grad(*outs[4:], g2), T)
     return (dq[:, :T], dk[:, :T], dv[:, :T], dg, _unpad_scalars(dbeta, T),
-            jnp.swapaxes(dh0t, -1, -2))
+            jnp.swapaxes(dh0t, -1, -2), None)
 
 
 delta_rule.defvjp(_forward, _backward)
+
+
+def pack(plan, xs, h0):
+    """Packed sequences for :func:`delta_rule` from a ``rewy_jax.layout.ChunkPlan`` (B = 1).
+
+    ``xs``: per-token arrays ``[1, T, ...]`` (None passes through), gathered so that every
+    sequence starts on a chunk boundary (zero rows between: k = v = β = g = 0 leave the state
+    unchanged); ``h0 [n_seq, H, K, V]`` gains a zero slot that the padding chunks use.
+    Returns ``(xs, h0, meta)``; :func:`unpack` maps the outputs back.
+    """
+    def gather(x):
+        if x is None:
+            return None
+        x = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+        return x[:, plan.gather]
+
+    end = jnp.zeros((plan.n_chunks,), jnp.int32).at[plan.end_chunk].set(1)
+    meta = jnp.stack([plan.chunk_reset.astype(jnp.int32), plan.chunk_seq.astype(jnp.int32), end],
+                     axis=1)
+    meta = jnp.pad(meta, [(0, 0), (0, META - 3)])
+    h0 = jnp.concatenate([h0, jnp.zeros_like(h0[:1])], axis=0)
+    return [gather(x) for x in xs], h0, meta
+
+
+def unpack(plan, o, final):
+    """``o [1, N·C, H, V]`` back to the token order; the padding slot of ``final`` dropped."""
+    return o[:, plan.scatter], final[:-1]

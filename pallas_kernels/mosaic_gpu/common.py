@@ -17,6 +17,9 @@ from jax import lax
 
 C = 64  # tokens per chunk: the WGMMA M-tile
 F32 = jnp.float32
+# Per-chunk metadata of packed sequences: int32 (reset, slot, end) padded to 32 entries, because
+# a TMA copy by a 128-thread warpgroup must move a multiple of 128 bytes.
+META = 32
 WGMMA = plgpu.Layout.WGMMA
 ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, N] register tile
 COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column

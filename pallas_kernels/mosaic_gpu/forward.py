@@ -22,6 +22,11 @@ Math: docs/math.md (§ chunked forward); this is the scalar-gate, gate-free-inve
 Reads:  q, k [B, Tp, H, K]; v [B, Tp, H, V]; t0 [B, H, Tp, C]; g2, beta [B, H, Tp] fp32;
         h0t [B, H, V, K] fp32 (optional).
 Writes: o [B, Tp, H, V]; final state ᵀ [B, H, V, K] fp32 (optional); chunk states (optional).
+
+Packed sequences (``meta``): B = 1, every sequence starts on a chunk boundary (the caller re-lays
+them, rewy_jax.layout), and ``meta [N, META]`` int32 holds per chunk (reset, slot, end, 0...): at a
+reset chunk WG0 loads its start state from ``h0t[slot]``, after an end chunk it stores the state
+to ``final[slot]``; ``h0t`` and the final states are ``[n_slots, H, V, K]``.
 """
 
 from __future__ import annotations
@@ -33,14 +38,14 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, ROWS, WGMMA, causal_decay, cols_of, finish_together, mma, rows_of, smem, stage,
-    vectors)
+    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, mma, rows_of, smem,
+    stage, vectors)
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.config import ForwardConfig
 
 
 def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: ForwardConfig,
-                  out_final: bool, save_states: bool, interpret=None):
+                  out_final: bool, save_states: bool, meta=None, interpret=None):
     """``(o [B, Tp, H, V], final ᵀ [B, H, V, K] fp32 | None, states [B, H, N, V, K] | None)``.
 
     ``g2`` is ``None`` for DeltaNet (no gate); ``h0t`` is ``None`` for a zero initial state.
@@ -52,14 +57,17 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: ForwardConfi
     dtype = k.dtype
     gated = g2 is not None
     has_h0 = h0t is not None
+    packed = meta is not None
+    if packed and not (B == 1 and has_h0):
+        raise ValueError("packed sequences need B == 1 and per-sequence initial states h0t")
     stages = cfg.stages
 
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dtype)]
     if out_final:
-        out_type.append(jax.ShapeDtypeStruct((B, H, V, K), F32))
+        out_type.append(jax.ShapeDtypeStruct(h0t.shape if packed else (B, H, V, K), F32))
     if save_states:
         out_type.append(jax.ShapeDtypeStruct((B, H, N, V, K), dtype))
-    n_copies = 5 + gated  # q, k, v, t0, beta (+ g)
+    n_copies = 5 + gated + packed  # q, k, v, t0, beta (+ g) (+ meta)
     scratch = dict(
         q_s=smem((stages, C, K), dtype), k_s=smem((stages, C, K), dtype),
         v_s=smem((stages, C, bv), dtype), t_s=smem((stages, C, C), dtype),
@@ -74,12 +82,15 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: ForwardConfi
     )
     if has_h0 or out_final:
         scratch["state_s"] = smem((bv, K), F32)
+    if packed:
+        scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
     def body(*refs, q_s, k_s, v_s, t_s, b_s, g_s, s_pub, r_pub, o_out, w_stage, p_stage, in_bar,
-             in_free, ag_ready, s_ready, s_free, state_bar, done, state_s=None):
+             in_free, ag_ready, s_ready, s_free, state_bar, done, state_s=None, meta_s=None):
         refs = list(refs)
         q_ref, k_ref, v_ref, t_ref, b_ref = (refs.pop(0) for _ in range(5))
         g_ref = refs.pop(0) if gated else None
+        meta_ref = refs.pop(0) if packed else None
         h0_ref = refs.pop(0) if has_h0 else None
         o_ref = refs.pop(0)
         fin_ref = refs.pop(0) if out_final else None
@@ -102,6 +113,8 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: ForwardConfi
                 plgpu.copy_gmem_to_smem(b_ref.at[b, h, rows], b_s.at[slot], bar)
                 if gated:
                     plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_s.at[slot], bar)
+                if packed:
+                    plgpu.copy_gmem_to_smem(meta_ref.at[n], meta_s.at[slot], bar)
 
             for n in range(min(stages, N)):
                 issue(n, n)
@@ -118,7 +131,7 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: ForwardConfi
         @pl.when(wg == 0)
         def _state_chain():
             plgpu.set_max_registers(232, action="increase")
-            if has_h0:
+            if has_h0 and not packed:
                 plgpu.copy_gmem_to_smem(h0_ref.at[b, h, vcols], state_s, state_bar)
                 plgpu.barrier_wait(state_bar)
                 s0 = plgpu.load(state_s, layout=WGMMA)
@@ -132,6 +145,17 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: ForwardConfi
                 @pl.when(n >= 2)
                 def _():  # WG1 is done with the tiles published two chunks ago
                     plgpu.barrier_wait(s_free.at[half])
+
+                if packed:  # a sequence starts here: its initial state replaces the carry
+                    reset, seq = meta_s[slot, 0], meta_s[slot, 1]
+
+                    @pl.when(reset == 1)
+                    def _():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a final store read it
+                        plgpu.copy_gmem_to_smem(h0_ref.at[seq, h, vcols], state_s, state_bar)
+                        plgpu.barrier_wait(state_bar)
+
+                    s_t = jnp.where(reset == 1, plgpu.load(state_s, layout=WGMMA), s_t)
 
                 if save_states:  # the TMA store of chunk n − 2's state has read s_pub[half]
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -156,13 +180,22 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: ForwardConfi
                     s_new = mma(tail, k_s.at[slot], (bv, K), acc=s_t * jnp.exp2(g_last))
                 else:
                     s_new = mma(r_pub.at[half].T, k_s.at[slot], (bv, K), acc=s_t)
+                if packed and out_final:  # a sequence ends here: store its final state
+                    end, seq = meta_s[slot, 2], meta_s[slot, 1]
+
+                    @pl.when(end == 1)
+                    def _():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        state_s[...] = s_new
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(state_s, fin_ref.at[seq, h, vcols])
                 plgpu.barrier_arrive(in_free.at[slot])
                 return s_new
 
             s_t = lax.fori_loop(0, N, step, s0)
             for n in range(max(N - 2, 0), N):  # observe WG1's last releases of the published tiles
                 plgpu.barrier_wait(s_free.at[n % 2])
-            if out_final:
+            if out_final and not packed:
                 state_s[...] = s_t
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(state_s, fin_ref.at[b, h, vcols])
@@ -205,7 +238,8 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: ForwardConfi
 
         finish_together(done)
 
-    args = [q, k, v, t0, beta] + ([g2] if gated else []) + ([h0t] if has_h0 else [])
+    args = [q, k, v, t0, beta] + ([g2] if gated else []) + ([meta] if packed else [])
+    args += [h0t] if has_h0 else []
     outs = plgpu.kernel(
         body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
         grid_names=("b", "h", "v"), num_threads=3, thread_name="wg",

@@ -21,6 +21,11 @@ Reads:  q, k [B, Tp, H, K]; do [B, Tp, H, V]; t0 [B, H, Tp, C]; g2, beta [B, H, 
         dfinal ᵀ [B, H, V, K] fp32 (optional: the final state's cotangent).
 Writes: lam [B, Tp, H, V]; dstates [B, H, N, V, K] (each chunk's end cotangent, input dtype);
         dh0 ᵀ [B, H, V, K] fp32.
+
+Packed sequences (``meta [N, META]`` int32 per chunk (reset, slot, end, 0...), B = 1, as in
+forward.py): at an end chunk the carried cotangent is replaced by the final-state cotangent of
+its slot (zero without one); after a reset chunk the start-state cotangent goes to ``dh0[slot]``
+(``[n_slots, H, V, K]``).
 """
 
 from __future__ import annotations
@@ -33,13 +38,13 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, ROWS, WGMMA, causal_decay, cols_of, finish_together, mma, rows_of, smem, stage,
-    vectors)
+    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, mma, rows_of, smem,
+    stage, vectors)
 from pallas_kernels.mosaic_gpu.config import StateBackwardConfig
 
 
 def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: StateBackwardConfig,
-                   interpret=None):
+                   meta=None, n_slots: int = 0, interpret=None):
     """``(lam [B, Tp, H, V], dstates [B, H, N, V, K], dh0 ᵀ [B, H, V, K] fp32)``.
 
     ``g2`` is ``None`` for DeltaNet; ``dfinal_t`` is ``None`` when the final state has no
@@ -52,12 +57,15 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: State
     dtype = k.dtype
     gated = g2 is not None
     has_df = dfinal_t is not None
+    packed = meta is not None
+    if packed and B != 1:
+        raise ValueError("packed sequences need B == 1")
     stages = cfg.stages
 
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), dtype),
                 jax.ShapeDtypeStruct((B, H, N, V, K), dtype),
-                jax.ShapeDtypeStruct((B, H, V, K), F32))
-    n_copies = 5 + gated  # q, k, do, t0, beta (+ g)
+                jax.ShapeDtypeStruct((n_slots, H, V, K) if packed else (B, H, V, K), F32))
+    n_copies = 5 + gated + packed  # q, k, do, t0, beta (+ g) (+ meta)
     scratch = dict(
         q_s=smem((stages, C, K), dtype), k_s=smem((stages, C, K), dtype),
         do_s=smem((stages, C, bv), dtype), a_s=smem((stages, C, C), dtype),
@@ -73,12 +81,15 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: State
         x_ready=plgpu.Barrier(num_barriers=2), x_free=plgpu.Barrier(num_barriers=2),
         state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
     )
+    if packed:
+        scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
     def body(*refs, q_s, k_s, do_s, a_s, b_s, g_s, x_pub, dog_pub, p_stage, ds_pub, dr_stage, lam_out,
-             state_s, in_bar, in_free, a_ready, x_ready, x_free, state_bar, done):
+             state_s, in_bar, in_free, a_ready, x_ready, x_free, state_bar, done, meta_s=None):
         refs = list(refs)
         q_ref, k_ref, do_ref, t_ref, b_ref = (refs.pop(0) for _ in range(5))
         g_ref = refs.pop(0) if gated else None
+        meta_ref = refs.pop(0) if packed else None
         df_ref = refs.pop(0) if has_df else None
         lam_ref, dst_ref, dh0_ref = refs
         b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
@@ -99,6 +110,8 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: State
                 plgpu.copy_gmem_to_smem(b_ref.at[b, h, rows], b_s.at[slot], bar)
                 if gated:
                     plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_s.at[slot], bar)
+                if packed:
+                    plgpu.copy_gmem_to_smem(meta_ref.at[N - 1 - i], meta_s.at[slot], bar)
 
             for i in range(min(stages, N)):
                 issue(i, i)
@@ -153,7 +166,7 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: State
         @pl.when(wg == 0)
         def _chain():
             plgpu.set_max_registers(232, action="increase")
-            if has_df:
+            if has_df and not packed:
                 plgpu.copy_gmem_to_smem(df_ref.at[b, h, vcols], state_s, state_bar)
                 plgpu.barrier_wait(state_bar)
                 ds0 = plgpu.load(state_s, layout=WGMMA)
@@ -164,6 +177,18 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: State
                 slot, half = lax.rem(i, stages), lax.rem(i, 2)
                 n = N - 1 - i
                 plgpu.barrier_wait(in_bar.at[slot])
+                if packed:  # a sequence ends here: its final-state cotangent replaces the carry
+                    end, seq = meta_s[slot, 2], meta_s[slot, 1]
+                    if has_df:
+                        @pl.when(end == 1)
+                        def _():
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dh0 store read it
+                            plgpu.copy_gmem_to_smem(df_ref.at[seq, h, vcols], state_s, state_bar)
+                            plgpu.barrier_wait(state_bar)
+
+                        ds_t = jnp.where(end == 1, plgpu.load(state_s, layout=WGMMA), ds_t)
+                    else:
+                        ds_t = jnp.where(end == 1, 0.0, ds_t)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk i − 1's stores have read
                 ds_lo = stage(ds_pub, ds_t)
                 plgpu.copy_smem_to_gmem(ds_pub, dst_ref.at[b, h, n, vcols], commit_group=False)
@@ -187,20 +212,31 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: State
                     lam = lam * cols_of(beta_c, (bv, C))
                 ds_new = ds_t + mma(dog_pub.at[half].T, q_s.at[slot], (bv, K))
                 ds_new = ds_new - mma(stage(dr_stage, lam), k_s.at[slot], (bv, K))
+                if packed:  # a sequence starts here: its initial state's cotangent is done
+                    reset, seq = meta_s[slot, 0], meta_s[slot, 1]
+
+                    @pl.when(reset == 1)
+                    def _():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        state_s[...] = ds_new
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(state_s, dh0_ref.at[seq, h, vcols])
                 plgpu.barrier_arrive(x_free.at[half])
                 plgpu.barrier_arrive(in_free.at[slot])
                 return ds_new
 
             ds_t = lax.fori_loop(0, N, step, ds0)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            state_s[...] = ds_t
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(state_s, dh0_ref.at[b, h, vcols])
+            if not packed:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                state_s[...] = ds_t
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(state_s, dh0_ref.at[b, h, vcols])
             plgpu.wait_smem_to_gmem(0)
 
         finish_together(done)
 
-    args = [q, k, do, t0, beta] + ([g2] if gated else []) + ([dfinal_t] if has_df else [])
+    args = [q, k, do, t0, beta] + ([g2] if gated else []) + ([meta] if packed else [])
+    args += [dfinal_t] if has_df else []
     return plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // bv),
         grid_names=("b", "h", "v"), num_threads=3, thread_name="wg",
