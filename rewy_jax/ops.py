@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.chunk_algebra import clamp_gates
+from pallas_kernels.vma import vary_like
 from rewy_jax import backends, validate
 from rewy_jax.reference import l2norm, reference_general
 
@@ -112,6 +113,11 @@ def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, 
     lead = B if n_seq is None else n_seq
     h0 = (jnp.zeros((lead, H, K, V), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
+    # Under shard_map(check_vma=True) every array of the call varies along the same manual axes:
+    # an invariant (replicated) input is cast to varying, whose transpose sums its cotangent.
+    shared_bw = w is b  # DeltaNet/GDN/KDA pass β once; backends rely on the identity
+    q, k, v, g, b, w, h0 = vary_like((q, k, v, g, b, w, h0), q, k, v, g, b, w, h0)
+    w = b if shared_bw else w
     return GeneralCall(q, k, v, g, b, w, h0, cu_seqlens, out_dtype,
                        None if gate_lower_bound is None else float(gate_lower_bound), scale,
                        floor)
