@@ -28,6 +28,7 @@ from flax import nnx
 from rewy_jax import validate
 from rewy_jax.layers.modules import (GATE_MODES, GatedRMSNorm, RMSNorm, ShortConvolution,
                                       get_value, inverse_softplus, set_value)
+from rewy_jax.layers.partitioning import EMBED, HEADS, RANK, with_axes
 
 __all__ = ["DeltaRuleLayer", "LowRankProjection"]
 
@@ -77,9 +78,12 @@ class LowRankProjection(nnx.Module):
 
     def __init__(self, in_features: int, rank: int, out_features: int, *, use_bias: bool = False,
                  kernel_init, dtype, param_dtype, rngs: nnx.Rngs):
-        self.down = nnx.Linear(in_features, rank, use_bias=False, kernel_init=kernel_init,
+        self.down = nnx.Linear(in_features, rank, use_bias=False,
+                               kernel_init=with_axes(kernel_init, (EMBED, RANK)),
                                dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.up = nnx.Linear(rank, out_features, use_bias=use_bias, kernel_init=kernel_init,
+        self.up = nnx.Linear(rank, out_features, use_bias=use_bias,
+                             kernel_init=with_axes(kernel_init, (RANK, HEADS)),
+                             bias_init=with_axes(nnx.initializers.zeros_init(), (HEADS,)),
                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x):
@@ -198,15 +202,19 @@ class DeltaRuleLayer(nnx.Module):
                                        param_dtype=param_dtype)
         else:
             self.o_norm = RMSNorm(head_v_dim, eps=norm_eps, param_dtype=param_dtype)
-        self.o_proj = lin(self.value_dim, hidden_size)
+        # (the norms' weights and the convolutions' kernels are annotated in layers.modules)
+        self.o_proj = self._dense(self.value_dim, hidden_size, rngs=rngs, axes=(HEADS, EMBED))
         # nnx.data: the attribute holds data (an nnx.Cache) once init_cache has run.
         self.recurrent_state = nnx.data(None)  # nnx.Cache [B, H_v, K, V] fp32 after init_cache
 
     # -- helpers for subclasses -----------------------------------------------------------------
-    def _dense(self, in_features, out_features, *, rngs, use_bias=False):
-        """A projection with FLA's init: kernel ~ N(0, initializer_range²), bias 0."""
+    def _dense(self, in_features, out_features, *, rngs, use_bias=False, axes=(EMBED, HEADS)):
+        """A projection with FLA's init: kernel ~ N(0, initializer_range²), bias 0; ``axes``:
+        the kernel's logical axis names (layers.partitioning)."""
         return nnx.Linear(in_features, out_features, use_bias=use_bias,
-                          kernel_init=nnx.initializers.normal(self.initializer_range),
+                          kernel_init=with_axes(nnx.initializers.normal(self.initializer_range),
+                                                axes),
+                          bias_init=with_axes(nnx.initializers.zeros_init(), axes[1:]),
                           dtype=self.dtype, param_dtype=self.param_dtype, rngs=rngs)
 
     def _low_rank(self, out_features, *, use_bias=False, rngs):

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rewy_jax.layers.partitioning import CONV, HEADS, NORM, param
+
 __all__ = ["ShortConvolution", "RMSNorm", "GatedRMSNorm", "decay_gate", "inverse_softplus",
            "GATE_MODES", "seq_ids", "get_value", "set_value"]
 
@@ -84,8 +86,9 @@ class ShortConvolution(nnx.Module):
         self.kernel_size = kernel_size
         self.activation = activation
         self.dtype = dtype
-        self.kernel = nnx.Param(kernel_init(rngs.params(), (kernel_size, features), param_dtype))
-        self.bias = nnx.Param(jnp.zeros((features,), param_dtype)) if use_bias else None
+        self.kernel = param(kernel_init(rngs.params(), (kernel_size, features), param_dtype),
+                            (CONV, HEADS))
+        self.bias = param(jnp.zeros((features,), param_dtype), (HEADS,)) if use_bias else None
         self.cache = nnx.data(None)  # nnx.Cache [B, W−1, D] after init_cache
 
     def init_cache(self, batch: int, dtype=jnp.float32):
@@ -152,7 +155,7 @@ class RMSNorm(nnx.Module):
         del rngs
         self.eps = eps
         self.dtype = dtype
-        self.weight = nnx.Param(jnp.ones((features,), param_dtype))
+        self.weight = param(jnp.ones((features,), param_dtype), (NORM,))
 
     def __call__(self, x):
         out_dtype = self.dtype or x.dtype
