@@ -95,8 +95,12 @@ class ShortConvolution(nnx.Module):
         """Zero history: ``cache`` [batch, W−1, D] (batch = N sequences when using cu_seqlens)."""
         self.cache = nnx.Cache(jnp.zeros((batch, self.kernel_size - 1, self.features), dtype))
 
-    def __call__(self, x, *, cu_seqlens=None, decode: bool = False):
-        """x: [B, T, D] -> [B, T, D]; with ``decode`` reads and advances ``cache``."""
+    def __call__(self, x, *, cu_seqlens=None, decode: bool = False, context_axis=None):
+        """x: [B, T, D] -> [B, T, D]; with ``decode`` reads and advances ``cache``.
+
+        context_axis: inside shard_map, the mesh axis T is split over (context parallelism):
+        the first W−1 taps read the previous device's last W−1 tokens (one ``ppermute``).
+        """
         W = self.kernel_size
         dtype = self.dtype or jnp.result_type(x.dtype, self.kernel.dtype)
         x = x.astype(dtype)
@@ -106,6 +110,18 @@ class ShortConvolution(nnx.Module):
         n_hist = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         hist = (get_value(self.cache).astype(dtype) if decode
                 else jnp.zeros((n_hist, W - 1, D), dtype))
+        if context_axis is not None and W > 1:
+            if decode or cu_seqlens is not None:
+                raise NotImplementedError("ShortConvolution with context_axis supports neither "
+                                          "decode=True nor cu_seqlens; got "
+                                          f"decode={decode}, cu_seqlens={cu_seqlens is not None}")
+            if T < W - 1:
+                raise ValueError(f"context_axis needs ≥ conv_size − 1 = {W - 1} tokens per "
+                                 f"device; got T = {T}")
+            n = jax.lax.axis_size(context_axis)
+            # device i receives device i−1's last W−1 tokens; device 0 receives zeros
+            hist = jax.lax.ppermute(x[:, T - (W - 1):], context_axis,
+                                    [(i, i + 1) for i in range(n - 1)])
         if decode and hist.shape[0] != n_hist:
             raise ValueError(f"the decode cache holds {hist.shape[0]} sequences but the input has "
                              f"{n_hist}; call init_cache with batch={n_hist}")
