@@ -327,7 +327,9 @@ def main(argv=None) -> dict:
             start, history = int(meta["step"]), meta["history"]
 
     windows_sharding = None if mesh is None else NamedSharding(mesh, P("data", None))
-    put = lambda w: jnp.asarray(w) if windows_sharding is None else jax.device_put(w, windows_sharding)  # noqa: E731
+
+    def put(w):
+        return jnp.asarray(w) if windows_sharding is None else jax.device_put(w, windows_sharding)
 
     from tqdm.auto import tqdm
 

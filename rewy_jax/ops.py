@@ -186,7 +186,8 @@ def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_fi
                      backend=None, interpret=False, cu_seqlens=None, context_axis=None):
     call = _prepare(q, k, v, None, beta, beta, g_kind=None, b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, context_axis=context_axis, gate_names=(None, "beta", None))
+                    cu_seqlens=cu_seqlens,
+                    context_axis=context_axis, gate_names=(None, "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
                       scale=scale, context_axis=context_axis)
@@ -198,7 +199,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
                            cu_seqlens=None, context_axis=None):
     call = _prepare(q, k, v, g, beta, beta, g_kind="scalar", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, context_axis=context_axis, gate_names=("g", "beta", None))
+                    cu_seqlens=cu_seqlens,
+                    context_axis=context_axis, gate_names=("g", "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
                       scale=scale, context_axis=context_axis)
@@ -209,7 +211,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
               backend=None, interpret=False, cu_seqlens=None, context_axis=None, gate_lower_bound=None):
     call = _prepare(q, k, v, g, beta, beta, g_kind="vector", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound, context_axis=context_axis, gate_names=("g", "beta", None))
+                    cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound,
+                    context_axis=context_axis, gate_names=("g", "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
                       scale=scale, context_axis=context_axis)
@@ -220,7 +223,8 @@ def chunk_gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None, output_final
                backend=None, interpret=False, cu_seqlens=None, context_axis=None, gate_lower_bound=None):
     call = _prepare(q, k, v, g, b, w, g_kind="vector", b_kind="vector", w_kind="vector",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound, context_axis=context_axis, gate_names=("g", "b", "w"))
+                    cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound,
+                    context_axis=context_axis, gate_names=("g", "b", "w"))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
                       scale=scale, context_axis=context_axis)
