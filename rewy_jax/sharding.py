@@ -10,10 +10,11 @@ slice. :func:`partitioned` tells XLA so with ``jax.experimental.custom_partition
   and ``h`` keep whatever mesh axes q has on them;
 * the per-shard lowering calls the backend unchanged on the local slices.
 
-Autodiff: ``custom_partitioning`` has no VJP of its own, so the op is a ``custom_vjp`` whose
+Autodiff and vmap: ``custom_partitioning`` has neither a VJP nor a batching rule of its own, so the op is a ``custom_vjp`` whose
 forward and backward are each one custom-partitioned call. The backward call runs the backend's
 ``jax.vjp`` per shard: its forward residuals are recomputed there (the backend's own
-``policy="recompute"`` work, one forward state pass more for ``policy="save"``).
+``policy="recompute"`` work, one forward state pass more for ``policy="save"``). Under ``vmap``
+each call falls back to the vmapped per-shard function (``custom_vmap``), which XLA partitions.
 
 The XLA and reference backends are plain jnp/``lax.scan`` programs that XLA partitions over
 batch and heads by itself (tests/multidevice/md_jit_sharding.py checks their HLO for gathers),
@@ -28,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -143,6 +145,9 @@ def partitioned(impl, call, *, chunk_size, policy, backward, interpret):
     bwd_cp.def_partition(partition=_make_partition(bwd_args, bwd_out, local_bwd),
                          sharding_rule=_rule(bwd_args, bwd_out), need_replication_factors=replicate)
 
+    fwd_cp = _vmappable(fwd_cp, local_fwd)
+    bwd_cp = _vmappable(bwd_cp, local_bwd)
+
     @jax.custom_vjp
     def op(*args):
         return fwd_cp(*args)
@@ -162,6 +167,20 @@ def partitioned(impl, call, *, chunk_size, policy, backward, interpret):
     args += [call.cu_seqlens] if cu_arr else []
     o, final = op(*args)
     return o, final
+
+
+def _vmappable(partitioned_fn, local_fn):
+    """``partitioned_fn`` with a batching rule: custom_partitioning has none (jax 0.12), so
+    under ``vmap`` the per-shard function itself is vmapped (XLA partitions that program)."""
+    fn = custom_vmap(lambda *args: partitioned_fn(*args))
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, *args):
+        del axis_size
+        out = jax.vmap(local_fn, in_axes=tuple(0 if b else None for b in in_batched))(*args)
+        return out, tuple(True for _ in out)
+
+    return fn
 
 
 def _in_manual_context() -> bool:
