@@ -39,9 +39,16 @@ _HI = lax.Precision.HIGHEST
 
 def axis_size(axis: str) -> int:
     """Static size of a manual mesh axis (inside shard_map)."""
-    if hasattr(lax, "axis_size"):
-        return int(lax.axis_size(axis))
-    return int(lax.psum(1, axis))  # pragma: no cover - jax 0.11
+    if not isinstance(axis, str):
+        raise ValueError(f"context_axis must be a mesh axis name (str); got {axis!r}")
+    try:
+        if hasattr(lax, "axis_size"):
+            return int(lax.axis_size(axis))
+        return int(lax.psum(1, axis))  # pragma: no cover - jax 0.11
+    except NameError as err:
+        raise ValueError(f"context_axis={axis!r} must name a mesh axis of the enclosing "
+                         "jax.shard_map (the ops split T over it); no such axis is bound "
+                         "here") from err
 
 
 def _widen(call, h0_aug):

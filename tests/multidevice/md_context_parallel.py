@@ -64,3 +64,10 @@ def test_context_parallel_matches_single_device(op, devices, packed):
     want = _run(op, inputs, cu, None)
     got = _run(op, inputs, cu, devices)
     assert_close(got, want, 1e-5, f"{op} context-parallel over {devices} devices")
+
+
+def test_context_axis_outside_shard_map_names_the_argument():
+    inputs = testing.make_inputs("deltanet", 1, 16, 1, 16, 16, seed=0, initial_state=False)
+    with pytest.raises(ValueError, match="context_axis='seq' must name a mesh axis"):
+        testing.OPS["deltanet"].fn(inputs["q"], inputs["k"], inputs["v"], inputs["beta"],
+                                   context_axis="seq")
