@@ -28,7 +28,6 @@ discussed in docs/sharding.md.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
