@@ -22,7 +22,7 @@ CASES = [("gdn2", 2, True), ("kda", 4, False), ("deltanet", 8, True), ("gdn", 4,
 CU = np.array([0, 3, 45, 50, 64], np.int32)
 
 
-def _run(op, inputs, cu, axis_devices, backend="xla"):
+def _run(op, inputs, cu, axis_devices, backend="xla", interpret=False):
     spec = testing.OPS[op]
     names = ["q", "k", "v", *spec.gates, "initial_state"]
     ctx = {} if axis_devices is None else {"context_axis": "seq"}
@@ -31,7 +31,7 @@ def _run(op, inputs, cu, axis_devices, backend="xla"):
         d = dict(zip(names, xs))
         return spec.fn(*[d[n] for n in names[:-1]], initial_state=d["initial_state"],
                        cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True,
-                       chunk_size=16, backend=backend, **ctx)
+                       chunk_size=16, backend=backend, interpret=interpret, **ctx)
 
     if axis_devices is not None:
         mesh = auto_mesh((axis_devices,), ("seq",))
