@@ -140,8 +140,18 @@ def _run_chunk(call: GeneralCall, *, chunk_size, policy, backward, backend, inte
     if context_axis is not None:  # T split over a shard_map axis (rewy_jax.context_parallel)
         from rewy_jax import context_parallel
 
+        name = backend
+        if call.cu_seqlens is not None:
+            # Each device sees the sequences outside its slice as empty segments, which only the
+            # XLA path handles (the Pallas kernels leave an empty sequence's dh0 unwritten).
+            if backend not in (None, "xla"):
+                raise NotImplementedError(
+                    f"context_axis with cu_seqlens runs on backend='xla' (or None); got "
+                    f"backend={backend!r}")
+            name = "xla"
+
         def impl_for(c):
-            return backends.select(backend, c, chunk_size=chunk_size, interpret=interpret)
+            return backends.select(name, c, chunk_size=chunk_size, interpret=interpret)
 
         o, final = context_parallel.run_chunk(call, context_axis, impl_for=impl_for,
                                               chunk_size=chunk_size, policy=policy,
