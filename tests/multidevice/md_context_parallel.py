@@ -70,3 +70,21 @@ def test_context_axis_outside_shard_map_names_the_argument():
     with pytest.raises(ValueError, match="context_axis='seq' must name a mesh axis"):
         testing.OPS["deltanet"].fn(inputs["q"], inputs["k"], inputs["v"], inputs["beta"],
                                    context_axis="seq")
+
+
+def test_packed_context_parallel_needs_the_xla_backend():
+    require_devices(2)
+    inputs = testing.make_inputs("deltanet", 1, 32, 1, 16, 16, seed=0, n_seqs=3)
+    mesh = auto_mesh((2,), ("seq",))
+    tok = P(None, "seq")
+
+    def f(q, k, v, beta, h0, cu):
+        return testing.OPS["deltanet"].fn(q, k, v, beta, initial_state=h0, cu_seqlens=cu,
+                                          backend="pallas_tpu", interpret=True,
+                                          context_axis="seq")
+
+    sf = jax.shard_map(f, mesh=mesh, in_specs=(tok,) * 4 + (P(), P()), out_specs=(tok, P()))
+    args = [inputs[n] for n in ("q", "k", "v", "beta", "initial_state", "cu_seqlens")]
+    with pytest.raises(NotImplementedError, match="context_axis with cu_seqlens runs on "
+                                                  "backend='xla'"):
+        jax.eval_shape(sf, *args)
