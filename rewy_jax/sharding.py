@@ -66,12 +66,11 @@ def _present(call):
     return names
 
 
-def _rebuild(call, names, arrays, scale, cu):
+def _rebuild(call, names, arrays, cu):
     fields = dict(zip(names, arrays))
     if "w" not in fields:
         fields["w"] = fields["b"]
-    return call._replace(scale=scale if scale is not None else call.scale, cu_seqlens=cu,
-                         **fields)
+    return call._replace(cu_seqlens=cu, **fields)
 
 
 def _spec_for(factors: str, bspec, hspec):
@@ -104,47 +103,35 @@ def partitioned(impl, call, *, chunk_size, policy, backward, interpret):
         call = call._replace(q=call.q_scaled, scale=1.0)
     names = _present(call)
     arg_f = _factors(call, names)
-    scale_arr = False
-    cu_arr = call.cu_seqlens is not None
-    extra_f = ([""] if scale_arr else []) + (["m"] if cu_arr else [])
+    cu_arr = call.cu_seqlens is not None  # traced offsets travel as a replicated operand
     lead = "n" if cu_arr else "b"
     out_f = ["b t h v", f"{lead} h k v"]
     n_arr = len(names)
     kw = dict(chunk_size=chunk_size, policy=policy, backward=backward, interpret=interpret)
 
-    def split(args):
-        arrays = args[:n_arr]
-        rest = list(args[n_arr:])
-        scale = rest.pop(0) if scale_arr else None
-        cu = rest.pop(0) if cu_arr else None
-        return arrays, scale, cu, rest
-
     def local_fwd(*args):
-        arrays, scale, cu, _ = split(args)
-        return tuple(impl(_rebuild(call, names, arrays, scale, cu), **kw))
+        cu = args[n_arr] if cu_arr else None
+        return tuple(impl(_rebuild(call, names, args[:n_arr], cu), **kw))
 
     def local_bwd(*args):
-        arrays, scale, cu, (do, dfinal) = split(args)
-        diff = list(arrays) + ([scale] if scale_arr else [])
+        cu = args[n_arr] if cu_arr else None
+        do, dfinal = args[-2:]
 
-        def f(*d):
-            return tuple(impl(_rebuild(call, names, d[:n_arr], d[n_arr] if scale_arr else None,
-                                       cu), **kw))
+        def f(*arrays):
+            return tuple(impl(_rebuild(call, names, arrays, cu), **kw))
 
-        _, vjp = jax.vjp(f, *diff)
+        _, vjp = jax.vjp(f, *args[:n_arr])
         return tuple(vjp((do, dfinal)))
 
-    fwd_cp = custom_partitioning(local_fwd)
-    fwd_args = arg_f + extra_f
+    fwd_args = arg_f + (["m"] if cu_arr else [])
+    bwd_args = fwd_args + out_f
     replicate = ("t", "k", "v") + (("n", "m") if cu_arr else ())
+    fwd_cp = custom_partitioning(local_fwd)
     fwd_cp.def_partition(partition=_make_partition(fwd_args, out_f, local_fwd),
                          sharding_rule=_rule(fwd_args, out_f), need_replication_factors=replicate)
     bwd_cp = custom_partitioning(local_bwd)
-    bwd_args = fwd_args + out_f
-    bwd_out = arg_f + ([""] if scale_arr else [])
-    bwd_cp.def_partition(partition=_make_partition(bwd_args, bwd_out, local_bwd),
-                         sharding_rule=_rule(bwd_args, bwd_out), need_replication_factors=replicate)
-
+    bwd_cp.def_partition(partition=_make_partition(bwd_args, arg_f, local_bwd),
+                         sharding_rule=_rule(bwd_args, arg_f), need_replication_factors=replicate)
     fwd_cp = _vmappable(fwd_cp, local_fwd)
     bwd_cp = _vmappable(bwd_cp, local_bwd)
 
@@ -157,16 +144,12 @@ def partitioned(impl, call, *, chunk_size, policy, backward, interpret):
 
     def op_bwd(args, cts):
         do, dfinal = cts
-        grads = bwd_cp(*args, do.astype(jnp.result_type(do)), dfinal.astype(jnp.float32))
+        grads = bwd_cp(*args, do, dfinal.astype(jnp.float32))
         return tuple(grads) + ((None,) if cu_arr else ())
 
     op.defvjp(op_fwd, op_bwd)
-    args = [getattr(call, n) for n in names]
-    args += ([jnp.asarray(call.scale, jnp.promote_types(call.q.dtype, jnp.float32))]
-             if scale_arr else [])
-    args += [call.cu_seqlens] if cu_arr else []
-    o, final = op(*args)
-    return o, final
+    args = [getattr(call, n) for n in names] + ([call.cu_seqlens] if cu_arr else [])
+    return op(*args)
 
 
 def _vmappable(partitioned_fn, local_fn):
