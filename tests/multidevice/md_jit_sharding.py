@@ -62,6 +62,39 @@ def test_batch_head_sharding_no_gather(backend, interpret, op):
             "\n".join(lines[:5])
 
 
+def test_packed_sequences_head_sharded_pallas():
+    """cu_seqlens (B = 1) with heads sharded: the offsets travel replicated, the kernels run per
+    head shard, and nothing is gathered."""
+    require_devices()
+    mesh = auto_mesh((4, 2), ("data", "heads"))
+    inputs = testing.make_inputs("gdn", 1, 48, 4, 16, 16, seed=5, n_seqs=3)
+    names = ["q", "k", "v", "g", "beta", "initial_state"]
+    spec = testing.OPS["gdn"]
+
+    def f(*xs):
+        d = dict(zip(names, xs[:-1]))
+        return spec.fn(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
+                       cu_seqlens=xs[-1], output_final_state=True, use_qk_l2norm=True,
+                       chunk_size=16, backend="pallas_gpu", interpret=True)
+
+    def loss(*xs):
+        o, s = f(*xs)
+        return jnp.sum(o * jnp.cos(o)) + jnp.sum(s * s)
+
+    prog = jax.jit(lambda *xs: (f(*xs), jax.grad(loss, argnums=tuple(range(6)))(*xs)))
+    xs = [inputs[n] for n in names] + [inputs["cu_seqlens"]]
+    sharded = [jax.device_put(x, NamedSharding(mesh, P(None, "heads") if n == "initial_state"
+                                               else P(None, None, "heads")))
+               for n, x in zip(names, xs)] + [xs[-1]]
+    (o, s), grads = prog(*sharded)
+    (o1, s1), grads1 = prog(*xs)
+    got = {"o": o, "final": s, **{"d" + n: g for n, g in zip(names, grads)}}
+    want = {"o": o1, "final": s1, **{"d" + n: g for n, g in zip(names, grads1)}}
+    assert_close(got, want, 1e-6, "packed gdn/pallas_gpu head sharded")
+    hlo = prog.lower(*sharded).compile().as_text()
+    assert not [ln for ln in hlo.splitlines() if "all-gather" in ln or "all-to-all" in ln]
+
+
 def test_partitioned_pallas_op_under_vmap_and_grad():
     """custom_partitioning has no batching rule: the wrapped Pallas op falls back to the vmapped
     per-shard function, and its gradient under vmap equals the per-example gradients."""
