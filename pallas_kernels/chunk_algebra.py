@@ -375,7 +375,12 @@ def clamp_gates(g, floor):
     not ``maximum``: maximum's VJP halves the gradient of a gate exactly at the floor; here a
     gate at the floor keeps its gradient and one below it gets none. The Pallas GPU kernels
     apply it in-kernel (kernels.cum_gates) and its VJP there too (kernels.gate_grad)."""
-    return None if g is None else jnp.where(g < floor, floor, g)
+    if g is None:
+        return None
+    # full_like, not a Python float: inside a Pallas kernel traced under shard_map the float
+    # would be an invariant operand next to a varying g, which `<` rejects.
+    floor = lax.full_like(g, floor)
+    return jnp.where(g < floor, floor, g)
 
 
 def reverse_cumsum(x, axis: int = 0):

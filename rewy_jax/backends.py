@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from rewy_jax import layout
 from rewy_jax.reference import reference_general
+from rewy_jax.sharding import wrap_if_multi_device
 from rewy_jax.xla_chunked import chunked_delta
 
 log = logging.getLogger("rewy_jax")
@@ -187,9 +188,11 @@ def _mosaic_gpu_supports(call, chunk_size, interpret):
 _TABLE: dict[str, Backend] = {
     "xla": Backend("xla", xla_impl, _always),
     "reference": Backend("reference", reference_impl, _reference_supports),
-    "pallas_tpu": Backend("pallas_tpu", pallas_tpu_impl, _pallas_tpu_supports),
-    "pallas_gpu": Backend("pallas_gpu", pallas_gpu_impl, _pallas_gpu_supports),
-    "mosaic_gpu": Backend("mosaic_gpu", mosaic_gpu_impl, _mosaic_gpu_supports),
+    # Several devices: per-shard kernels under jit (rewy_jax.sharding).
+    "pallas_tpu": Backend("pallas_tpu", wrap_if_multi_device(pallas_tpu_impl, unless_interpret=True),
+                          _pallas_tpu_supports),
+    "pallas_gpu": Backend("pallas_gpu", wrap_if_multi_device(pallas_gpu_impl), _pallas_gpu_supports),
+    "mosaic_gpu": Backend("mosaic_gpu", wrap_if_multi_device(mosaic_gpu_impl), _mosaic_gpu_supports),
 }
 
 # Preference per platform for backend=None (kernels first once registered, xla always last).

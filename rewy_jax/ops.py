@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.chunk_algebra import clamp_gates
+from pallas_kernels.vma import vary_like
 from rewy_jax import backends, validate
 from rewy_jax.reference import l2norm, reference_general
 
@@ -81,7 +82,7 @@ class GeneralCall(NamedTuple):
 
 
 def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, use_qk_l2norm,
-             cu_seqlens, gate_names, gate_lower_bound=None):
+             cu_seqlens, gate_names, gate_lower_bound=None, context_axis=None):
     validate.check_qkv(q, k, v)
     validate.check_scale(scale)
     K, V = q.shape[-1], v.shape[-1]
@@ -94,7 +95,7 @@ def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, 
     if w_name is not None:
         validate.check_per_token(w_name, w, q, V if w_kind == "vector" else None, "V")
     validate.check_gate_lower_bound(gate_lower_bound, g, GATE_FLOOR)
-    n_seq = validate.check_cu_seqlens(cu_seqlens, q)
+    n_seq = validate.check_cu_seqlens(cu_seqlens, _global_tokens(q, context_axis))
     validate.check_initial_state(initial_state, q, v, n_seq)
     if scale is None:
         scale = K ** -0.5
@@ -112,15 +113,50 @@ def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, 
     lead = B if n_seq is None else n_seq
     h0 = (jnp.zeros((lead, H, K, V), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
+    # Under shard_map(check_vma=True) every array of the call varies along the same manual axes:
+    # an invariant (replicated) input is cast to varying, whose transpose sums its cotangent.
+    shared_bw = w is b  # DeltaNet/GDN/KDA pass β once; backends rely on the identity
+    q, k, v, g, b, w, h0 = vary_like((q, k, v, g, b, w, h0), q, k, v, g, b, w, h0)
+    w = b if shared_bw else w
     return GeneralCall(q, k, v, g, b, w, h0, cu_seqlens, out_dtype,
                        None if gate_lower_bound is None else float(gate_lower_bound), scale,
                        floor)
 
 
+def _global_tokens(q, context_axis):
+    """q's shape over the whole sequence: T_local · devices under context parallelism."""
+    if context_axis is None:
+        return q
+    from rewy_jax.context_parallel import axis_size
+
+    B, T, H, K = q.shape
+    return jax.ShapeDtypeStruct((B, T * axis_size(context_axis), H, K), q.dtype)
+
+
 def _run_chunk(call: GeneralCall, *, chunk_size, policy, backward, backend, interpret,
-               output_final_state, scale):
+               output_final_state, scale, context_axis=None):
     validate.check_options(chunk_size=chunk_size, policy=policy, backward=backward,
                            backend=backend, scale=scale)
+    if context_axis is not None:  # T split over a shard_map axis (rewy_jax.context_parallel)
+        from rewy_jax import context_parallel
+
+        name = backend
+        if call.cu_seqlens is not None:
+            # Each device sees the sequences outside its slice as empty segments, which only the
+            # XLA path handles (the Pallas kernels leave an empty sequence's dh0 unwritten).
+            if backend not in (None, "xla"):
+                raise NotImplementedError(
+                    f"context_axis with cu_seqlens runs on backend='xla' (or None); got "
+                    f"backend={backend!r}")
+            name = "xla"
+
+        def impl_for(c):
+            return backends.select(name, c, chunk_size=chunk_size, interpret=interpret)
+
+        o, final = context_parallel.run_chunk(call, context_axis, impl_for=impl_for,
+                                              chunk_size=chunk_size, policy=policy,
+                                              backward=backward, interpret=interpret)
+        return o.astype(call.out_dtype), (final if output_final_state else None)
     impl = backends.select(backend, call, chunk_size=chunk_size, interpret=interpret)
     o, final = impl(call, chunk_size=chunk_size, policy=policy, backward=backward,
                     interpret=interpret)
@@ -146,6 +182,10 @@ _COMMON_DOC = """
         "xla" (chunked jnp; runs anywhere) or "reference" (token recurrence).
       interpret: run a Pallas backend in interpret mode (on CPU).
       cu_seqlens: [N+1] int offsets of N packed sequences (FLA convention, B must be 1).
+      context_axis: inside ``jax.shard_map``, the mesh axis over which T is split (context
+        parallelism, rewy_jax.context_parallel): q/k/v/gates are this device's contiguous slice
+        of T; initial_state and cu_seqlens are global (replicated); o is the local slice and
+        final_state the global one, the same on every device. Default None: T is local.
 {extra}    Returns:
       (o [B, T, H, V] in q's dtype, final_state fp32 or None).
 """
@@ -153,47 +193,51 @@ _COMMON_DOC = """
 
 def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False,
                      use_qk_l2norm=False, chunk_size=64, policy="recompute", backward="rewy",
-                     backend=None, interpret=False, cu_seqlens=None):
+                     backend=None, interpret=False, cu_seqlens=None, context_axis=None):
     call = _prepare(q, k, v, None, beta, beta, g_kind=None, b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_names=(None, "beta", None))
+                    cu_seqlens=cu_seqlens,
+                    context_axis=context_axis, gate_names=(None, "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
-                      scale=scale)
+                      scale=scale, context_axis=context_axis)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
                            output_final_state=False, use_qk_l2norm=False, chunk_size=64,
                            policy="recompute", backward="rewy", backend=None, interpret=False,
-                           cu_seqlens=None):
+                           cu_seqlens=None, context_axis=None):
     call = _prepare(q, k, v, g, beta, beta, g_kind="scalar", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_names=("g", "beta", None))
+                    cu_seqlens=cu_seqlens,
+                    context_axis=context_axis, gate_names=("g", "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
-                      scale=scale)
+                      scale=scale, context_axis=context_axis)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm=False, chunk_size=64, policy="recompute", backward="rewy",
-              backend=None, interpret=False, cu_seqlens=None, gate_lower_bound=None):
+              backend=None, interpret=False, cu_seqlens=None, context_axis=None, gate_lower_bound=None):
     call = _prepare(q, k, v, g, beta, beta, g_kind="vector", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound, gate_names=("g", "beta", None))
+                    cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound,
+                    context_axis=context_axis, gate_names=("g", "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
-                      scale=scale)
+                      scale=scale, context_axis=context_axis)
 
 
 def chunk_gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None, output_final_state=False,
                use_qk_l2norm=False, chunk_size=64, policy="recompute", backward="rewy",
-               backend=None, interpret=False, cu_seqlens=None, gate_lower_bound=None):
+               backend=None, interpret=False, cu_seqlens=None, context_axis=None, gate_lower_bound=None):
     call = _prepare(q, k, v, g, b, w, g_kind="vector", b_kind="vector", w_kind="vector",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound, gate_names=("g", "b", "w"))
+                    cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound,
+                    context_axis=context_axis, gate_names=("g", "b", "w"))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
-                      scale=scale)
+                      scale=scale, context_axis=context_axis)
 
 
 _BOUND_DOC = """      gate_lower_bound: None, or a static float in [−40, 0) that every g respects (a concrete g

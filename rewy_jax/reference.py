@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.vma import vary_like
+
 __all__ = ["l2norm", "delta_rule_recurrence", "reference_general"]
 
 
@@ -54,6 +56,7 @@ def delta_rule_recurrence(q, k, v, g, b, w, state, *, precision=lax.Precision.HI
         return S, o_t
 
     tm = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)  # noqa: E731
+    state = vary_like(state, q, k, e, z, g)  # shard_map(check_vma=True): carry types must match
     S, o = lax.scan(step, state, (tm(q), tm(k), tm(e), tm(z), tm(g)))
     return jnp.moveaxis(o, 0, 1), S
 

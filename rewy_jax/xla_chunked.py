@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import chunk_algebra as ca
+from pallas_kernels.vma import vary_like
 
 Policy = str  # "recompute" | "save"
 Backward = str  # "rewy" | "wy"
@@ -70,7 +71,8 @@ def _forward_state_pass(M, Bv, h0, chunk_reset, chunk_seq):
         S0 = jnp.where(reset_c, h0_c, S)
         return step_b(M_c, S0) + B_c, S0
 
-    _, S0s = lax.scan(step_bh, jnp.zeros((Bsz, H, K, V), jnp.float32), xs)
+    S_init = vary_like(jnp.zeros((Bsz, H, K, V), jnp.float32), xs)  # shard_map: vary as xs do
+    _, S0s = lax.scan(step_bh, S_init, xs)
     return jnp.moveaxis(S0s, 0, 2)
 
 
@@ -125,7 +127,8 @@ def _backward_state_pass(loc, M, dO, dfinal, chunk_reset, chunk_seq, end_chunk, 
         return jnp.where(reset_c, 0.0, dS0), (dS_end, dS0)
 
     xs = (jnp.moveaxis(X, 2, 0), jnp.moveaxis(M, 2, 0), chunk_reset, is_end, seq_clamped)
-    _, (dS_end, dS0) = lax.scan(step, jnp.zeros((Bsz, H, K, V), jnp.float32), xs, reverse=True)
+    dS_init = vary_like(jnp.zeros((Bsz, H, K, V), jnp.float32), xs, dfinal)
+    _, (dS_end, dS0) = lax.scan(step, dS_init, xs, reverse=True)
     dS_end, dS0 = jnp.moveaxis(dS_end, 0, 2), jnp.moveaxis(dS0, 0, 2)
     # dh0[b, n] = Σ over chunks that start sequence n of dS0 (exactly one such chunk).
     starts = jnp.where(chunk_reset, chunk_seq, n_seq)  # non-start chunks go to a dropped slot

@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.chunk_algebra import clamp_gates
 from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Gates, Rows, ScaledRows, _sum, dot, dot_split, dot_stored, exp,
                                        inv_blocks, iota, load_rows, load_scaled_rows)
+from pallas_kernels.vma import out_shapes_like
 
 try:  # the Triton lowering's params; it warns that it is deprecated (design.md): silence here.
     with warnings.catch_warnings():
@@ -80,16 +81,20 @@ def _call(kernel, *, grid, in_specs, out_specs, out_shape, interpret, num_warps,
     order = tuple(range(len(grid)))
     if tile_axis is not None and setting("launch.tiles_first"):
         order = (tile_axis,) + tuple(a for a in order if a != tile_axis)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        call = pl.pallas_call(
-            _launch_ordered(kernel, order), grid=tuple(grid[a] for a in order),
-            in_specs=[_launch_spec(x, order) for x in in_specs],
-            out_specs=([_launch_spec(x, order) for x in out_specs]
-                       if isinstance(out_specs, (list, tuple)) else _launch_spec(out_specs, order)),
-            out_shape=out_shape,
-            interpret=interpret, name=name,
-            compiler_params=None if interpret else _compiler_params(num_warps, num_stages))
+    def call(*args):
+        # Under shard_map(check_vma=True) the outputs vary along the inputs' manual axes.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return pl.pallas_call(
+                _launch_ordered(kernel, order), grid=tuple(grid[a] for a in order),
+                in_specs=[_launch_spec(x, order) for x in in_specs],
+                out_specs=([_launch_spec(x, order) for x in out_specs]
+                           if isinstance(out_specs, (list, tuple))
+                           else _launch_spec(out_specs, order)),
+                out_shape=out_shapes_like(out_shape, *args),
+                interpret=interpret, name=name,
+                compiler_params=None if interpret else _compiler_params(num_warps, num_stages),
+            )(*args)
     return call
 
 

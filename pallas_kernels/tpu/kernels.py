@@ -41,6 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.chunk_algebra import ChunkLocal
 from pallas_kernels.tpu import algebra as ta
+from pallas_kernels.vma import out_shapes_like
 
 f32 = jnp.float32
 _GATE_ROWS = 8  # chunks per scalar-gate tile: (8, C) is a dense f32 sublane tile
@@ -269,7 +270,8 @@ def forward_call(q, k, v, b, w, g, h0, meta, *, mode="fwd", save=False, operands
         scratch_shapes=[pltpu.VMEM((K, V), f32)])
     kern = functools.partial(_fwd_kernel, present=tuple(x is not None for x in (b, w, g)),
                              rows=rows, mode=mode, save=save, operands=operands)
-    outs = pl.pallas_call(kern, grid_spec=grid_spec, out_shape=out_shape,
+    outs = pl.pallas_call(kern, grid_spec=grid_spec,
+                          out_shape=out_shapes_like(out_shape, *meta, *xs, h0),
                           compiler_params=_PARAMS, interpret=_interpret_arg(interpret))(
         *meta, *xs, h0)
     if mode == "fwd":
@@ -343,9 +345,9 @@ def backward_call(q, k, v, b, w, g, S0s, R, dO, dfinal, meta, *, scheme="rewy", 
     kern = functools.partial(_bwd_kernel, present=tuple(x is not None for x in (b, w, g)),
                              rows=rows, has_r=has_r, scheme=scheme, n_chunks=N,
                              operands=operands)
-    outs = pl.pallas_call(kern, grid_spec=grid_spec, out_shape=out_shape,
-                          compiler_params=_PARAMS, interpret=_interpret_arg(interpret))(
-        *meta, *xs, S0s, *([R] if has_r else []), dO, dfinal)
+    args = (*meta, *xs, S0s, *([R] if has_r else []), dO, dfinal)
+    outs = pl.pallas_call(kern, grid_spec=grid_spec, out_shape=out_shapes_like(out_shape, *args),
+                          compiler_params=_PARAMS, interpret=_interpret_arg(interpret))(*args)
     outs = list(outs)
     dq, dk, dv = outs[:3]
     rest = iter(outs[3:-1])

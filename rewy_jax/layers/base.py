@@ -28,6 +28,7 @@ from flax import nnx
 from rewy_jax import validate
 from rewy_jax.layers.modules import (GATE_MODES, GatedRMSNorm, RMSNorm, ShortConvolution,
                                       get_value, inverse_softplus, set_value)
+from rewy_jax.layers.partitioning import EMBED, HEADS, RANK, with_axes
 
 __all__ = ["DeltaRuleLayer", "LowRankProjection"]
 
@@ -77,9 +78,12 @@ class LowRankProjection(nnx.Module):
 
     def __init__(self, in_features: int, rank: int, out_features: int, *, use_bias: bool = False,
                  kernel_init, dtype, param_dtype, rngs: nnx.Rngs):
-        self.down = nnx.Linear(in_features, rank, use_bias=False, kernel_init=kernel_init,
+        self.down = nnx.Linear(in_features, rank, use_bias=False,
+                               kernel_init=with_axes(kernel_init, (EMBED, RANK)),
                                dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.up = nnx.Linear(rank, out_features, use_bias=use_bias, kernel_init=kernel_init,
+        self.up = nnx.Linear(rank, out_features, use_bias=use_bias,
+                             kernel_init=with_axes(kernel_init, (RANK, HEADS)),
+                             bias_init=with_axes(nnx.initializers.zeros_init(), (HEADS,)),
                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x):
@@ -198,15 +202,19 @@ class DeltaRuleLayer(nnx.Module):
                                        param_dtype=param_dtype)
         else:
             self.o_norm = RMSNorm(head_v_dim, eps=norm_eps, param_dtype=param_dtype)
-        self.o_proj = lin(self.value_dim, hidden_size)
+        # (the norms' weights and the convolutions' kernels are annotated in layers.modules)
+        self.o_proj = self._dense(self.value_dim, hidden_size, rngs=rngs, axes=(HEADS, EMBED))
         # nnx.data: the attribute holds data (an nnx.Cache) once init_cache has run.
         self.recurrent_state = nnx.data(None)  # nnx.Cache [B, H_v, K, V] fp32 after init_cache
 
     # -- helpers for subclasses -----------------------------------------------------------------
-    def _dense(self, in_features, out_features, *, rngs, use_bias=False):
-        """A projection with FLA's init: kernel ~ N(0, initializer_range²), bias 0."""
+    def _dense(self, in_features, out_features, *, rngs, use_bias=False, axes=(EMBED, HEADS)):
+        """A projection with FLA's init: kernel ~ N(0, initializer_range²), bias 0; ``axes``:
+        the kernel's logical axis names (layers.partitioning)."""
         return nnx.Linear(in_features, out_features, use_bias=use_bias,
-                          kernel_init=nnx.initializers.normal(self.initializer_range),
+                          kernel_init=with_axes(nnx.initializers.normal(self.initializer_range),
+                                                axes),
+                          bias_init=with_axes(nnx.initializers.zeros_init(), axes[1:]),
                           dtype=self.dtype, param_dtype=self.param_dtype, rngs=rngs)
 
     def _low_rank(self, out_features, *, use_bias=False, rngs):
@@ -251,19 +259,24 @@ class DeltaRuleLayer(nnx.Module):
                 conv.init_cache(batch, dtype)
 
     # -- forward ------------------------------------------------------------------------------------
-    def __call__(self, x, *, cu_seqlens=None, decode: bool = False):
+    def __call__(self, x, *, cu_seqlens=None, decode: bool = False, context_axis=None):
         """x: [B, T, hidden_size] -> [B, T, hidden_size] in x's dtype.
 
         cu_seqlens: [N+1] int offsets of N sequences packed along T (B must be 1); convolutions and
           the recurrence restart at each sequence start.
         decode: continue from the cache (:meth:`init_cache`) and advance it; the input may be a
           prompt (prefill) or one or a few new tokens (a step, in the token-recurrent form).
+        context_axis: inside ``jax.shard_map``, the mesh axis over which T is split (context
+          parallelism: x is this device's slice; see rewy_jax.context_parallel). Not with decode.
         """
         if x.ndim != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must have shape [B, T, hidden_size={self.hidden_size}]; got {x.shape}")
         if cu_seqlens is not None and x.shape[0] != 1:
             raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences packed along T); "
                              f"x has B = {x.shape[0]}")
+        if decode and context_axis is not None:
+            raise NotImplementedError("decode=True with context_axis is not supported: decode "
+                                      "one sequence per device (context_axis=None)")
         if decode and self.recurrent_state is None:
             raise ValueError("decode=True needs a cache: call init_cache(batch, dtype) first")
         B, T, _ = x.shape
@@ -271,9 +284,8 @@ class DeltaRuleLayer(nnx.Module):
 
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.use_short_conv:
-            q = self.q_conv1d(q, cu_seqlens=cu_seqlens, decode=decode)
-            k = self.k_conv1d(k, cu_seqlens=cu_seqlens, decode=decode)
-            v = self.v_conv1d(v, cu_seqlens=cu_seqlens, decode=decode)
+            cv = dict(cu_seqlens=cu_seqlens, decode=decode, context_axis=context_axis)
+            q, k, v = self.q_conv1d(q, **cv), self.k_conv1d(k, **cv), self.v_conv1d(v, **cv)
         else:
             q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
         q = self._to_v_heads(q.reshape(B, T, H, K))
@@ -288,8 +300,9 @@ class DeltaRuleLayer(nnx.Module):
         if decode and cu_seqlens is None and T <= self.recurrent_max_len:
             o, state = self._recurrent_op(q, k, v, *gates, **common)
         else:
+            ctx = {} if context_axis is None else {"context_axis": context_axis}
             o, state = self._chunk_op(q, k, v, *gates, **common, **self.op_options,
-                                      **self._chunk_gate_options())
+                                      **self._chunk_gate_options(), **ctx)
         if decode:
             set_value(self.recurrent_state, state)
 

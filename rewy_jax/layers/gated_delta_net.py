@@ -8,6 +8,7 @@ from rewy_jax import ops
 from rewy_jax.layers.base import (DeltaRuleLayer, check_gate_mode, check_init_ranges, init_A_log,
                                   init_dt_bias)
 from rewy_jax.layers.modules import decay_gate, get_value
+from rewy_jax.layers.partitioning import HEADS, param
 
 __all__ = ["GatedDeltaNet"]
 
@@ -52,8 +53,8 @@ class GatedDeltaNet(DeltaRuleLayer):
         self.b_proj = self._dense(hidden_size, Hv, rngs=rngs)
         # A ~ U(A_init_range) (kept away from 0 so A_log is finite); dt = softplus(dt_bias)
         # log-uniform in dt_init_range, floored at 1e-4 (Mamba2's init, as FLA).
-        self.A_log = nnx.Param(init_A_log(rngs.params(), (Hv,), A_init_range))
-        self.dt_bias = nnx.Param(init_dt_bias(rngs.params(), (Hv,), dt_init_range))
+        self.A_log = param(init_A_log(rngs.params(), (Hv,), A_init_range), (HEADS,))
+        self.dt_bias = param(init_dt_bias(rngs.params(), (Hv,), dt_init_range), (HEADS,))
 
     def _gates(self, x):
         g = decay_gate(self.a_proj(x), get_value(self.A_log), get_value(self.dt_bias), mode=self.gate_mode,

@@ -9,6 +9,7 @@ from rewy_jax import ops
 from rewy_jax.layers.base import (DeltaRuleLayer, check_gate_mode, check_init_ranges, init_A_log,
                                   init_dt_bias)
 from rewy_jax.layers.modules import decay_gate, get_value
+from rewy_jax.layers.partitioning import HEADS, param
 
 __all__ = ["KimiDeltaAttention"]
 
@@ -66,11 +67,11 @@ class KimiDeltaAttention(DeltaRuleLayer):
     def _init_decay(self, rngs):
         H, K = self.num_heads, self.head_dim
         self.f_proj = self._low_rank(H * K, rngs=rngs)
-        self.A_log = nnx.Param(init_A_log(rngs.params(), (H,), self.A_init_range))
+        self.A_log = param(init_A_log(rngs.params(), (H,), self.A_init_range), (HEADS,))
         if self.dt_init_range is None:  # FLA's KDA: dt_bias = 0
-            self.dt_bias = nnx.Param(jnp.zeros((H * K,), jnp.float32))
+            self.dt_bias = param(jnp.zeros((H * K,), jnp.float32), (HEADS,))
         else:
-            self.dt_bias = nnx.Param(init_dt_bias(rngs.params(), (H * K,), self.dt_init_range))
+            self.dt_bias = param(init_dt_bias(rngs.params(), (H * K,), self.dt_init_range), (HEADS,))
 
     def _init_update_gates(self, rngs):
         self.b_proj = self._dense(self.hidden_size, self.num_heads, rngs=rngs)  # β per q/k head

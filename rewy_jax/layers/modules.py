@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rewy_jax.layers.partitioning import CONV, HEADS, NORM, param
+
 __all__ = ["ShortConvolution", "RMSNorm", "GatedRMSNorm", "decay_gate", "inverse_softplus",
            "GATE_MODES", "seq_ids", "get_value", "set_value"]
 
@@ -84,16 +86,21 @@ class ShortConvolution(nnx.Module):
         self.kernel_size = kernel_size
         self.activation = activation
         self.dtype = dtype
-        self.kernel = nnx.Param(kernel_init(rngs.params(), (kernel_size, features), param_dtype))
-        self.bias = nnx.Param(jnp.zeros((features,), param_dtype)) if use_bias else None
+        self.kernel = param(kernel_init(rngs.params(), (kernel_size, features), param_dtype),
+                            (CONV, HEADS))
+        self.bias = param(jnp.zeros((features,), param_dtype), (HEADS,)) if use_bias else None
         self.cache = nnx.data(None)  # nnx.Cache [B, W−1, D] after init_cache
 
     def init_cache(self, batch: int, dtype=jnp.float32):
         """Zero history: ``cache`` [batch, W−1, D] (batch = N sequences when using cu_seqlens)."""
         self.cache = nnx.Cache(jnp.zeros((batch, self.kernel_size - 1, self.features), dtype))
 
-    def __call__(self, x, *, cu_seqlens=None, decode: bool = False):
-        """x: [B, T, D] -> [B, T, D]; with ``decode`` reads and advances ``cache``."""
+    def __call__(self, x, *, cu_seqlens=None, decode: bool = False, context_axis=None):
+        """x: [B, T, D] -> [B, T, D]; with ``decode`` reads and advances ``cache``.
+
+        context_axis: inside shard_map, the mesh axis T is split over (context parallelism):
+        the first W−1 taps read the previous device's last W−1 tokens (one ``ppermute``).
+        """
         W = self.kernel_size
         dtype = self.dtype or jnp.result_type(x.dtype, self.kernel.dtype)
         x = x.astype(dtype)
@@ -103,6 +110,18 @@ class ShortConvolution(nnx.Module):
         n_hist = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         hist = (get_value(self.cache).astype(dtype) if decode
                 else jnp.zeros((n_hist, W - 1, D), dtype))
+        if context_axis is not None and W > 1:
+            if decode or cu_seqlens is not None:
+                raise NotImplementedError("ShortConvolution with context_axis supports neither "
+                                          "decode=True nor cu_seqlens; got "
+                                          f"decode={decode}, cu_seqlens={cu_seqlens is not None}")
+            if T < W - 1:
+                raise ValueError(f"context_axis needs ≥ conv_size − 1 = {W - 1} tokens per "
+                                 f"device; got T = {T}")
+            n = jax.lax.axis_size(context_axis)
+            # device i receives device i−1's last W−1 tokens; device 0 receives zeros
+            hist = jax.lax.ppermute(x[:, T - (W - 1):], context_axis,
+                                    [(i, i + 1) for i in range(n - 1)])
         if decode and hist.shape[0] != n_hist:
             raise ValueError(f"the decode cache holds {hist.shape[0]} sequences but the input has "
                              f"{n_hist}; call init_cache with batch={n_hist}")
@@ -152,7 +171,7 @@ class RMSNorm(nnx.Module):
         del rngs
         self.eps = eps
         self.dtype = dtype
-        self.weight = nnx.Param(jnp.ones((features,), param_dtype))
+        self.weight = param(jnp.ones((features,), param_dtype), (NORM,))
 
     def __call__(self, x):
         out_dtype = self.dtype or x.dtype
