@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", nargs="+", help="draw only these ops (default: all four)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float32", "bfloat16"],
                     help="input dtypes to draw from (repeat one to weight it)")
+    ap.add_argument("--decays", nargs="+", help="draw only these decay regimes (testing.DECAYS; "
+                    "default: all four; e.g. --decays strong for strong scalar decays)")
     ap.add_argument("--max-T", type=int, default=150)
     ap.add_argument("--dims", type=int, nargs="+", default=[16, 32], help="K and V to draw from")
     ap.add_argument("--narrow-keys", type=int, help="precision.narrow_keys for the run (0: 16-bit "
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
 
         kernels.TUNE["precision.narrow_keys"] = a.narrow_keys
     rows = run(a.seed, a.cases, a.backend, a.tiles, ops=a.ops, dtypes=tuple(a.dtypes),
-               max_T=a.max_T, dims=tuple(a.dims))
+               max_T=a.max_T, dims=tuple(a.dims), decays=a.decays)
     n_bad = sum(bool(r["bad"]) for r in rows)
     worst = max(rows, key=lambda r: r["ratios"][r["worst"]] / r["tolerances"][r["worst"]])
     w = worst["worst"]

@@ -81,8 +81,11 @@ class GeneralCall(NamedTuple):
 
 
 def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, use_qk_l2norm,
-             cu_seqlens, gate_names, gate_lower_bound=None):
+             cu_seqlens, gate_names, gate_lower_bound=None, use_qk_l2norm_in_kernel=None,
+             checked=False):
     validate.check_qkv(q, k, v)
+    validate.check_checked(checked)
+    use_qk_l2norm = validate.resolve_l2norm(use_qk_l2norm, use_qk_l2norm_in_kernel)
     validate.check_scale(scale)
     K, V = q.shape[-1], v.shape[-1]
     g_name, b_name, w_name = gate_names
@@ -93,8 +96,15 @@ def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, 
     validate.check_per_token(b_name, b, q, K if b_kind == "vector" else None, "K")
     if w_name is not None:
         validate.check_per_token(w_name, w, q, V if w_kind == "vector" else None, "V")
+    # Gate domains (rewy-math §1–§2): g ≤ 0, β and b in [0, 2], w in [0, 2].
+    validate.check_gate_domain(g_name, g, None, 0.0, checked=checked)
+    validate.check_gate_domain(b_name, b, 0.0, 2.0, checked=checked)
+    if w_name is not None:
+        validate.check_gate_domain(w_name, w, 0.0, 2.0, checked=checked)
     validate.check_gate_lower_bound(gate_lower_bound, g, GATE_FLOOR)
+    validate.check_traced_gate_bound(gate_lower_bound, g, checked=checked)
     n_seq = validate.check_cu_seqlens(cu_seqlens, q)
+    validate.check_traced_cu_seqlens(cu_seqlens, q.shape[1], checked=checked)
     validate.check_initial_state(initial_state, q, v, n_seq)
     if scale is None:
         scale = K ** -0.5
@@ -134,7 +144,9 @@ _COMMON_DOC = """
       scale: multiplies q; default K^-1/2.
       initial_state: [B, H, K, V] (or [N, H, K, V] with cu_seqlens); fp32 recommended.
       output_final_state: also return the final state [B (or N), H, K, V] fp32.
-      use_qk_l2norm: L2-normalise q and k over the feature axis first (VJP included).
+      use_qk_l2norm: L2-normalise q and k over the feature axis first (VJP included); default
+        False. use_qk_l2norm_in_kernel: FLA's name for the same option (give either; both only
+        if equal).
       chunk_size: rows per chunk, a power of two ≥ 16 (default 64).
       policy: "recompute" (least memory; backward recomputes the chunk states; the Pallas GPU
         kernels keep the [C, C] chunk matrices, see the README's API table) or "save"
@@ -146,51 +158,62 @@ _COMMON_DOC = """
         "reference" (token recurrence).
       interpret: run a Pallas backend in interpret mode (on CPU).
       cu_seqlens: [N+1] int offsets of N packed sequences (FLA convention, B must be 1).
+      checked: also check traced inputs (under jit): g ≤ 0, β/b/w in [0, 2], gate_lower_bound,
+        cu_seqlens, as ``jax.experimental.checkify`` checks — wrap the caller in
+        ``checkify.checkify``. Concrete inputs are always checked (ValueError naming the
+        argument); see docs/input-contract.md.
 {extra}    Returns:
       (o [B, T, H, V] in q's dtype, final_state fp32 or None).
 """
 
 
 def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False,
-                     use_qk_l2norm=False, chunk_size=64, policy="recompute", backward="rewy",
-                     backend=None, interpret=False, cu_seqlens=None):
+                     use_qk_l2norm=None, chunk_size=64, policy="recompute", backward="rewy",
+                     backend=None, interpret=False, cu_seqlens=None,
+                     use_qk_l2norm_in_kernel=None, checked=False):
     call = _prepare(q, k, v, None, beta, beta, g_kind=None, b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_names=(None, "beta", None))
+                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    checked=checked, gate_names=(None, "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
                       scale=scale)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
-                           output_final_state=False, use_qk_l2norm=False, chunk_size=64,
+                           output_final_state=False, use_qk_l2norm=None, chunk_size=64,
                            policy="recompute", backward="rewy", backend=None, interpret=False,
-                           cu_seqlens=None):
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=None, checked=False):
     call = _prepare(q, k, v, g, beta, beta, g_kind="scalar", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_names=("g", "beta", None))
+                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    checked=checked, gate_names=("g", "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
                       scale=scale)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm=False, chunk_size=64, policy="recompute", backward="rewy",
-              backend=None, interpret=False, cu_seqlens=None, gate_lower_bound=None):
+              use_qk_l2norm=None, chunk_size=64, policy="recompute", backward="rewy",
+              backend=None, interpret=False, cu_seqlens=None, gate_lower_bound=None,
+              use_qk_l2norm_in_kernel=None, checked=False):
     call = _prepare(q, k, v, g, beta, beta, g_kind="vector", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound, gate_names=("g", "beta", None))
+                    cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound,
+                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, checked=checked, gate_names=("g", "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
                       scale=scale)
 
 
 def chunk_gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None, output_final_state=False,
-               use_qk_l2norm=False, chunk_size=64, policy="recompute", backward="rewy",
-               backend=None, interpret=False, cu_seqlens=None, gate_lower_bound=None):
+               use_qk_l2norm=None, chunk_size=64, policy="recompute", backward="rewy",
+               backend=None, interpret=False, cu_seqlens=None, gate_lower_bound=None,
+              use_qk_l2norm_in_kernel=None, checked=False):
     call = _prepare(q, k, v, g, b, w, g_kind="vector", b_kind="vector", w_kind="vector",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound, gate_names=("g", "b", "w"))
+                    cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound,
+                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, checked=checked, gate_names=("g", "b", "w"))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
                       scale=scale)
@@ -233,36 +256,44 @@ def _run_recurrent(call: GeneralCall, output_final_state):
 
 
 def fused_recurrent_delta_rule(q, k, v, beta, *, scale=None, initial_state=None,
-                               output_final_state=True, use_qk_l2norm=False, cu_seqlens=None):
+                               output_final_state=True, use_qk_l2norm=None, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=None, checked=False):
     """Token-by-token DeltaNet (decode form); arguments as ``chunk_delta_rule``."""
     call = _prepare(q, k, v, None, beta, beta, g_kind=None, b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_names=(None, "beta", None))
+                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    checked=checked, gate_names=(None, "beta", None))
     return _run_recurrent(call, output_final_state)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
-                                     output_final_state=True, use_qk_l2norm=False, cu_seqlens=None):
+                                     output_final_state=True, use_qk_l2norm=None, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=None, checked=False):
     """Token-by-token GDN (decode form); arguments as ``chunk_gated_delta_rule``."""
     call = _prepare(q, k, v, g, beta, beta, g_kind="scalar", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_names=("g", "beta", None))
+                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    checked=checked, gate_names=("g", "beta", None))
     return _run_recurrent(call, output_final_state)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
-                        output_final_state=True, use_qk_l2norm=False, cu_seqlens=None):
+                        output_final_state=True, use_qk_l2norm=None, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=None, checked=False):
     """Token-by-token KDA (decode form); arguments as ``chunk_kda``."""
     call = _prepare(q, k, v, g, beta, beta, g_kind="vector", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_names=("g", "beta", None))
+                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    checked=checked, gate_names=("g", "beta", None))
     return _run_recurrent(call, output_final_state)
 
 
 def fused_recurrent_gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None,
-                         output_final_state=True, use_qk_l2norm=False, cu_seqlens=None):
+                         output_final_state=True, use_qk_l2norm=None, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=None, checked=False):
     """Token-by-token GDN2 (decode form); arguments as ``chunk_gdn2``."""
     call = _prepare(q, k, v, g, b, w, g_kind="vector", b_kind="vector", w_kind="vector",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_names=("g", "b", "w"))
+                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    checked=checked, gate_names=("g", "b", "w"))
     return _run_recurrent(call, output_final_state)

@@ -228,16 +228,23 @@ class Case(NamedTuple):
         return accuracy_report(self.op, self.inputs(seed), seed=seed + 1, **self.kwargs(), **kw)
 
 
+DECAYS = ("normal", "strong", "bounded", "none")
+
+
 def random_case(rng: np.random.Generator, *, dims=(16, 32), max_T: int = 150,
-                dtypes=("float32", "float32", "bfloat16"), ops=None) -> Case:
+                dtypes=("float32", "float32", "bfloat16"), ops=None, decays=None) -> Case:
     """A random :class:`Case`: any op, T not a multiple of the chunk most of the time, K = V or
-    not, every decay regime, both backward schemes and policies, initial states and packed
-    sequences half the time each, β/b/w in [0, 2] (make_inputs)."""
+    not, every decay regime (or those in ``decays``, from :data:`DECAYS`; repeat one to weight
+    it), both backward schemes and policies, initial states and packed sequences half the time
+    each, β/b/w in [0, 2] (make_inputs)."""
+    for d in decays or ():
+        if d not in DECAYS:
+            raise ValueError(f"decays must hold names from {DECAYS}; got {d!r}")
     pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
     n_seqs = pick([None, None, 2, 3])
     return Case(op=pick(sorted(ops or OPS)), B=1 if n_seqs else int(rng.integers(1, 3)),
                 T=int(rng.integers(n_seqs or 1, max_T + 1)), H=int(rng.integers(1, 3)),
                 K=pick(dims), V=pick(dims), chunk_size=pick([16, 32, 64]),
-                decay=pick(["normal", "strong", "bounded", "none"]),
+                decay=pick(list(decays or DECAYS)),
                 backward=pick(["rewy", "wy"]), policy=pick(["recompute", "save"]),
                 initial_state=bool(rng.integers(2)), n_seqs=n_seqs, dtype=pick(dtypes))
