@@ -118,6 +118,12 @@ fmm_nt = _fast(xmm_nt, ((1,), (1,)))
 fmm_tn = _fast(xmm_tn, ((0,), (0,)))
 
 
+def as_operand(x):
+    """x as the ``f``-products read it: rounded to the fast operand dtype (fp32 value), or x."""
+    dt = _FAST.get()
+    return x if dt is None else x.astype(dt).astype(f32)
+
+
 def _iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
@@ -188,6 +194,17 @@ class ScalarDecayTPU(ca.ScalarDecay):
 
     def reduce(self, d):
         return None if self.G is None else jnp.sum(d, axis=1, keepdims=True)
+
+    def pair_row(self, x):
+        """A row q_r, k_r or e_r as the pair products (``gram``/``apply``/``apply_t``) read it:
+        rounded to the fast operand dtype, if any. The gate gradient dots the products with
+        these rows (``leaf_grads``): pair (r, s) then enters row r's and row s's sum as the
+        same Σ X̃_rs (ã_r · b̃_s), with X̃ = round(P ⊙ D) shared by apply and apply_t, and the
+        pairs that do not cross t cancel to fp32 rounding. Dotted with unrounded rows, each side
+        keeps its own bf16 error and dg_t sums the uncancelled errors of every later row: GDN,
+        bf16, strong decays, dg 1.6e-2 of §8's 2e-2 at C = 64 (the error grows with C;
+        tests/test_pallas_tpu.py::test_bf16_strong_scalar_decay_dg)."""
+        return x  # REVERT-CHECK
 
 
 class VectorDecayTPU(ca.Decay):
@@ -327,6 +344,12 @@ class VectorDecayTPU(ca.Decay):
     def reduce(self, d):
         return d
 
+    def pair_row(self, x):
+        """The raw row: the pair products read frame-scaled rows (x ⊙ exp(G − G_m)), rounded
+        after the scaling, so no row rounding matches both sides of a pair here. (Rounding
+        the raw row anyway measured worse: per chunk, KDA bf16 dg 4.1e-3 -> 8.5e-3.)"""
+        return x
+
 
 def make_decay(G, n_rows: int):
     """Decay for a chunk's cumulative gate: None, [C, 1] (scalar) or [C, K] (vector)."""
@@ -412,7 +435,11 @@ def leaf_grads(q, k, e, decay, loc, S0, R, dO, dS, dT, dA_qk, dEg_state, dz) -> 
     dq_rest = decay.head(fmm_nt(dO, S0)) + decay.apply(dA_off, k)
     dg = None
     if decay.G is not None:  # the terms of chunk_algebra._leaf_grads, summed the same way
-        pairs = decay.reduce(de * e - dk_pairs * k + dq_rest * q)
+        # Each pair (r, s) enters row r's and row s's term with opposite signs; the reverse
+        # cumsum cancels the pairs that do not cross t. decay.pair_row: the row as the pair
+        # products read it (ScalarDecayTPU says why).
+        qo, ko, eo = decay.pair_row(q), decay.pair_row(k), decay.pair_row(e)
+        pairs = decay.reduce(de * eo - dk_pairs * ko + dq_rest * qo)
         # Σ_v dS⊙S0 as a [1, K] row: ones[1, V] · (dS ⊙ S0)ᵀ.
         start = mm_nt(jnp.ones((1, V), f32), dS * S0) * decay.last_row()
         before = ca._tril_mask(C, strict=True).astype(f32)  # row r: the rows s < r
