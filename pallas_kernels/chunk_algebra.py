@@ -5,6 +5,7 @@ Every function here works on the blocks of **one chunk** (rows ``r = 0..C-1``):
     q, k, e : [C, K]   query (already scaled), key, erase vector e_r (β_r k_r or b_r ⊙ k_r)
     z       : [C, V]   write vector z_r (β_r v_r or w_r ⊙ v_r)
     G       : None, [C] or [C, K]   inclusive cumulative log-decay within the chunk
+              (or a ``cum_gates`` pair (G, N): G without the resets, N their count)
     S0      : [K, V]   the state entering the chunk (fp32)
 
 and is plain ``jnp`` with fp32 accumulation, so it runs as XLA (``rewy_jax.xla_chunked`` maps it

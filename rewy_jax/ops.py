@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.chunk_algebra import clamp_gates
+from pallas_kernels.chunk_algebra import RESET_GATE, clamp_gates
 from rewy_jax import backends, validate
 from rewy_jax.reference import l2norm, reference_general
 
@@ -44,9 +44,10 @@ log = logging.getLogger("rewy_jax")
 
 
 # A gate below this is a reset for every purpose in fp32 (exp(-40) ≈ 4e-18). Clamping keeps −inf
-# (full reset) from turning exp(G_r − G_s) into exp(−inf + inf) = NaN, and keeps the chunk-local
-# cumulative sums small enough that their differences stay accurate.
-GATE_FLOOR = -40.0
+# (full reset) from turning exp(G_r − G_s) into exp(−inf + inf) = NaN. The XLA path and the TPU
+# kernels then leave resets out of the chunk-local cumulative sums (chunk_algebra.cum_gates: a
+# decay across a reset is 0), so they stay small and their differences accurate.
+GATE_FLOOR = RESET_GATE
 
 
 class GeneralCall(NamedTuple):
