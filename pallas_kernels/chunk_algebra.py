@@ -196,7 +196,9 @@ class ScalarDecay(Decay):
         return decay_factor(self.G[-1], self.G, self.N[-1], self.N)[:, None] * x
 
     def last(self):
-        return jnp.float32(1.0) if self.G is None else decay_factor(self.G[-1], 0.0, self.N[-1], 0.0)
+        if self.G is None:
+            return jnp.float32(1.0)
+        return decay_factor(self.G[-1], 0.0, self.N[-1], 0.0)
 
     def reduce(self, d):
         return None if self.G is None else jnp.sum(d, axis=-1)

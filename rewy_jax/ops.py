@@ -201,7 +201,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     call = _prepare(q, k, v, g, beta, beta, g_kind="vector", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
                     cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound,
-                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, checked=checked, gate_names=("g", "beta", None))
+                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, checked=checked,
+                    gate_names=("g", "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
                       scale=scale)
@@ -214,7 +215,8 @@ def chunk_gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None, output_final
     call = _prepare(q, k, v, g, b, w, g_kind="vector", b_kind="vector", w_kind="vector",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
                     cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound,
-                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, checked=checked, gate_names=("g", "b", "w"))
+                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, checked=checked,
+                    gate_names=("g", "b", "w"))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
                       scale=scale)

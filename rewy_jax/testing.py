@@ -241,9 +241,9 @@ ALL_DECAYS = DECAYS + ("resets",)  # make_inputs' regimes (random_case(decays=..
 def random_case(rng: np.random.Generator, *, dims=(16, 32), max_T: int = 150,
                 dtypes=("float32", "float32", "bfloat16"), ops=None, decays=None) -> Case:
     """A random :class:`Case`: any op, T not a multiple of the chunk most of the time, K = V or
-    not, every decay regime (or those in ``decays``, from :data:`DECAYS`; repeat one to weight
-    it; "resets" only when asked), both backward schemes and policies, initial states and packed sequences half the time
-    each, β/b/w in [0, 2] (make_inputs)."""
+    not, every regime of :data:`DECAYS` (or those in ``decays``, from :data:`ALL_DECAYS`;
+    repeat one to weight it), both backward schemes and policies, initial states and packed
+    sequences half the time each, β/b/w in [0, 2] (make_inputs)."""
     for d in decays or ():
         if d not in ALL_DECAYS:
             raise ValueError(f"decays must hold names from {ALL_DECAYS}; got {d!r}")
