@@ -6,7 +6,9 @@
 The suite's interpret tests run fixed cases (tests/test_pallas_gpu.py, seed 3) plus a few
 hypothesis draws; this draws many more (``testing.random_case``: every op, T not a multiple of
 the chunk, K ≠ V, initial states, packed sequences, strong and bounded decays, β/b/w in [0, 2],
-both backward schemes and policies, fp32 and bf16) with the kernels' defaults, and prints one row
+both backward schemes and policies, fp32 and bf16; ``--decays``/``--ops``/``--dtypes`` narrow the
+draw, e.g. ``--backend pallas_tpu --ops gdn --dtypes bfloat16 --decays strong``, the TPU kernels'
+strong-decay bf16 case of issue 40) with the kernels' defaults, and prints one row
 per case: every output and gradient's ratio against its rewy-math §8 threshold. The tiles are
 made small (``--tiles``) so that K, V = 32 run two tiles through every kernel. At K ≤ 32 16-bit
 calls run the kernels on fp32 (kernels.DEFAULTS "precision.narrow_keys"); ``--narrow-keys 0`` runs the 16-bit
@@ -63,6 +65,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", nargs="+", help="draw only these ops (default: all four)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float32", "bfloat16"],
                     help="input dtypes to draw from (repeat one to weight it)")
+    ap.add_argument("--decays", nargs="+", help="draw only these decay regimes "
+                    "(testing.ALL_DECAYS; default: testing.DECAYS; e.g. --decays strong, or "
+                    "resets: 10%% of gates −inf and 10%% −50)")
     ap.add_argument("--max-T", type=int, default=150)
     ap.add_argument("--dims", type=int, nargs="+", default=[16, 32], help="K and V to draw from")
     ap.add_argument("--narrow-keys", type=int, help="precision.narrow_keys for the run (0: 16-bit "
@@ -76,7 +81,7 @@ def main(argv=None) -> int:
 
         kernels.TUNE["precision.narrow_keys"] = a.narrow_keys
     rows = run(a.seed, a.cases, a.backend, a.tiles, ops=a.ops, dtypes=tuple(a.dtypes),
-               max_T=a.max_T, dims=tuple(a.dims))
+               max_T=a.max_T, dims=tuple(a.dims), decays=a.decays)
     n_bad = sum(bool(r["bad"]) for r in rows)
     worst = max(rows, key=lambda r: r["ratios"][r["worst"]] / r["tolerances"][r["worst"]])
     w = worst["worst"]

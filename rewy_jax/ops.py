@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.chunk_algebra import clamp_gates
+from pallas_kernels.chunk_algebra import RESET_GATE, clamp_gates
 from pallas_kernels.vma import vary_like
 from rewy_jax import backends, validate
 from rewy_jax.reference import l2norm, reference_general
@@ -45,9 +45,10 @@ log = logging.getLogger("rewy_jax")
 
 
 # A gate below this is a reset for every purpose in fp32 (exp(-40) ≈ 4e-18). Clamping keeps −inf
-# (full reset) from turning exp(G_r − G_s) into exp(−inf + inf) = NaN, and keeps the chunk-local
-# cumulative sums small enough that their differences stay accurate.
-GATE_FLOOR = -40.0
+# (full reset) from turning exp(G_r − G_s) into exp(−inf + inf) = NaN. The XLA path and the TPU
+# kernels then leave resets out of the chunk-local cumulative sums (chunk_algebra.cum_gates: a
+# decay across a reset is 0), so they stay small and their differences accurate.
+GATE_FLOOR = RESET_GATE
 
 
 class GeneralCall(NamedTuple):
@@ -82,8 +83,11 @@ class GeneralCall(NamedTuple):
 
 
 def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, use_qk_l2norm,
-             cu_seqlens, gate_names, gate_lower_bound=None, context_axis=None):
+             cu_seqlens, gate_names, gate_lower_bound=None, context_axis=None,
+             use_qk_l2norm_in_kernel=None, checked=False):
     validate.check_qkv(q, k, v)
+    validate.check_checked(checked)
+    use_qk_l2norm = validate.resolve_l2norm(use_qk_l2norm, use_qk_l2norm_in_kernel)
     validate.check_scale(scale)
     K, V = q.shape[-1], v.shape[-1]
     g_name, b_name, w_name = gate_names
@@ -94,8 +98,16 @@ def _prepare(q, k, v, g, b, w, *, g_kind, b_kind, w_kind, scale, initial_state, 
     validate.check_per_token(b_name, b, q, K if b_kind == "vector" else None, "K")
     if w_name is not None:
         validate.check_per_token(w_name, w, q, V if w_kind == "vector" else None, "V")
+    # Gate domains (rewy-math §1–§2): g ≤ 0, β and b in [0, 2], w in [0, 2].
+    validate.check_gate_domain(g_name, g, None, 0.0, checked=checked)
+    validate.check_gate_domain(b_name, b, 0.0, 2.0, checked=checked)
+    if w_name is not None:
+        validate.check_gate_domain(w_name, w, 0.0, 2.0, checked=checked)
     validate.check_gate_lower_bound(gate_lower_bound, g, GATE_FLOOR)
+    validate.check_traced_gate_bound(gate_lower_bound, g, checked=checked)
     n_seq = validate.check_cu_seqlens(cu_seqlens, _global_tokens(q, context_axis))
+    validate.check_traced_cu_seqlens(cu_seqlens, _global_tokens(q, context_axis).shape[1],
+                                     checked=checked)
     validate.check_initial_state(initial_state, q, v, n_seq)
     if scale is None:
         scale = K ** -0.5
@@ -170,7 +182,9 @@ _COMMON_DOC = """
       scale: multiplies q; default K^-1/2.
       initial_state: [B, H, K, V] (or [N, H, K, V] with cu_seqlens); fp32 recommended.
       output_final_state: also return the final state [B (or N), H, K, V] fp32.
-      use_qk_l2norm: L2-normalise q and k over the feature axis first (VJP included).
+      use_qk_l2norm: L2-normalise q and k over the feature axis first (VJP included); default
+        False. use_qk_l2norm_in_kernel: FLA's name for the same option (give either; both only
+        if equal).
       chunk_size: rows per chunk, a power of two ≥ 16 (default 64).
       policy: "recompute" (least memory; backward recomputes the chunk states; the Pallas GPU
         kernels keep the [C, C] chunk matrices, see the README's API table) or "save"
@@ -186,42 +200,51 @@ _COMMON_DOC = """
         parallelism, rewy_jax.context_parallel): q/k/v/gates are this device's contiguous slice
         of T; initial_state and cu_seqlens are global (replicated); o is the local slice and
         final_state the global one, the same on every device. Default None: T is local.
+      checked: also check traced inputs (under jit): g ≤ 0, β/b/w in [0, 2], gate_lower_bound,
+        cu_seqlens, as ``jax.experimental.checkify`` checks — wrap the caller in
+        ``checkify.checkify``. Concrete inputs are always checked (ValueError naming the
+        argument); see docs/input-contract.md.
 {extra}    Returns:
       (o [B, T, H, V] in q's dtype, final_state fp32 or None).
 """
 
 
 def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False,
-                     use_qk_l2norm=False, chunk_size=64, policy="recompute", backward="rewy",
-                     backend=None, interpret=False, cu_seqlens=None, context_axis=None):
+                     use_qk_l2norm=None, chunk_size=64, policy="recompute", backward="rewy",
+                     backend=None, interpret=False, cu_seqlens=None,
+                     use_qk_l2norm_in_kernel=None, checked=False, context_axis=None):
     call = _prepare(q, k, v, None, beta, beta, g_kind=None, b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens,
-                    context_axis=context_axis, gate_names=(None, "beta", None))
+                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    checked=checked, context_axis=context_axis,
+                    gate_names=(None, "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
                       scale=scale, context_axis=context_axis)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
-                           output_final_state=False, use_qk_l2norm=False, chunk_size=64,
+                           output_final_state=False, use_qk_l2norm=None, chunk_size=64,
                            policy="recompute", backward="rewy", backend=None, interpret=False,
-                           cu_seqlens=None, context_axis=None):
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=None, checked=False, context_axis=None):
     call = _prepare(q, k, v, g, beta, beta, g_kind="scalar", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens,
-                    context_axis=context_axis, gate_names=("g", "beta", None))
+                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    checked=checked, context_axis=context_axis,
+                    gate_names=("g", "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
                       scale=scale, context_axis=context_axis)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm=False, chunk_size=64, policy="recompute", backward="rewy",
-              backend=None, interpret=False, cu_seqlens=None, context_axis=None, gate_lower_bound=None):
+              use_qk_l2norm=None, chunk_size=64, policy="recompute", backward="rewy",
+              backend=None, interpret=False, cu_seqlens=None, gate_lower_bound=None,
+              use_qk_l2norm_in_kernel=None, checked=False, context_axis=None):
     call = _prepare(q, k, v, g, beta, beta, g_kind="vector", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
                     cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound,
+                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, checked=checked,
                     context_axis=context_axis, gate_names=("g", "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
@@ -229,11 +252,13 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
 
 def chunk_gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None, output_final_state=False,
-               use_qk_l2norm=False, chunk_size=64, policy="recompute", backward="rewy",
-               backend=None, interpret=False, cu_seqlens=None, context_axis=None, gate_lower_bound=None):
+               use_qk_l2norm=None, chunk_size=64, policy="recompute", backward="rewy",
+               backend=None, interpret=False, cu_seqlens=None, gate_lower_bound=None,
+               use_qk_l2norm_in_kernel=None, checked=False, context_axis=None):
     call = _prepare(q, k, v, g, b, w, g_kind="vector", b_kind="vector", w_kind="vector",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
                     cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound,
+                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, checked=checked,
                     context_axis=context_axis, gate_names=("g", "b", "w"))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
@@ -277,36 +302,44 @@ def _run_recurrent(call: GeneralCall, output_final_state):
 
 
 def fused_recurrent_delta_rule(q, k, v, beta, *, scale=None, initial_state=None,
-                               output_final_state=True, use_qk_l2norm=False, cu_seqlens=None):
+                               output_final_state=True, use_qk_l2norm=None, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=None, checked=False):
     """Token-by-token DeltaNet (decode form); arguments as ``chunk_delta_rule``."""
     call = _prepare(q, k, v, None, beta, beta, g_kind=None, b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_names=(None, "beta", None))
+                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    checked=checked, gate_names=(None, "beta", None))
     return _run_recurrent(call, output_final_state)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
-                                     output_final_state=True, use_qk_l2norm=False, cu_seqlens=None):
+                                     output_final_state=True, use_qk_l2norm=None, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=None, checked=False):
     """Token-by-token GDN (decode form); arguments as ``chunk_gated_delta_rule``."""
     call = _prepare(q, k, v, g, beta, beta, g_kind="scalar", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_names=("g", "beta", None))
+                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    checked=checked, gate_names=("g", "beta", None))
     return _run_recurrent(call, output_final_state)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
-                        output_final_state=True, use_qk_l2norm=False, cu_seqlens=None):
+                        output_final_state=True, use_qk_l2norm=None, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=None, checked=False):
     """Token-by-token KDA (decode form); arguments as ``chunk_kda``."""
     call = _prepare(q, k, v, g, beta, beta, g_kind="vector", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_names=("g", "beta", None))
+                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    checked=checked, gate_names=("g", "beta", None))
     return _run_recurrent(call, output_final_state)
 
 
 def fused_recurrent_gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None,
-                         output_final_state=True, use_qk_l2norm=False, cu_seqlens=None):
+                         output_final_state=True, use_qk_l2norm=None, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=None, checked=False):
     """Token-by-token GDN2 (decode form); arguments as ``chunk_gdn2``."""
     call = _prepare(q, k, v, g, b, w, g_kind="vector", b_kind="vector", w_kind="vector",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                    cu_seqlens=cu_seqlens, gate_names=("g", "b", "w"))
+                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    checked=checked, gate_names=("g", "b", "w"))
     return _run_recurrent(call, output_final_state)

@@ -67,7 +67,8 @@ def make_inputs(op: str, B: int, T: int, H: int, K: int, V: int | None = None, *
     """Random inputs for ``OPS[op]`` as a dict of keyword arrays.
 
     decay: "normal" (g = log-sigmoid of N(2, 1)-ish, mild), "strong" (g down to −10, some −50
-    and −inf), "bounded" (g uniform in [−5, 0], a tenth exactly −5: the strongest decays that
+    and −inf), "resets" ("normal" with 10% of the gates −inf and 10% −50: resets inside every
+    chunk), "bounded" (g uniform in [−5, 0], a tenth exactly −5: the strongest decays that
     ``gate_lower_bound=-5`` admits) or "none" (g = 0). β, b ∈ [0, 2]; w ∈ [0, 2]. q, k unnormalised (pass
     use_qk_l2norm=True as the layers do). With ``n_seqs`` (B must be 1), also random
     ``cu_seqlens`` of that many sequences and per-sequence initial states.
@@ -88,6 +89,11 @@ def make_inputs(op: str, B: int, T: int, H: int, K: int, V: int | None = None, *
                 idx = rng.choice(flat.size, size=max(1, flat.size // 50), replace=False)
                 flat[idx[: len(idx) // 2]] = -50.0
                 flat[idx[len(idx) // 2:]] = -np.inf
+            elif decay == "resets":
+                g = np.log(1 / (1 + np.exp(-(rng.standard_normal(shape) + 3.0)))).astype(np.float32)
+                u = rng.uniform(size=shape)
+                g[u < 0.1] = -np.inf
+                g[(u >= 0.1) & (u < 0.2)] = -50.0
             elif decay == "bounded":
                 g = -rng.uniform(0, 5, shape).astype(np.float32)
                 g[rng.uniform(size=shape) < 0.1] = -5.0
@@ -228,16 +234,24 @@ class Case(NamedTuple):
         return accuracy_report(self.op, self.inputs(seed), seed=seed + 1, **self.kwargs(), **kw)
 
 
+DECAYS = ("normal", "strong", "bounded", "none")  # random_case's default draw
+ALL_DECAYS = DECAYS + ("resets",)  # make_inputs' regimes (random_case(decays=...) takes any)
+
+
 def random_case(rng: np.random.Generator, *, dims=(16, 32), max_T: int = 150,
-                dtypes=("float32", "float32", "bfloat16"), ops=None) -> Case:
+                dtypes=("float32", "float32", "bfloat16"), ops=None, decays=None) -> Case:
     """A random :class:`Case`: any op, T not a multiple of the chunk most of the time, K = V or
-    not, every decay regime, both backward schemes and policies, initial states and packed
+    not, every regime of :data:`DECAYS` (or those in ``decays``, from :data:`ALL_DECAYS`;
+    repeat one to weight it), both backward schemes and policies, initial states and packed
     sequences half the time each, β/b/w in [0, 2] (make_inputs)."""
+    for d in decays or ():
+        if d not in ALL_DECAYS:
+            raise ValueError(f"decays must hold names from {ALL_DECAYS}; got {d!r}")
     pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
     n_seqs = pick([None, None, 2, 3])
     return Case(op=pick(sorted(ops or OPS)), B=1 if n_seqs else int(rng.integers(1, 3)),
                 T=int(rng.integers(n_seqs or 1, max_T + 1)), H=int(rng.integers(1, 3)),
                 K=pick(dims), V=pick(dims), chunk_size=pick([16, 32, 64]),
-                decay=pick(["normal", "strong", "bounded", "none"]),
+                decay=pick(list(decays or DECAYS)),
                 backward=pick(["rewy", "wy"]), policy=pick(["recompute", "save"]),
                 initial_state=bool(rng.integers(2)), n_seqs=n_seqs, dtype=pick(dtypes))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 BACKENDS = ("pallas", "pallas_gpu", "mosaic_gpu", "pallas_tpu", "xla", "reference")
 POLICIES = ("recompute", "save")
@@ -86,6 +87,91 @@ def check_gate_lower_bound(bound, g, floor):
     if c is not None and c.size and float(np.min(c)) < float(bound):
         raise ValueError(f"g has values below gate_lower_bound={bound} (min {float(np.min(c)):.4g}); "
                          f"raise the bound or bound the gates (e.g. g = bound * sigmoid(x))")
+
+
+def resolve_l2norm(use_qk_l2norm, use_qk_l2norm_in_kernel):
+    """``use_qk_l2norm`` and FLA's name for it, ``use_qk_l2norm_in_kernel``: either may be given
+    (both only if they agree); neither means False."""
+    for name, x in (("use_qk_l2norm", use_qk_l2norm),
+                    ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)):
+        if x is not None and not isinstance(x, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a Python bool; got {type(x).__name__}")
+    if use_qk_l2norm is None:
+        return bool(use_qk_l2norm_in_kernel)
+    if use_qk_l2norm_in_kernel is not None and bool(use_qk_l2norm_in_kernel) != bool(use_qk_l2norm):
+        raise ValueError(f"use_qk_l2norm={use_qk_l2norm} and use_qk_l2norm_in_kernel="
+                         f"{use_qk_l2norm_in_kernel} disagree: they name the same option (the "
+                         f"second is FLA's spelling); pass one of them")
+    return bool(use_qk_l2norm)
+
+
+def check_checked(checked):
+    if not isinstance(checked, (bool, np.bool_)):
+        raise TypeError(f"checked must be a Python bool; got {type(checked).__name__}")
+
+
+# The domains of the gates (rewy-math §1–§2). A gate outside them does not fail: it computes a
+# different, unstable recurrence (g = +0.5 gave |o| up to 2.7e8, g = +5 all-NaN), so values
+# known now are checked; traced values are checked only in the checked mode (``checked=True``,
+# under ``jax.experimental.checkify.checkify``). NaN is not a domain error here (it propagates,
+# see docs/input-contract.md); a NaN next to a bad value does not hide it (nanmin/nanmax).
+_HINTS = {
+    "g": "a per-token natural-log decay, −inf = reset; e.g. g = jax.nn.log_sigmoid(x)",
+    "beta": "e.g. beta = jax.nn.sigmoid(x), or 2·sigmoid(x) for negative eigenvalues",
+    "b": "the erase gate, e.g. b = jax.nn.sigmoid(x), or 2·sigmoid(x) for negative eigenvalues",
+    "w": "the write gate, e.g. w = jax.nn.sigmoid(x)",
+}
+
+
+def check_gate_domain(name: str, x, lo: float | None, hi: float | None, *, checked: bool):
+    """``lo ≤ x ≤ hi`` (None: unbounded on that side) for a gate named ``name``.
+
+    Concrete x: a ValueError naming the argument, the range and the offending extreme. Traced x
+    (under jit): trusted, unless ``checked`` — then a ``checkify.check`` (the caller wraps the
+    function in ``checkify.checkify``; jax raises at trace time if it is not wrapped)."""
+    if x is None or x.size == 0:
+        return
+    rng = f"[{'-inf' if lo is None else f'{lo:g}'}, {'inf' if hi is None else f'{hi:g}'}]"
+    hint = _HINTS.get(name, "")
+    if isinstance(x, jax.core.Tracer):
+        if not checked:
+            return
+        xf = x.astype(jnp.float32)
+        ok = jnp.bool_(True)
+        if lo is not None:
+            ok &= ~jnp.any(xf < lo)
+        if hi is not None:
+            ok &= ~jnp.any(xf > hi)
+        checkify.check(ok, f"{name} must lie in {rng} ({hint}); got values in "
+                       f"[{{lo}}, {{hi}}]", lo=jnp.nanmin(xf), hi=jnp.nanmax(xf))
+        return
+    with jax.ensure_compile_time_eval():  # reduced where x lives: two numbers come back
+        xf = jnp.asarray(x, jnp.float32)
+        mn, mx = (float(v) for v in np.asarray(jnp.stack([jnp.nanmin(xf), jnp.nanmax(xf)])))
+    if (lo is not None and mn < lo) or (hi is not None and mx > hi):
+        raise ValueError(f"{name} must lie in {rng} ({hint}); got values in [{mn:.4g}, {mx:.4g}]")
+
+
+def check_traced_cu_seqlens(cu_seqlens, T: int, *, checked: bool):
+    """The checked mode's version of check_cu_seqlens' value checks, for traced offsets."""
+    if not checked or not isinstance(cu_seqlens, jax.core.Tracer):
+        return
+    c = cu_seqlens
+    checkify.check(c[0] == 0, "cu_seqlens must start at 0; got {c0}", c0=c[0])
+    checkify.check(c[-1] == T, f"cu_seqlens must end at T = {T} (axis 1 of q); got {{cN}}",
+                   cN=c[-1])
+    checkify.check(jnp.all(c[1:] > c[:-1]), "cu_seqlens must be strictly increasing (no empty "
+                   "sequences); got a step of {step}", step=jnp.min(c[1:] - c[:-1]))
+
+
+def check_traced_gate_bound(bound, g, *, checked: bool):
+    """Checked mode: a traced g respects a declared gate_lower_bound (otherwise it is clamped)."""
+    if bound is None or not checked or not isinstance(g, jax.core.Tracer):
+        return
+    gf = g.astype(jnp.float32)
+    checkify.check(~jnp.any(gf < bound), f"g has values below gate_lower_bound={bound} (min "
+                   "{mn}); raise the bound or bound the gates (e.g. g = bound * sigmoid(x))",
+                   mn=jnp.nanmin(gf))
 
 
 def _concrete(x):

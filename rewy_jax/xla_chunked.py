@@ -84,8 +84,9 @@ def _final_states(M, Bv, S0s, end_chunk):
 
 
 def _cum_gates(g):
-    """Chunk-local inclusive cumsum of the log-decays (rows: axis 3), fp32; None stays None."""
-    return None if g is None else jnp.cumsum(g.astype(jnp.float32), axis=3)
+    """Chunk-local cumulative log-decays (rows: axis 3) as ``chunk_algebra.cum_gates``' pair
+    (G without the resets, reset counts N), fp32; None stays None."""
+    return ca.cum_gates(g, axis=3)
 
 
 def _forward(q, k, e, z, g, h0, chunk_reset, chunk_seq, end_chunk):

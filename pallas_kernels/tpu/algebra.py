@@ -118,6 +118,12 @@ fmm_nt = _fast(xmm_nt, ((1,), (1,)))
 fmm_tn = _fast(xmm_tn, ((0,), (0,)))
 
 
+def as_operand(x):
+    """x as the ``f``-products read it: rounded to the fast operand dtype (fp32 value), or x."""
+    dt = _FAST.get()
+    return x if dt is None else x.astype(dt).astype(f32)
+
+
 def _iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
@@ -153,14 +159,15 @@ class ScalarDecayTPU(ca.ScalarDecay):
     """``ScalarDecay`` with ``G`` as a ``[C, 1]`` column (or None)."""
 
     def __init__(self, Gcol, n_rows: int):
-        self.G = Gcol
+        Gcol, Ncol = ca.split_gates(Gcol)  # a cum_gates pair of [C, 1] columns, or [C, 1]
+        self.G, self.N = Gcol, Ncol
         self.C = n_rows
         tri = ca._tril_mask(n_rows, strict=False)
         if Gcol is None:
             self.D = tri.astype(f32)
         else:
             # Mask before exp: upper-triangular differences are positive and could overflow.
-            self.D = jnp.exp(jnp.where(tri, Gcol - col_to_row(Gcol), -jnp.inf))
+            self.D = ca.decay_factor(Gcol, col_to_row(Gcol), Ncol, col_to_row(Ncol), tri)
 
     def gram(self, x, y, strict):
         m = fmm_nt(x, y) * self.D
@@ -173,21 +180,36 @@ class ScalarDecayTPU(ca.ScalarDecay):
         return fmm_tn(P * self.D, x)
 
     def head(self, x):
-        return x if self.G is None else jnp.exp(self.G) * x
+        return x if self.G is None else ca.decay_factor(self.G, 0.0, self.N, 0.0) * x
 
     def tail(self, x):
         C = self.C
-        return x if self.G is None else jnp.exp(self.G[C - 1:C, :] - self.G) * x
+        if self.G is None:
+            return x
+        return ca.decay_factor(self.G[C - 1:C, :], self.G, self.N[C - 1:C, :], self.N) * x
 
     def last_row(self):
         """γ_C as a [1, 1] (broadcasts against [1, K] rows and [K, V] states)."""
         C = self.C
-        return jnp.ones((1, 1), f32) if self.G is None else jnp.exp(self.G[C - 1:C, :])
+        if self.G is None:
+            return jnp.ones((1, 1), f32)
+        return ca.decay_factor(self.G[C - 1:C, :], 0.0, self.N[C - 1:C, :], 0.0)
 
     last_col = last_row
 
     def reduce(self, d):
         return None if self.G is None else jnp.sum(d, axis=1, keepdims=True)
+
+    def pair_row(self, x):
+        """A row q_r, k_r or e_r as the pair products (``gram``/``apply``/``apply_t``) read it:
+        rounded to the fast operand dtype, if any. The gate gradient dots the products with
+        these rows (``leaf_grads``): pair (r, s) then enters row r's and row s's sum as the
+        same Σ X̃_rs (ã_r · b̃_s), with X̃ = round(P ⊙ D) shared by apply and apply_t, and the
+        pairs that do not cross t cancel to fp32 rounding. Dotted with unrounded rows, each side
+        keeps its own bf16 error and dg_t sums the uncancelled errors of every later row: GDN,
+        bf16, strong decays, dg up to 1.6e-2 at C = 64 and 2.2e-2 at C = 128, against §8's 2e-2
+        (tests/test_pallas_tpu.py::test_bf16_strong_scalar_decay_dg; docs/accuracy-notes.md)."""
+        return as_operand(x)
 
 
 class VectorDecayTPU(ca.Decay):
@@ -200,6 +222,7 @@ class VectorDecayTPU(ca.Decay):
     """
 
     def __init__(self, G, sub: int = DIAG_SUB):
+        G, self.N = ca.split_gates(G)  # a cum_gates pair (G, N) [C, K], or G
         C, K = G.shape
         self.sub = min(sub, C)
         self.n = C // self.sub
@@ -220,21 +243,22 @@ class VectorDecayTPU(ca.Decay):
     # frames ------------------------------------------------------------------------------
     def _from_frame(self, i):
         """Rows s before sub-chunk i, decayed to frame m_i: exp(G_{m_i} − G_s) (0 elsewhere)."""
-        Gm = self.G[self.sub * i:self.sub * i + 1, :]
-        return self._cached(("from_frame", i), lambda: jnp.exp(
-            jnp.where(self.r < self.sub * i, Gm - self.G, -jnp.inf)))
+        m = slice(self.sub * i, self.sub * i + 1)
+        return self._cached(("from_frame", i), lambda: ca.decay_factor(
+            self.G[m, :], self.G, self.N[m, :], self.N, self.r < self.sub * i))
 
     def _down(self, j, strict=False):
         """exp(G_r − G_{piv_j(r)}) where piv_j(r) ≤ r (< r if strict), else 0: [C, K]."""
         def f():
             keep = self.loc > j if strict else self.loc >= j
-            return jnp.exp(jnp.where(keep, self.G - self._pivot(self.G, j), -jnp.inf))
+            return ca.decay_factor(self.G, self._pivot(self.G, j), self.N,
+                                   self._pivot(self.N, j), keep)
         return self._cached(("down", j, strict), f)
 
     def _up(self, j):
         """exp(G_{piv_j(s)} − G_s) where piv_j(s) ≥ s, else 0: [C, K]."""
-        return self._cached(("up", j), lambda: jnp.exp(
-            jnp.where(self.loc <= j, self._pivot(self.G, j) - self.G, -jnp.inf)))
+        return self._cached(("up", j), lambda: ca.decay_factor(
+            self._pivot(self.G, j), self.G, self._pivot(self.N, j), self.N, self.loc <= j))
 
     def _pivot(self, x, j):
         """Row piv_j(r) of x broadcast to every row r of its sub-chunk. x: [C, D]."""
@@ -263,8 +287,8 @@ class VectorDecayTPU(ca.Decay):
     def _row_in_frame(self, i):
         """exp(G_r − G_{m_i}) for the rows r of sub-chunk i: [sub, K], ≤ 1."""
         def f():
-            Gi = self._rows(i, self.G)
-            return jnp.exp(Gi - Gi[0:1, :])
+            Gi, Ni = self._rows(i, self.G), self._rows(i, self.N)
+            return ca.decay_factor(Gi, Gi[0:1, :], Ni, Ni[0:1, :])
         return self._cached(("row_in_frame", i), f)
 
     def _stack(self, blocks, width):
@@ -309,16 +333,16 @@ class VectorDecayTPU(ca.Decay):
         return Y
 
     def head(self, x):
-        return jnp.exp(self.G) * x
+        return ca.decay_factor(self.G, 0.0, self.N, 0.0) * x
 
     def tail(self, x):
         C = self.C
-        return jnp.exp(self.G[C - 1:C, :] - self.G) * x
+        return ca.decay_factor(self.G[C - 1:C, :], self.G, self.N[C - 1:C, :], self.N) * x
 
     def last_row(self):
         """γ_C as [1, K]."""
         C = self.C
-        return jnp.exp(self.G[C - 1:C, :])
+        return ca.decay_factor(self.G[C - 1:C, :], 0.0, self.N[C - 1:C, :], 0.0)
 
     def last_col(self):
         """γ_C as [K, 1] (for Diag(γ_C) S with K on the rows of S)."""
@@ -327,10 +351,17 @@ class VectorDecayTPU(ca.Decay):
     def reduce(self, d):
         return d
 
+    def pair_row(self, x):
+        """The raw row: the pair products read frame-scaled rows (x ⊙ exp(G − G_m)), rounded
+        after the scaling, so no row rounding matches both sides of a pair here. (Rounding
+        the raw row anyway measured worse: per chunk, KDA bf16 dg 4.1e-3 -> 8.5e-3.)"""
+        return x
+
 
 def make_decay(G, n_rows: int):
-    """Decay for a chunk's cumulative gate: None, [C, 1] (scalar) or [C, K] (vector)."""
-    if G is None or G.shape[1] == 1:
+    """Decay for a chunk's cumulative gate: None, [C, 1] (scalar) or [C, K] (vector), or a
+    ``chunk_algebra.cum_gates`` pair of those shapes."""
+    if G is None or ca.split_gates(G)[0].shape[1] == 1:
         return ScalarDecayTPU(G, n_rows)
     return VectorDecayTPU(G)
 
@@ -412,7 +443,11 @@ def leaf_grads(q, k, e, decay, loc, S0, R, dO, dS, dT, dA_qk, dEg_state, dz) -> 
     dq_rest = decay.head(fmm_nt(dO, S0)) + decay.apply(dA_off, k)
     dg = None
     if decay.G is not None:  # the terms of chunk_algebra._leaf_grads, summed the same way
-        pairs = decay.reduce(de * e - dk_pairs * k + dq_rest * q)
+        # Each pair (r, s) enters row r's and row s's term with opposite signs; the reverse
+        # cumsum cancels the pairs that do not cross t. decay.pair_row: the row as the pair
+        # products read it (ScalarDecayTPU says why).
+        qo, ko, eo = decay.pair_row(q), decay.pair_row(k), decay.pair_row(e)
+        pairs = decay.reduce(de * eo - dk_pairs * ko + dq_rest * qo)
         # Σ_v dS⊙S0 as a [1, K] row: ones[1, V] · (dS ⊙ S0)ᵀ.
         start = mm_nt(jnp.ones((1, V), f32), dS * S0) * decay.last_row()
         before = ca._tril_mask(C, strict=True).astype(f32)  # row r: the rows s < r

@@ -68,14 +68,14 @@ def _is_row(x):
 
 
 def _cum_gate(g, C):
-    """Chunk-local inclusive cumsum of the raw gate block: scalar [1, C] row -> [C, 1] column
-    (lane cumsum as a ones matmul, then a mask-transpose); vector [C, K] -> [C, K]."""
+    """Chunk-local cumulative gate of the raw gate block, as ``chunk_algebra.cum_gates``' pair
+    (G without resets, reset counts N): scalar [1, C] row -> [C, 1] columns (lane cumsum as a
+    ones matmul, then a mask-transpose); vector [C, K] -> [C, K]."""
     if g is None:
         return None
-    g = g.astype(f32)
     if _is_row(g):
-        return ta.row_to_col(ta.mm_nt(g, ca_tril(C)))
-    return ta.cumsum_rows(g)
+        return ta.ca.cum_gates(g, 1, lambda x: ta.row_to_col(ta.mm_nt(x, ca_tril(C))))
+    return ta.ca.cum_gates(g, 0, ta.cumsum_rows)
 
 
 def _leaf_in(k, v, b, w):
