@@ -47,25 +47,11 @@ def log2_chunk_cumsum(g, Tp: int):
 def gate_free_inverse(k, beta_hm, dtype):
     """``t0 [B, H, Tp, C]``: per chunk ``(I + diag(β) tril(K Kᵀ, −1))⁻¹`` in ``dtype``.
 
-    k: ``[B, Tp, H, K]`` (padded); beta_hm: ``[B, H, Tp]`` fp32. The products and the solve run
-    in fp32; only the result is rounded (the kernels read it as a WGMMA operand).
-    """
-    B, Tp, H, K = k.shape
-    N = Tp // C
-    kc = jnp.swapaxes(k.astype(jnp.float32), 1, 2).reshape(B, H, N, C, K)
-    gram = jnp.einsum("bhnik,bhnjk->bhnij", kc, kc, precision=HIGHEST)
-    strict = jnp.tril(jnp.ones((C, C), bool), -1)
-    L = jnp.eye(C, dtype=jnp.float32) + jnp.where(strict, gram * beta_hm.reshape(B, H, N, C, 1), 0.0)
-    eye = jnp.broadcast_to(jnp.eye(C, dtype=jnp.float32), L.shape)
-    t0 = lax.linalg.triangular_solve(L, eye, left_side=True, lower=True, unit_diagonal=True)
-    return t0.reshape(B, H, Tp, C).astype(dtype)
-
-
-def gate_free_inverse_blocked(k, beta_hm, dtype):
-    """:func:`gate_free_inverse` by blocks (candidate; see benchmarks.mosaic_kernels --parts):
-    the Gram from 16-bit k with fp32 accumulation in the token layout, triangular solves of the
-    four 16×16 diagonal blocks, then two levels of block merges
-    ``[[X11, 0], [−X22 A21 X11, X22]]`` in fp32."""
+    k: ``[B, Tp, H, K]`` (padded, 16-bit); beta_hm: ``[B, H, Tp]`` fp32. The Gram comes from the
+    16-bit k with fp32 accumulation, read in the token layout; the four 16×16 diagonal blocks
+    are solved by triangular solves and merged in two levels, ``[[X11, 0], [−X22 A21 X11, X22]]``
+    in fp32; only the result is rounded. (One batched 64×64 triangular solve measured 0.45 ms
+    against 0.25 at the anchor shape on the H100, same values.)"""
     B, Tp, H, K = k.shape
     N = Tp // C
     kc = k.reshape(B, N, C, H, K)
