@@ -15,6 +15,7 @@ import pytest
 
 from pallas_kernels.mosaic_gpu import compat, config
 from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
+from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
 from pallas_kernels.mosaic_gpu.common import META
 from pallas_kernels.mosaic_gpu.forward import fused_forward
 from pallas_kernels.mosaic_gpu.state_backward import state_backward
@@ -93,6 +94,24 @@ def test_interpret_matches_float64(op, policy, decay, T, seed, n_seq):
     assert not bad, f"ratios over rewy-math §8 bf16 bounds: {bad}"
 
 
+@needs_interpreter
+def test_chunk_inverse_interpret():
+    """T0 = (I + diag(β) tril(K Kᵀ, −1))⁻¹ per chunk, against float64, to its bf16 rounding."""
+    rng = np.random.default_rng(5)
+    B, T, H, K = 1, 128, 2, 64
+    k = rng.standard_normal((B, T, H, K))
+    k = np.asarray(jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), BF16).astype(jnp.float32))
+    beta = rng.uniform(0, 2, (B, H, T))
+    got = chunk_inverse(jnp.asarray(k, BF16), jnp.asarray(beta, jnp.float32),
+                        interpret=compat.interpret_params(True))
+    got = np.asarray(got.astype(jnp.float32), np.float64).reshape(B, H, T // 64, 64, 64)
+    kc = np.swapaxes(k.astype(np.float64), 1, 2).reshape(B, H, T // 64, 64, K)
+    L = np.eye(64) + np.tril(np.einsum("bhnik,bhnjk->bhnij", kc, kc), -1) * beta.reshape(B, H, -1, 64, 1)
+    ref = np.linalg.inv(L)
+    err = np.sqrt(np.mean((got - ref) ** 2)) / np.sqrt(np.mean(ref ** 2))
+    assert err < 2e-3, err  # bf16 rounding of the result is ~1e-3; a wrong block is O(1)
+
+
 def _structs(B, T, H, D):
     S = jax.ShapeDtypeStruct
     f32 = jnp.float32
@@ -125,11 +144,12 @@ def test_kernels_lower_for_cuda(D, gated, packed):
     def cbwd(q, k, v, do, lam, st, dst, t0, g2, b):
         return chunk_backward(q, k, v, do, lam, st, dst, t0, pick(g2), b, scale=0.1)
 
-    for f, args in ((fwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]]),
+    for f, args in ((lambda k, b: chunk_inverse(k, b), [s["tok"], s["vec"]]),
+                    (fwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]]),
                     (sbwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]]),
                     (cbwd, [s["tok"]] * 5 + [s["states"]] * 2 + [s["t0"], s["vec"], s["vec"]])):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text, f.__name__
+        assert "mosaic_gpu" in text, f
 
 
 def test_supports_says_why_not():

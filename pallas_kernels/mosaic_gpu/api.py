@@ -2,7 +2,8 @@
 
 Pipeline (each stage's module docstring gives its shapes):
 
-    prep.py             XLA: pad T, log2 gate cumsum, β head-major, gate-free inverse T0 per chunk
+    prep.py             XLA: pad T, log2 gate cumsum, β head-major
+    chunk_inverse.py    the gate-free inverse T0 per chunk (tensor cores, split-bf16 products)
     forward.py          fused state pass + output (3 warpgroups); saves chunk start states
                         (policy "save"; "recompute" reruns it in the backward)
     state_backward.py   reverse state pass: Λ per chunk, each chunk's end cotangent, dh0
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from pallas_kernels.mosaic_gpu import compat, config, prep
 from pallas_kernels.mosaic_gpu.common import C, META
 from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
+from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
 from pallas_kernels.mosaic_gpu.forward import fused_forward
 from pallas_kernels.mosaic_gpu.state_backward import state_backward
 
@@ -62,15 +64,16 @@ def supports(*, K: int, V: int, dtype, chunk_size: int, scalar_gates: bool, stat
     return None
 
 
-def prepare(q, k, v, g, beta):
-    """Padded kernel inputs ``(q, k, v, t0, g2 | None, beta_hm)``; see :mod:`prep`."""
+def prepare(q, k, v, g, beta, interpret: bool = False):
+    """Padded kernel inputs ``(q, k, v, t0, g2 | None, beta_hm)``; see :mod:`prep` and
+    :mod:`chunk_inverse`."""
     B, T, H, K = k.shape
     Tp = -(-T // C) * C
     dtype = v.dtype
     q, k, v = (prep.pad_time(x.astype(dtype), Tp) for x in (q, k, v))
     beta_hm = prep.head_major(beta, Tp)
     g2 = None if g is None else prep.log2_chunk_cumsum(g, Tp)
-    t0 = prep.gate_free_inverse(k, beta_hm, dtype)
+    t0 = chunk_inverse(k, beta_hm, interpret=compat.interpret_params(interpret))
     return q, k, v, t0, g2, beta_hm
 
 
@@ -112,7 +115,7 @@ def delta_rule(q, k, v, g, beta, h0, meta, scale: float, policy: str, cfg: confi
 def _forward(q, k, v, g, beta, h0, meta, scale, policy, cfg, interpret):
     T = q.shape[1]
     with compat.x32():
-        qp, kp, vp, t0, g2, beta_hm = prepare(q, k, v, g, beta)
+        qp, kp, vp, t0, g2, beta_hm = prepare(q, k, v, g, beta, interpret)
         h0t = jnp.swapaxes(h0.astype(jnp.float32), -1, -2)
         o, final_t, states = fused_forward(qp, kp, vp, t0, g2, beta_hm, h0t, scale=scale,
                                            cfg=cfg.forward, out_final=True,

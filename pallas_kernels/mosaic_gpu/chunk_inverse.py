@@ -1,0 +1,86 @@
+"""The gate-free chunk inverse T0 on the tensor cores (first kernel of the pipeline).
+
+Pipeline position:  **this kernel**  ->  forward.py (fused state pass + output); the backward
+reads the same T0 (a residual of the forward).
+
+One CTA (one warpgroup) per ``(b, h, chunk)``:
+
+    A  = diag(β) tril(K Kᵀ, −1)            (one WGMMA, fp32 accumulation)
+    T0 = (I + A)⁻¹                          by recursive block inversion:
+
+starting from ``X = I`` (the inverse of the 1×1 diagonal blocks), each level doubles the block
+size s with ``X ← X − X A_s X``, where ``A_s`` keeps the entries of A in the sub-diagonal s-block
+of each 2s-block (``[[L11, 0], [A21, L22]]⁻¹ = [[X11, 0], [−X22 A21 X11, X22]]``). Six levels
+reach C = 64. The operands of every product are split into bf16 pairs (``x = hi + lo``) and
+multiplied as ``hi·hi + hi·lo + lo·hi``, about 16 mantissa bits: the inverse is the most
+precision-sensitive step (rewy-math §3), and only its final value is rounded to the input dtype.
+Every block entry stays an entry of a true inverse of a diagonal block, so nothing grows.
+
+Reads:  k [B, Tp, H, K] (16-bit); beta [B, H, Tp] fp32.
+Writes: t0 [B, H, Tp, C] in k's dtype (rows of each chunk's T0).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax import lax
+
+from pallas_kernels.mosaic_gpu import compat
+from pallas_kernels.mosaic_gpu.common import C, F32, ROWS, iota, mma, rows_of, smem, stage
+
+LEVELS = (1, 2, 4, 8, 16, 32)  # block sizes s merged into 2s
+
+
+def _split(hi_ref, lo_ref, x):
+    """Stage ``x`` (fp32 registers) as the bf16 pair ``hi + lo ≈ x``; returns the two refs."""
+    hi = x.astype(jnp.bfloat16)
+    stage(hi_ref, hi)
+    stage(lo_ref, x - hi.astype(F32))
+    return hi_ref, lo_ref
+
+
+def _mm3(a, b):
+    """``a @ b`` for split pairs ``a = (hi, lo)``, ``b = (hi, lo)``: hi·hi + hi·lo + lo·hi."""
+    shape = (C, C)
+    return mma(a[0], b[0], shape) + mma(a[0], b[1], shape) + mma(a[1], b[0], shape)
+
+
+def chunk_inverse(k, beta, *, interpret=None):
+    """``t0 [B, H, Tp, C]``; see the module docstring."""
+    B, Tp, H, K = k.shape
+    N = Tp // C
+    dtype = k.dtype
+    bf = jnp.bfloat16
+    scratch = dict(k_s=smem((C, K), dtype), b_s=plgpu.SMEM((C,), F32),
+                   xh=smem((C, C), bf), xl=smem((C, C), bf), ah=smem((C, C), bf), al=smem((C, C), bf),
+                   out=smem((C, C), dtype), bar=plgpu.Barrier(num_arrivals=2))
+
+    def body(k_ref, b_ref, t_ref, k_s, b_s, xh, xl, ah, al, out, bar):
+        b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+        rows = pl.ds(n * C, C)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_s, bar)
+        plgpu.copy_gmem_to_smem(b_ref.at[b, h, rows], b_s, bar)
+        plgpu.barrier_wait(bar)
+        r, c = iota((C, C), 0), iota((C, C), 1)
+        gram = mma(k_s, k_s.T, (C, C))
+        a = jnp.where(r > c, gram * rows_of(plgpu.load(b_s, layout=ROWS), (C, C)), 0.0)
+        x = jnp.where(r == c, 1.0, 0.0).astype(F32)
+        for s in LEVELS:
+            # A_s: row in the second half, column in the first half, of the same 2s-block.
+            keep = (r // (2 * s) == c // (2 * s)) & ((r // s) % 2 == 1) & ((c // s) % 2 == 0)
+            xs = _split(xh, xl, x)
+            y = _mm3(xs, _split(ah, al, jnp.where(keep, a, 0.0)))  # X A_s
+            x = x - _mm3(_split(ah, al, y), xs)  # X − (X A_s) X
+        out[...] = x.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out, t_ref.at[b, h, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((B, H, Tp, C), dtype), scratch_types=scratch,
+        grid=(B, H, N), grid_names=("b", "h", "n"), compiler_params=compat.compiler_params(),
+        interpret=interpret,
+    )(k, beta)
