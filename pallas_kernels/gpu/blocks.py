@@ -33,18 +33,14 @@ LOG2E = 1.4426950408889634
 
 
 def exp(x):
-    """e^x in the kernels: ``jnp.exp``, or 2^(x·log2 e) under kernels.DEFAULTS "exp2".
+    """e^x in the kernels, as 2^(x·log2 e).
 
     The Triton lowering takes ``jnp.exp`` to libdevice's accurate expf — about 14 instructions
-    per element in the sm_90 PTX — and ``jnp.exp2`` to one ex2.approx, so the second form is 2
+    per element in the sm_90 PTX — and ``jnp.exp2`` to one ex2.approx, so this form is 2
     (the product and ex2). Error: ex2.approx's 2 ulp plus the product's rounding,
     |x|·log2(e)·2⁻²⁴ — at most ~5e-6 relative for the exponents x ≤ 0 used here where e^x is a
     normal fp32 (x ≥ −87); −inf still gives 0.
     """
-    from pallas_kernels.gpu import kernels  # the settings live there (it imports this module)
-
-    if not kernels.setting("exp2"):
-        return jnp.exp(x)
     return jnp.exp2(x * LOG2E)
 
 
@@ -82,33 +78,8 @@ def dot_stored(a, b, prec, ta=False, tb=False):
     return dot(a.astype(F32), b.astype(F32), prec, ta, tb)
 
 
-def dot_split(a16, b, prec, ta=False, tb=False):
-    """``a16 @ b`` for a bf16 ``a16`` and an fp32 ``b`` as two native bf16 products: b = hi + lo,
-    hi = b rounded to bf16 and lo = the rest rounded again, so b keeps ~16 significant bits
-    (TF32 keeps 11) and a16 is used as stored, exact. The TF32 form converts a16 to fp32 element
-    by element (a transposed a16 is read from shared memory one 16-bit element at a time); this
-    one adds the split's few element-wise operations and issues as many tensor-core
-    instructions (two bf16 k16 steps for two TF32 k8 steps)."""
-    hi = b.astype(a16.dtype)
-    lo = (b - hi.astype(F32)).astype(a16.dtype)
-    return dot(a16, hi, prec, ta, tb) + dot(a16, lo, prec, ta, tb)
-
-
 def iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
-
-
-def loop(lo, hi, body, init, unroll=False):
-    """``lax.fori_loop(lo, hi, body, init)``, or its steps unrolled at trace time (static
-    indices). The Triton lowering rejects ``fori_loop(unroll=...)``; unrolled, the compiler may
-    interleave the steps' independent work — the per-column reductions of a diagonal block,
-    the T-row extractions of a substitution — instead of running them one after another."""
-    if not unroll:
-        return lax.fori_loop(lo, hi, body, init)
-    carry = init
-    for o in range(lo, hi):
-        carry = body(o, carry)
-    return carry
 
 
 def load_rows(ref, start, rows=BS, dtype=F32):
@@ -149,10 +120,10 @@ class Gates:
 
     mode: "none" (DeltaNet), "scalar" (G_ref [R]) or "vector" (G_ref [R, K]).
     diag: how vector-gate diagonal blocks are evaluated (DIAG_METHODS); "centred" only for
-    gates known to satisfy g ≥ CENTRED_MIN_GATE. unroll: see ``loop``.
+    gates known to satisfy g ≥ CENTRED_MIN_GATE.
     """
 
-    def __init__(self, mode, G_ref, base, C, diag="loop", unroll=False, kslice=0):
+    def __init__(self, mode, G_ref, base, C, diag="loop", kslice=0):
         if diag not in DIAG_METHODS:
             raise ValueError(f"diag must be one of {DIAG_METHODS}; got {diag!r}")
         self.mode, self.G_ref, self.base, self.C = mode, G_ref, base, C
@@ -160,7 +131,6 @@ class Gates:
         # channels (0: the whole key width at once, from the loaded fp32 rows): vector gates
         # in ``_frame_grams`` and the diagonal loop, no or scalar gates in ``_sliced_products``
         self.kslice = kslice
-        self.unroll = unroll  # the "loop" diagonals' 16 steps unrolled (``loop``)
         self.diag = diag if mode == "vector" else "loop"
         self.centred = self.diag == "centred"
 
@@ -299,7 +269,7 @@ class Gates:
                     return tuple(jnp.where(cc == o, m + jnp.sum(x * yf, axis=1, keepdims=True), m)
                                  for x, m in zip(xs_c, ms))
 
-                return loop(0, BS, body, ms, self.unroll)
+                return lax.fori_loop(0, BS, body, ms)
 
             ms = lax.fori_loop(0, K // ks, slice_body,
                                tuple(jnp.zeros((BS, BS), F32) for _ in xs))
@@ -312,7 +282,7 @@ class Gates:
             return tuple(jnp.where(cc == o, jnp.sum(x * yf, axis=1, keepdims=True), m)
                          for x, m in zip(xs, ms))
 
-        ms = loop(0, BS, body, tuple(jnp.zeros((BS, BS), F32) for _ in xs), self.unroll)
+        ms = lax.fori_loop(0, BS, body, tuple(jnp.zeros((BS, BS), F32) for _ in xs))
         return [jnp.where(eye, 0.0, m) if st else m for m, st in zip(ms, stricts)]
 
     def _sliced_products(self, i, j, x_refs, y_ref, prec):
@@ -330,8 +300,7 @@ class Gates:
             return tuple(a + dot_stored(x_ref[rows_i, cols], y, prec, tb=True)
                          for a, x_ref in zip(accs, x_refs))
 
-        return list(loop(0, K // ks, body, tuple(jnp.zeros((BS, BS), F32) for _ in x_refs),
-                         self.unroll))
+        return list(lax.fori_loop(0, K // ks, body, tuple(jnp.zeros((BS, BS), F32) for _ in x_refs)))
 
     def _frame_grams(self, i, j, x_refs, y_ref, prec):
         """[M_ij for x in x_refs] in one frame row m (i > j: row 16i; centred: 16i + 8),
@@ -358,8 +327,7 @@ class Gates:
             return tuple(a + dot(x_ref[rows_i, cols].astype(F32) * f_x, y_f, prec, tb=True)
                          for a, x_ref in zip(accs, x_refs))
 
-        return list(loop(0, K // ks, body, tuple(jnp.zeros((BS, BS), F32) for _ in x_refs),
-                         self.unroll))
+        return list(lax.fori_loop(0, K // ks, body, tuple(jnp.zeros((BS, BS), F32) for _ in x_refs)))
 
     def row_frame_grams(self, i, x_refs, y_ref, prec, centred_diag):
         """Row block i of the Grams, every block at once: ``[[M_ij for x in x_refs] for j in
@@ -398,8 +366,7 @@ class Gates:
 
         nb = i + bool(centred_diag)
         K = self.G_ref.shape[-1]
-        flat = loop(0, K // ks, body, tuple(jnp.zeros((BS, BS), F32) for _ in range(nb * nx)),
-                    self.unroll)
+        flat = lax.fori_loop(0, K // ks, body, tuple(jnp.zeros((BS, BS), F32) for _ in range(nb * nx)))
         return [list(flat[j * nx:(j + 1) * nx]) for j in range(nb)]
 
     def _outer_diag(self, i, x_refs, y_ref):
@@ -419,8 +386,7 @@ class Gates:
             return tuple(m + jnp.sum(x_ref[rows, cols].astype(F32)[:, None, :] * yf, axis=2)
                          for m, x_ref in zip(ms, x_refs))
 
-        return loop(0, K // KS, body, tuple(jnp.zeros((BS, BS), F32) for _ in x_refs),
-                    self.unroll)
+        return lax.fori_loop(0, K // KS, body, tuple(jnp.zeros((BS, BS), F32) for _ in x_refs))
 
     # -- Y_i = Σ_{j ≤ i} Σ_s P_ij[r, s] y_s ⊙ e^{G_r − G_s}   (P lower block-triangular) -------
     def apply(self, P, i, y, y_ref, prec):
@@ -477,8 +443,7 @@ class Gates:
                 return tuple(Y + jnp.sum(jnp.where(cc == o, Pii, 0.0), axis=1, keepdims=True) * yf
                              for Y, Pii in zip(Ys, Piis))
 
-            dias = loop(0, BS, body, tuple(jnp.zeros(y[i].shape, F32) for _ in Ps),
-                        self.unroll)
+            dias = lax.fori_loop(0, BS, body, tuple(jnp.zeros(y[i].shape, F32) for _ in Ps))
         return [d if o is None else o + d for o, d in zip(outs, dias)]
 
     # -- Y_j = Σ_{i ≥ j} Σ_r P_ij[r, s] x_r ⊙ e^{G_r − G_s} ------------------------------------
@@ -533,7 +498,7 @@ class Gates:
                           for Pjj, x_ref in zip(Pjjs, x_refs))
                 return Y + px * f
 
-            dia = loop(0, BS, body, jnp.zeros(xjs[0].shape, F32), self.unroll)
+            dia = lax.fori_loop(0, BS, body, jnp.zeros(xjs[0].shape, F32))
         return dia if out is None else out + dia
 
 
@@ -600,12 +565,12 @@ class Blocks:
         return d if self.row_scale is None else load_rows(self.row_scale, i * BS)[:, None] * d
 
 
-def inv_diag(T, unroll=False):
+def inv_diag(T):
     """``(I + T)⁻¹`` of a strictly lower [BS, BS] block by forward substitution (masked rows)."""
-    return inv_diags([T], unroll)[0]
+    return inv_diags([T])[0]
 
 
-def inv_diags(Ts, unroll=False):
+def inv_diags(Ts):
     """``inv_diag`` of several blocks in one loop: their BS − 1 dependent substitution steps
     (each two cross-thread reductions) interleave instead of running one chain after another."""
     r, c = iota((BS, BS), 0), iota((BS, BS), 1)
@@ -619,7 +584,7 @@ def inv_diags(Ts, unroll=False):
     def body(o, As):
         return tuple(step(o, T, A) for T, A in zip(Ts, As))
 
-    return list(loop(1, BS, body, tuple(A0 for _ in Ts), unroll))
+    return list(lax.fori_loop(1, BS, body, tuple(A0 for _ in Ts)))
 
 
 def stack_blocks(blocks):
@@ -651,7 +616,7 @@ def unstack_blocks(x):
     return split(x)
 
 
-def inv_diags_stacked(Ts, unroll=False):
+def inv_diags_stacked(Ts):
     """``inv_diags`` on the blocks stacked as one [n, BS, BS] value: row o of each T is read as
     column o of Tᵀ, which lands in the layout that scales the rows of A, so a step needs no
     layout conversion. ptxas (sm_90, DeltaNet, n = 4): 3 barriers per step against the
@@ -668,10 +633,10 @@ def inv_diags_stacked(Ts, unroll=False):
         upd = jnp.sum(t[:, :, None] * A, axis=1)  # [n, c]: Σ_j T_oj A_jc
         return jnp.where(r == o, A - upd[:, None, :], A)
 
-    return unstack_blocks(loop(1, BS, step, A0, unroll))
+    return unstack_blocks(lax.fori_loop(1, BS, step, A0))
 
 
-def inv_blocks(T, n, prec, on_row=None, joint_diag=False, unroll=False, stacked=False):
+def inv_blocks(T, n, prec, on_row=None, joint_diag=False, stacked=False):
     """Blocked ``(I + T)⁻¹``: T(i, j) -> [BS, BS] for i ≥ j (diagonal blocks strict).
 
     A_ii = inv(L_ii); A_ij = −A_ii Σ_{j ≤ k < i} T_ik A_kj (block forward substitution).
@@ -679,18 +644,18 @@ def inv_blocks(T, n, prec, on_row=None, joint_diag=False, unroll=False, stacked=
     ``on_row(i, A)`` may consume row i at once, so only A and one row of T are live.
     joint_diag: invert the n diagonal blocks first, in one interleaved loop (``inv_diags``),
     instead of each when its row comes (n chains of BS − 1 dependent steps back to back).
-    unroll: the substitution steps unrolled (``loop``). stacked: the joint loop on the blocks
+    stacked: the joint loop on the blocks
     stacked into one value (``inv_diags_stacked``).
     """
     A = {}
     if joint_diag:
         inv = inv_diags_stacked if stacked else inv_diags
-        for i, Aii in enumerate(inv([T(i, i) for i in range(n)], unroll)):
+        for i, Aii in enumerate(inv([T(i, i) for i in range(n)])):
             A[i, i] = Aii
     for i in range(n):
         Ti = {k: T(i, k) for k in range(i + (0 if joint_diag else 1))}
         if not joint_diag:
-            A[i, i] = inv_diag(Ti[i], unroll)
+            A[i, i] = inv_diag(Ti[i])
         for j in range(i - 1, -1, -1):
             acc = None
             for k in range(j, i):
@@ -700,3 +665,60 @@ def inv_blocks(T, n, prec, on_row=None, joint_diag=False, unroll=False, stacked=
         if on_row is not None:
             on_row(i, A)
     return A
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole-chunk helpers shared by the stages (no or scalar gates: the decay is one [C, C] matrix;
+# ``s``: a launch.Shape — its gate mode, precision and query scale)
+# ----------------------------------------------------------------------------------------------
+def col(x):
+    """[1] or [1, K] gate row -> something that scales the rows of a [K, V] state."""
+    return x if x.ndim == 1 else x.reshape(x.shape[1], 1)
+
+
+def chunk_decay(mode, G_ref, base, C):
+    """(G rows of the chunk, G of its last row) or (None, None)."""
+    if mode == "none":
+        return None, None
+    return load_rows(G_ref, base, C), load_rows(G_ref, base + C - 1, 1)
+
+
+def kt(mode, Gc, gl, kc):
+    if mode == "none":
+        return kc
+    d = exp(gl - Gc)
+    return (d[:, None] if mode == "scalar" else d) * kc
+
+
+def qg(mode, Gc, qc):
+    if mode == "none":
+        return qc
+    d = exp(Gc)
+    return (d[:, None] if mode == "scalar" else d) * qc
+
+
+def scalar_decay(Gc, C, strict=False):
+    """D_rs = e^{G_r − G_s} for s < r (``strict``) or s ≤ r, 0 above: [C, C] fp32 from a chunk's
+    scalar-gate rows Gc [C] (masked before exp, so no factor exceeds 1; the diagonal's is 1)."""
+    r, c = iota((C, C), 0), iota((C, C), 1)
+    return exp(jnp.where(c < r if strict else c <= r, Gc[:, None] - Gc[None, :], -jnp.inf))
+
+
+def qk_full(mode, q_ref, k_ref, G_ref, C, prec, base=0):
+    """No or scalar gates: (G rows or None, P = tril(Qγ K̄ᵀ) = (Q Kᵀ) ⊙ e^{G_r − G_s}) on the
+    whole chunk at row ``base`` (the decay is masked before exp, so no factor exceeds 1)."""
+    r, c = iota((C, C), 0), iota((C, C), 1)
+    P = dot_stored(load_rows(q_ref, base, C, None), load_rows(k_ref, base, C, None), prec,
+                   tb=True)
+    if mode == "none":
+        return None, jnp.where(c <= r, P, 0.0)
+    Gc = load_rows(G_ref, base, C)
+    return Gc, P * scalar_decay(Gc, C)
+
+
+def chunk_output(s, Gc, qc, S0, P, R, decayed=False):
+    """One chunk's (value tile of) O = scale · (Qγ S0 + P R) — fp32, from the chunk's G rows,
+    q rows (unscaled; ``decayed``: Qγ itself), start state, gated query-key matrix and
+    residuals (``output`` and the fused ``fwd_pass``)."""
+    Qg = qc if decayed else qg(s.mode, Gc, qc)
+    return s.scaled(dot(Qg, S0, s.prec) + dot(P, R, s.prec))
