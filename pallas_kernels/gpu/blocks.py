@@ -25,7 +25,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-BS = 16  # rows per sub-chunk (chunk_algebra.SUBCHUNK); the smallest tile tl.dot accepts
+from pallas_kernels.chunk_algebra import SUBCHUNK
+
+BS = SUBCHUNK  # rows per sub-chunk: 16, also the smallest tile tl.dot accepts
 F32 = jnp.float32
 
 
@@ -542,27 +544,21 @@ class ScaledRows:
 
 class Blocks:
     """Lazy [16, 16] blocks of a [C, C] ref: ``Blocks(ref)[i, j]``; with ``zero_diagonal`` the
-    matrix's diagonal reads as 0 (``diagonal(i)`` gives it, [BS, 1]); with ``row_scale`` (a [C]
-    ref) row r is multiplied by row_scale[r] — diag(β) M, so that Mᵀ (β ⊙ x) = (diag(β) M)ᵀ x
-    reads x as stored."""
+    matrix's diagonal reads as 0 (``diagonal(i)`` gives it, [BS, 1])."""
 
-    def __init__(self, ref, zero_diagonal=False, row_scale=None):
+    def __init__(self, ref, zero_diagonal=False):
         self.ref = ref
         self.zero_diagonal = zero_diagonal
-        self.row_scale = row_scale
 
     def __getitem__(self, ij):
         i, j = ij
         blk = self.ref[pl.ds(i * BS, BS), pl.ds(j * BS, BS)].astype(F32)
         if self.zero_diagonal and i == j:
             blk = jnp.where(iota((BS, BS), 0) == iota((BS, BS), 1), 0.0, blk)
-        if self.row_scale is not None:
-            blk = load_rows(self.row_scale, i * BS)[:, None] * blk
         return blk
 
     def diagonal(self, i):
-        d = Gates._diag_of(self.ref[pl.ds(i * BS, BS), pl.ds(i * BS, BS)].astype(F32))
-        return d if self.row_scale is None else load_rows(self.row_scale, i * BS)[:, None] * d
+        return Gates._diag_of(self.ref[pl.ds(i * BS, BS), pl.ds(i * BS, BS)].astype(F32))
 
 
 def inv_diag(T):
