@@ -10,4 +10,5 @@ They import ``rewy_jax`` and ``pallas_kernels``; nothing in the library imports 
 * ``resource_report`` — ptxas registers / spills / shared memory per kernel, without a GPU.
 * ``stall_report`` — ncu stall reasons per kernel.
 * ``bench_kernels`` — accuracy and timing against the xla backend.
+* ``tpu_roofline`` — FLOPs and HBM bytes of the TPU kernels, counted from their jaxprs.
 """
