@@ -4,12 +4,14 @@ Two steps, because the lowering needs jax and the compile needs the Triton of th
 (triton 3.6, for Python 3.12 — the lent H200's version):
 
     # 1. lower the kernels of one op (fwd + bwd, bf16, B=2 T=4096 H=16) to Triton IR files
-    JAX_PLATFORMS=cpu python -m tools.resource_report dump kda /tmp/ttir [K=128] [backward=wy] [dtype=float32] [policy=save]
-        [gate_lower_bound=-5] [cfg.leaf_diag=loop] [cfg.leaf_rowgrid=false]
-        [cfg.backward_low_precision=S0,R,dS,dR,dRl,lam] [cfg.warps.bwd_leaf=4]
+    JAX_PLATFORMS=cpu python -m tools.resource_report dump kda /tmp/ttir [K=128] [backward=wy]
+        [dtype=float32] [policy=save] [gate_lower_bound=-5] [cfg.leaf_diag=loop]
+        [cfg.leaf_rowgrid=false] [cfg.backward_low_precision=S0,R,dS,dR,dRl,lam]
+        [cfg.warps.bwd_leaf=4]
     #    or every (op, variant) of a device plan (trace_op.py's --variants forms; vector-gate
     #    ops with g >= -5 declared), to check before a device call that each lowers and compiles
-    JAX_PLATFORMS=cpu python -m tools.resource_report plan /tmp/ttir "deltanet:base,apart kda:centred,nopd" [2x4096x16x128]
+    JAX_PLATFORMS=cpu python -m tools.resource_report plan /tmp/ttir \
+        "deltanet:base,apart kda:centred,nopd" [2x4096x16x128]
     # 2. compile them for sm_90 and print ptxas's report (in a venv with `pip install triton==3.6.0`)
     python tools/resource_report.py ptxas /tmp/ttir/*.ttir [--warps 8] [--stages 3]
 

@@ -140,10 +140,10 @@ def trace_variants(plan, shape, gate_lower_bound=None, iters=5, out_dir=".", int
                    keep_trace=False, wall_iters=20, workers=None, log=print):
     """{op: {variant: times}} for ``plan`` = [(op, [variant, ...]), ...].
 
-    Every (op, variant) is lowered first, one after another, then all are compiled at once in a thread pool (XLA compiles each module's
-    Triton kernels then, releasing the GIL; compiling, by this machine's timings, was most of
-    the ~15 s a variant cost the GPU machine when each was compiled in turn), then traced one
-    at a time, so no two share the GPU. A variant that fails to lower, compile or run is
+    Every (op, variant) is lowered first, one after another, then all are compiled at once
+    in a thread pool (XLA compiles each module's Triton kernels then, releasing the GIL;
+    compiling, by this machine's timings, was most of the ~15 s a variant cost the GPU
+    machine when each was compiled in turn), then traced one at a time, so no two share the GPU. A variant that fails to lower, compile or run is
     reported and skipped.
     """
     from tools.profile_kernels import is_bounded, variant_overrides

@@ -18,6 +18,6 @@
   the adapter that ``rewy_jax.backends`` registers as backend ``"pallas_gpu"``.
 
 Imports go one way: api -> the stages -> launch -> blocks, config (tests/test_import_layers.py).
-The developer tools (profiling, traces, ptxas reports) live in the top-level ``tools/`` package. Nothing here is
-imported by ``import rewy_jax``; the backend imports it on first use.
+The developer tools (profiling, traces, ptxas reports) live in the top-level ``tools/``
+package. Nothing here is imported by ``import rewy_jax``; the backend imports it on first use.
 """
