@@ -54,7 +54,7 @@ def _interpret_arg(interpret):
 
 
 # ----------------------------------------------------------------------------------------------
-# One chunk: what a grid step computes on its loaded blocks (also traced by roofline.py)
+# One chunk: what a grid step computes on its loaded blocks (also traced by tools/tpu_roofline.py)
 # ----------------------------------------------------------------------------------------------
 def ca_tril(C):
     """[C, C] lower-triangular ones (diagonal included), fp32."""
