@@ -11,4 +11,5 @@ They import ``rewy_jax`` and ``pallas_kernels``; nothing in the library imports 
 * ``stall_report`` — ncu stall reasons per kernel.
 * ``bench_kernels`` — accuracy and timing against the xla backend.
 * ``tpu_roofline`` — FLOPs and HBM bytes of the TPU kernels, counted from their jaxprs.
+* ``kernel_fingerprint`` — every op's traced kernels as text, to diff before and after a refactor.
 """
