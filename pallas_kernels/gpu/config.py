@@ -67,6 +67,9 @@ class KernelConfig:
     (state passes multiply 16-bit stored operands natively), ``leaf_native_decayed``.
 
     Algorithm: the rest; each names the kernel it steers and is documented where it is read.
+
+    Build one with ``default_config`` (and ``with_overrides``): the launch tables have no
+    defaults of their own, so ``KernelConfig()`` alone is refused.
     """
 
     # tiles
