@@ -10,7 +10,7 @@ once with the backward's stored tensors in bf16 (the default, ``KernelConfig
 off one table (and, with ``--kernel-config``, a third row with other kernel settings). The interpreter
 evaluates the same kernel code with exact fp32 dots where the GPU uses TF32, so this checks the
 algorithm and the storage precision, not the TF32 rounding — unless ``--tf32`` rounds the fp32
-operands of every product to TF32 first (``blocks.TF32_EMULATION``).
+operands of every product to TF32 first (``KernelConfig.tf32_emulation``).
 """
 
 from __future__ import annotations
@@ -80,15 +80,11 @@ def main(argv=None):
                     help="declare g ≥ this (kda, gdn2): the centred diagonal blocks")
     a = ap.parse_args(argv)
     from benchmarks.run import kernel_overrides
-    from pallas_kernels.gpu import blocks
 
     tune = kernel_overrides(None, a.kernel_config)
     t0 = time.time()
-    saved, blocks.TF32_EMULATION = blocks.TF32_EMULATION, a.tf32
-    try:
-        reports = check(a.op, a.H, a.D, a.T, tune, a.gate_bound)
-    finally:
-        blocks.TF32_EMULATION = saved
+    reports = check(a.op, a.H, a.D, a.T, tune, a.gate_bound,
+                    base={"tf32_emulation": a.tf32} if a.tf32 else None)
     tf32 = (f" (TF32 {a.tf32})" if a.tf32 else "") + (
         "" if a.gate_bound is None else f" g≥{a.gate_bound:g}")
     for name, rep in reports.items():

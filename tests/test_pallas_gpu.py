@@ -895,26 +895,33 @@ def test_interpret_forward_low_precision_wide(op, decay, kw, monkeypatch):
         _kcfg(forward_low_precision=("S1",))
 
 
-def test_tf32_emulation(monkeypatch):
-    """blocks.TF32_EMULATION (interpret_accuracy --tf32): fp32 operands keep 10 mantissa bits —
-    truncated, or rounded to nearest (ties away) — 16-bit operands and None leave dots exact."""
-    from pallas_kernels.gpu import blocks
+def test_tf32_emulation():
+    """KernelConfig.tf32_emulation (interpret_accuracy --tf32): in interpret mode the 16-bit
+    calls' DEFAULT products become blocks.EmulatedTF32 ones, whose fp32 operands keep 10
+    mantissa bits — truncated, or rounded to nearest (ties away); 16-bit operands, fp32 calls
+    (HIGHEST), the GPU and None leave the products as they were."""
+    from pallas_kernels.gpu import api, blocks
 
     x = jnp.array([1 + 2.0 ** -10, 1 + 2.0 ** -11, 1 + 2.0 ** -12, -(1 + 3 * 2.0 ** -12)],
                   jnp.float32)
     want = {"truncate": [1 + 2.0 ** -10, 1, 1, -1], "round": [1 + 2.0 ** -10, 1 + 2.0 ** -10, 1,
                                                                 -(1 + 2.0 ** -10)]}
+    eye = jnp.eye(4, dtype=jnp.float32)
     for mode, w in want.items():
-        monkeypatch.setattr(blocks, "TF32_EMULATION", mode)
-        np.testing.assert_array_equal(np.asarray(blocks._as_tf32(x)), np.float32(w))
+        np.testing.assert_array_equal(np.asarray(blocks._as_tf32(x, mode)), np.float32(w))
         xb = x.astype(jnp.bfloat16)
-        assert blocks._as_tf32(xb) is xb
-        eye = jnp.eye(4, dtype=jnp.float32)
-        np.testing.assert_array_equal(np.asarray(blocks.dot(x[None, :], eye, None)[0]),
+        assert blocks._as_tf32(xb, mode) is xb
+        prec = api._precision(jnp.bfloat16, True, tf32_emulation=mode)
+        assert prec == blocks.EmulatedTF32(mode)
+        np.testing.assert_array_equal(np.asarray(blocks.dot(x[None, :], eye, prec)[0]),
                                       np.float32(w))
-    monkeypatch.setattr(blocks, "TF32_EMULATION", None)
-    np.testing.assert_array_equal(np.asarray(blocks.dot(x[None, :], jnp.eye(4), None)[0]),
-                                  np.asarray(x))
+        assert api._precision(jnp.float32, True, tf32_emulation=mode) == jax.lax.Precision.HIGHEST
+        assert api._precision(jnp.bfloat16, False, tf32_emulation=mode) == jax.lax.Precision.DEFAULT
+    assert api._precision(jnp.bfloat16, True) == jax.lax.Precision.DEFAULT
+    np.testing.assert_array_equal(
+        np.asarray(blocks.dot(x[None, :], eye, jax.lax.Precision.DEFAULT)[0]), np.asarray(x))
+    with pytest.raises(ValueError, match="tf32_emulation='nearest'"):
+        _kcfg(tf32_emulation="nearest")
 
 
 def test_stacked_blocks_and_inverse():

@@ -32,7 +32,7 @@ from jax import lax
 from pallas_kernels.chunk_algebra import clamp_gates, exclusive_cumsum, reverse_cumsum
 from pallas_kernels.gpu import chunk_backward, chunk_local, gates, launch, output, state_passes
 from pallas_kernels.gpu import config as kconfig
-from pallas_kernels.gpu.blocks import CENTRED_MIN_GATE
+from pallas_kernels.gpu.blocks import CENTRED_MIN_GATE, EmulatedTF32
 from pallas_kernels.gpu.config import KernelConfig
 
 F32 = jnp.float32
@@ -98,7 +98,7 @@ def _gate_grad(parts, C, interpret, warps, below=None):
     return dg if below is None else jnp.where(below, 0.0, dg)
 
 
-def _precision(dtype, interpret, narrow=False):
+def _precision(dtype, interpret, narrow=False, tf32_emulation=None):
     """Dot precision for fp32 operands inside the kernels; ``dtype``: the caller's inputs'.
 
     fp32 inputs promise ~1e-4 (rewy-math §8): full fp32 (IEEE) dots. bf16/fp16 inputs promise
@@ -107,13 +107,16 @@ def _precision(dtype, interpret, narrow=False):
     (KernelConfig.narrow_keys): one TF32 rounding of the state per chunk is then most of the
     error (interpret mode, TF32 truncation emulated: DeltaNet K = 16 o 0.81 of its bound), so
     three TF32 products per dot (~fp32). The interpreter (CPU) has no TF32: its 16-bit calls'
-    DEFAULT dots are exact fp32 (blocks.TF32_EMULATION can round their operands), the rest
+    DEFAULT dots are exact fp32, or with ``tf32_emulation`` (KernelConfig.tf32_emulation)
+    ``blocks.EmulatedTF32`` products that round their fp32 operands as the GPU does; the rest
     HIGHEST.
     """
     if jnp.dtype(dtype) == jnp.dtype(F32) or (narrow and interpret):
         return lax.Precision.HIGHEST
     if narrow:
         return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    if interpret and tf32_emulation is not None:
+        return EmulatedTF32(tf32_emulation)
     return lax.Precision.DEFAULT
 
 
@@ -122,7 +125,8 @@ def _shape(cfg, q, v, G, h0):
     V = v.shape[-1]
     return launch.Shape(B, Tp, H, K, V, cfg.chunk_size, h0.shape[2], _mode(G),
                     _precision(cfg.caller_dtype or q.dtype, cfg.interpret,
-                               narrow=cfg.caller_dtype is not None), cfg.kernel,
+                               narrow=cfg.caller_dtype is not None,
+                               tf32_emulation=cfg.kernel.tf32_emulation), cfg.kernel,
                     cfg.centred, cfg.one_seq, cfg.scale)
 
 

@@ -21,6 +21,8 @@ reductions, since values cannot be indexed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -46,27 +48,32 @@ def exp(x):
     return jnp.exp2(x * LOG2E)
 
 
-# Interpret mode only (benchmarks.interpret_accuracy --tf32): the GPU multiplies fp32 operands
-# of 16-bit-input calls in TF32 (api._precision: DEFAULT dots), the interpreter in exact fp32.
-# "truncate" drops each fp32 operand's 13 low mantissa bits, as the tensor cores read an fp32
-# register as TF32; "round" rounds them to nearest instead (the better case). None: exact.
-TF32_EMULATION: str | None = None
+@dataclass(frozen=True)
+class EmulatedTF32:
+    """Interpret mode only, as the ``prec`` of ``dot``: a DEFAULT-precision product whose fp32
+    operands are first rounded to TF32 as the GPU's tensor cores read them (the interpreter
+    multiplies exact fp32 otherwise) — ``mode`` "truncate" drops each fp32 operand's 13 low
+    mantissa bits, "round" rounds them to nearest (ties away). From
+    ``KernelConfig.tf32_emulation`` (api._precision); 16-bit operands are exact either way."""
+
+    mode: str
 
 
-def _as_tf32(x):
+def _as_tf32(x, mode):
     if x.dtype != F32:
         return x  # 16-bit operands are exact in TF32
     bits = lax.bitcast_convert_type(x, jnp.uint32)
-    if TF32_EMULATION == "round":  # to nearest, ties away: add half of the dropped ulp first
+    if mode == "round":  # to nearest, ties away: add half of the dropped ulp first
         bits = bits + jnp.uint32(0x1000)
     return lax.bitcast_convert_type(bits & jnp.uint32(0xFFFFE000), F32)
 
 
 def dot(a, b, prec, ta=False, tb=False):
-    """``a @ b`` (``aᵀ`` / ``bᵀ`` when ta / tb) with fp32 accumulation."""
+    """``a @ b`` (``aᵀ`` / ``bᵀ`` when ta / tb) with fp32 accumulation; ``prec`` a lax
+    precision (or dot algorithm preset), or ``EmulatedTF32`` in interpret mode."""
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-    if TF32_EMULATION and prec != lax.Precision.HIGHEST:  # fp32 calls stay IEEE on the GPU
-        a, b = _as_tf32(a), _as_tf32(b)
+    if isinstance(prec, EmulatedTF32):
+        a, b, prec = _as_tf32(a, prec.mode), _as_tf32(b, prec.mode), lax.Precision.DEFAULT
     return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=F32)
 
 

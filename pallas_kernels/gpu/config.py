@@ -64,7 +64,8 @@ class KernelConfig:
     Precision: ``narrow_keys`` (16-bit calls with K ≤ it run the kernels on fp32 q, k, v),
     ``backward_low_precision`` / ``forward_low_precision`` (names of LOW_PRECISION_NAMES /
     FORWARD_LOW_PRECISION_NAMES stored in 16 bits for 16-bit inputs), ``*_native_pass_dots``
-    (state passes multiply 16-bit stored operands natively), ``leaf_native_decayed``.
+    (state passes multiply 16-bit stored operands natively), ``leaf_native_decayed``,
+    ``tf32_emulation`` (interpret mode: the GPU's TF32 rounding emulated).
 
     Algorithm: the rest; each names the kernel it steers and is documented where it is read.
 
@@ -87,6 +88,9 @@ class KernelConfig:
     forward_native_pass_dots: bool = True
     backward_native_pass_dots: bool = True
     leaf_native_decayed: bool = True
+    # interpret mode only: None, or "truncate" / "round" — the TF32 rounding of the GPU's
+    # DEFAULT-precision products emulated on fp32 operands (blocks.EmulatedTF32)
+    tf32_emulation: str | None = None
     # forward
     row_scaled_ez: bool = True        # Ē = βe ⊙ k, Z = βz ⊙ v formed in-kernel (per-row β)
     gram_from_qk: bool = True         # vector gates: intra reads T from qk_gram
@@ -138,6 +142,9 @@ class KernelConfig:
             v = getattr(self, f)
             if not isinstance(v, tuple) or set(v) - set(names):
                 bad.append(f"{f}={v!r} must be a tuple of some of {names}")
+        if self.tf32_emulation not in (None, "truncate", "round"):
+            bad.append(f"tf32_emulation={self.tf32_emulation!r} must be None, 'truncate' or "
+                       "'round'")
         for f in dataclasses.fields(self):
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
                 bad.append(f"{f.name}={getattr(self, f.name)!r} must be a bool")
