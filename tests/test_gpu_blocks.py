@@ -1,4 +1,4 @@
-"""The GPU block layer (``pallas_kernels.gpu.blocks``) piece by piece against the one chunk
+"""The GPU block layer (``pallas_kernels.gpu.blocks`` and ``.decay``) piece by piece against the one chunk
 algebra (``pallas_kernels.chunk_algebra``, fp32 HIGHEST einsums) on small chunks, in Pallas
 interpret mode: the decay Grams of every diagonal method, the leaf products (apply and its
 transpose, alone and shared), the blocked unit-lower inverse, and the whole-chunk helpers of
@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import chunk_algebra as ca
 from pallas_kernels.gpu import blocks as bk
+from pallas_kernels.gpu import decay as dc
 
 pytestmark = pytest.mark.skipif(jax.default_backend() == "gpu", reason="interpret-mode units")
 HI = lax.Precision.HIGHEST
@@ -65,7 +66,7 @@ def test_vector_grams_match_chunk_algebra(diag, kslice, bound, strict):
     def kernel(G_ref, x_ref, y_ref, o_ref, f_ref):
         o_ref[...] = jnp.zeros((C, C), jnp.float32)  # the blocks above the diagonal
         f_ref[...] = jnp.zeros((C, C), jnp.float32)
-        gt = bk.Gates("vector", G_ref, 0, C, diag, kslice=kslice)
+        gt = dc.Gates("vector", G_ref, 0, C, diag, kslice=kslice)
         xs, ys = bk.Rows(x_ref), bk.Rows(y_ref)
         for i in range(n):
             for j in range(i + 1):
@@ -93,7 +94,7 @@ def test_vector_leaf_products_match_chunk_algebra(diag):
     n = C // bk.BS
 
     def kernel(G_ref, x_ref, y_ref, P1_ref, P2_ref, a1_ref, a2_ref, t_ref, h_ref, tl_ref):
-        gt = bk.Gates("vector", G_ref, 0, C, diag)
+        gt = dc.Gates("vector", G_ref, 0, C, diag)
         xs, ys = bk.Rows(x_ref), bk.Rows(y_ref)
         B1, B2 = bk.Blocks(P1_ref), bk.Blocks(P2_ref)
         for i in range(n):
@@ -127,7 +128,7 @@ def test_whole_chunk_helpers_match_chunk_algebra(mode):
         P_ref[...] = bk.qk_full(mode, x_ref, y_ref, G_ref, C, HI)[1]
         D_ref[...] = (bk.scalar_decay(G_ref[...], C) if G_ref is not None
                       else jnp.where(bk.iota((C, C), 1) <= bk.iota((C, C), 0), 1.0, 0.0))
-        gt = bk.Gates(mode, G_ref, 0, C)
+        gt = dc.Gates(mode, G_ref, 0, C)
         xs, ys = bk.Rows(x_ref), bk.Rows(y_ref)
         for i in range(n):
             for j in range(n):

@@ -228,15 +228,15 @@ def test_interpret_fused_output_pass(op, decay, n_seqs, C, small_tiles, monkeypa
                                                 ("gdn2", False, {"policy": "save"})])
 def test_interpret_outer_diagonal(op, gram_from_qk, kw, small_tiles, monkeypatch):
     """qk_gram's diagonal blocks by the "outer" method (all pairs at once, key slices of
-    blocks.OUTER_SLICE; K = 32 makes two slices): every output and gradient at strong
+    decay.OUTER_SLICE; K = 32 makes two slices): every output and gradient at strong
     decays (g down to −50 and −inf), forming P alone or P and intra's T. The method needs the
-    row operands' refs: intra's own Gram reads them over key slices (``rewy_intra.kslice``, the
+    row operands' refs: intra's own Gram reads them over key slices (``intra_kslice``, the
     default) and then runs it too; from fp32 rows (kslice 0: no refs) it refuses it by name."""
-    from pallas_kernels.gpu import blocks
+    from pallas_kernels.gpu import decay
 
     _TUNED["qk_gram_diag"] = "outer"
     _TUNED["gram_from_qk"] = gram_from_qk
-    monkeypatch.setattr(blocks, "OUTER_SLICE", 16)
+    monkeypatch.setattr(decay, "OUTER_SLICE", 16)
     inp = testing.make_inputs(op, 1, 70, 2, 32, 16, decay="strong", seed=16)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
                                    chunk_size=64, **kw))

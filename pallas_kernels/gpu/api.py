@@ -32,7 +32,8 @@ from jax import lax
 from pallas_kernels.chunk_algebra import clamp_gates, exclusive_cumsum, reverse_cumsum
 from pallas_kernels.gpu import chunk_backward, chunk_local, gates, launch, output, state_passes
 from pallas_kernels.gpu import config as kconfig
-from pallas_kernels.gpu.blocks import CENTRED_MIN_GATE, EmulatedTF32
+from pallas_kernels.gpu.blocks import EmulatedTF32
+from pallas_kernels.gpu.decay import CENTRED_MIN_GATE
 from pallas_kernels.gpu.config import KernelConfig
 
 F32 = jnp.float32
@@ -44,7 +45,7 @@ class Config(NamedTuple):
     backward: str  # "rewy" | "wy"
     interpret: bool
     kernel: KernelConfig  # every kernel setting (tiles, warps, stages, precision, algorithms)
-    centred: bool = False  # vector gates declared ≥ blocks.CENTRED_MIN_GATE (centred diagonals)
+    centred: bool = False  # vector gates declared ≥ decay.CENTRED_MIN_GATE (centred diagonals)
     # one sequence per batch row (no cu_seqlens): the metadata is reset = [chunk 0], end =
     # [chunk N − 1], seq = 0, and h0's slot 0 is the start state (launch.Shape.one_seq)
     one_seq: bool = False

@@ -24,9 +24,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu import launch
-from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Gates, Rows, ScaledRows, _sum, dot,
+from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Rows, ScaledRows, _sum, dot,
                                        dot_stored, exp, iota, load_rows, load_scaled_rows, qg,
                                        scalar_decay)
+from pallas_kernels.gpu.decay import Gates
 from pallas_kernels.gpu.launch import Shape, grid_id
 
 

@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu import launch
-from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Gates, Rows, _sum, dot, exp, inv_blocks,
+from pallas_kernels.gpu.blocks import (BS, F32, Blocks, Rows, _sum, dot, exp, inv_blocks,
                                        iota, load_rows)
+from pallas_kernels.gpu.decay import Gates
 from pallas_kernels.gpu.launch import Shape, grid_id, split_refs
 
 
