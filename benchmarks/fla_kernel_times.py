@@ -1,5 +1,5 @@
 """Per-kernel GPU times of flash-linear-attention's chunked ops: the peer's breakdown, to set
-beside ours from ``pallas_kernels/gpu/profile_kernels.py`` (a measurement tool, not a benchmark).
+beside ours from ``tools/profile_kernels.py`` (a measurement tool, not a benchmark).
 
     python3 -m benchmarks.fla_kernel_times --ops deltanet,kda --shape 2x4096x16x128 [--reps 20]
 

@@ -84,8 +84,12 @@ class JaxImpl:
 class Ours(JaxImpl):
     family = "ours"
 
-    def __init__(self, backend: str, backward: str, policy: str, gate_bound: float | None = None):
+    def __init__(self, backend: str, backward: str, policy: str, gate_bound: float | None = None,
+                 kernel_config: dict | None = None):
         self.backend, self.backward, self.policy = backend, backward, policy
+        # the Pallas GPU kernels' KernelConfig overrides for this run (run.py --kernel-config,
+        # --variant); None: the measured defaults
+        self.kernel_config = kernel_config if backend == "pallas_gpu" else None
         # gate_bound: declare g ≥ bound (chunk_kda/chunk_gdn2's gate_lower_bound; the benchmark's
         # gates, log σ(N(0,1) + 3), respect −5); only ops with vector gates take it
         self.gate_bound = gate_bound
@@ -117,6 +121,8 @@ class Ours(JaxImpl):
                   chunk_size=CHUNK, use_qk_l2norm=False)
         if self.gate_bound is not None and op in VECTOR_GATE_OPS:
             kw["gate_lower_bound"] = self.gate_bound
+        if self.kernel_config:
+            kw["kernel_config"] = self.kernel_config
         return kw
 
     def call(self, op, q, k, v, gates, output_final_state):
@@ -479,14 +485,16 @@ def our_backends() -> list[str]:
     return out
 
 
-def all_impls(quick: bool, backends_=None) -> list:
+def all_impls(quick: bool, backends_=None, kernel_config=None) -> list:
+    """kernel_config: KernelConfig overrides for every pallas_gpu row (None: the defaults)."""
     impls = []
     for be in (backends_ or our_backends()):
         variants = OUR_VARIANTS_QUICK.get(be, OUR_VARIANTS_QUICK["xla"]) if quick else OUR_VARIANTS_FULL
         for bw, pol in variants:
-            impls.append(Ours(be, bw, pol))
+            impls.append(Ours(be, bw, pol, kernel_config=kernel_config))
         if be == "pallas_gpu":  # the centred fast path that a declared gate bound enables
-            impls += [Ours(be, "rewy", "recompute", -5.0), Ours(be, "wy", "recompute", -5.0)]
+            impls += [Ours(be, "rewy", "recompute", -5.0, kernel_config),
+                      Ours(be, "wy", "recompute", -5.0, kernel_config)]
     impls += [Jla("mosaic_gpu"), Jla("chunked"), TorchFla(graph=False), TorchFla(graph=True),
               Autodiff()]
     return impls

@@ -1,16 +1,16 @@
 """The benchmark's accuracy check for our Pallas GPU kernels without a GPU (interpret mode, CPU).
 
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python -m benchmarks.interpret_accuracy gdn2 16 128 [--T 512] [--tf32 truncate]
-        [--tune backward.native_pass_dots=false]
+        [--kernel-config backward_native_pass_dots=false]
 
 Same inputs, float64 reference process and thresholds as ``benchmarks/accuracy.py`` uses at an
 accuracy shape (1, T, H, D); ours (ReWY, policy recompute) run through the Pallas interpreter,
-once with the backward's stored tensors in bf16 (the default, ``kernels.DEFAULTS
-["backward.low_precision"]``) and once all in fp32, so that the cost of that storage is read
-off one table (and, with ``--tune``, a third row with other kernel settings). The interpreter
+once with the backward's stored tensors in bf16 (the default, ``KernelConfig
+.backward_low_precision``) and once all in fp32, so that the cost of that storage is read
+off one table (and, with ``--kernel-config``, a third row with other kernel settings). The interpreter
 evaluates the same kernel code with exact fp32 dots where the GPU uses TF32, so this checks the
 algorithm and the storage precision, not the TF32 rounding — unless ``--tf32`` rounds the fp32
-operands of every product to TF32 first (``blocks.TF32_EMULATION``).
+operands of every product to TF32 first (``KernelConfig.tf32_emulation``).
 """
 
 from __future__ import annotations
@@ -47,30 +47,21 @@ def reference(op: str, shape: Shape):
 
 
 def check(op: str, H: int, D: int, T: int = 512, tune: dict | None = None,
-          gate_bound: float | None = None) -> dict:
+          gate_bound: float | None = None, base: dict | None = None) -> dict:
     """{"bf16-backward" | "fp32-backward" [| "bf16-backward + tune"]: accuracy.compare's report}
-    at (1, T, H, D); ``tune``: kernel settings (kernels.TUNE) for a third row; every row on the
-    settings the caller left in kernels.TUNE (at D ≤ 32 DEFAULTS "precision.narrow_keys" runs
-    16-bit calls on fp32 kernels: set it to 0 to check the 16-bit ones there);
-    ``gate_bound``: declare g ≥ it (vector gates), as the benchmark's "g≥-5" rows do."""
-    from pallas_kernels.gpu import kernels
-
+    at (1, T, H, D); ``tune``: KernelConfig overrides for a third row; ``base``: overrides
+    every row starts from (at D ≤ 32 the default ``narrow_keys`` runs 16-bit calls on fp32
+    kernels: {"narrow_keys": 0} checks the 16-bit ones there); ``gate_bound``: declare g ≥ it
+    (vector gates), as the benchmark's "g≥-5" rows do."""
     inp, cts, ref = reference(op, Shape(1, T, H, D))
-    impl = OursInterpret("pallas_gpu", "rewy", "recompute", gate_bound)
-    rows = {"bf16-backward": {}, "fp32-backward": {"backward.low_precision": ()}}
+    rows = {"bf16-backward": {}, "fp32-backward": {"backward_low_precision": ()}}
     if tune:
         rows["bf16-backward + " + " ".join(f"{k}={v}" for k, v in tune.items())] = tune
     out = {}
-    saved = dict(kernels.TUNE)
-    try:
-        for name, settings in rows.items():  # each row: the caller's settings, then its own
-            kernels.TUNE.clear()
-            kernels.TUNE.update(saved)
-            kernels.TUNE.update(settings)
-            out[name] = accuracy.compare(*accuracy.run_impl(impl, op, inp, cts), ref)
-    finally:
-        kernels.TUNE.clear()
-        kernels.TUNE.update(saved)
+    for name, settings in rows.items():  # each row: the caller's base, then its own
+        impl = OursInterpret("pallas_gpu", "rewy", "recompute", gate_bound,
+                             kernel_config={**(base or {}), **settings})
+        out[name] = accuracy.compare(*accuracy.run_impl(impl, op, inp, cts), ref)
     return out
 
 
@@ -80,23 +71,20 @@ def main(argv=None):
     ap.add_argument("H", type=int)
     ap.add_argument("D", type=int)
     ap.add_argument("--T", type=int, default=512)
-    ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
-                    help="a kernel setting (kernels.TUNE) for a third row; repeatable")
+    ap.add_argument("--kernel-config", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a KernelConfig override for a third row; repeatable")
     ap.add_argument("--tf32", choices=("truncate", "round"), default=None,
                     help="multiply fp32 operands as TF32 (as the GPU does for 16-bit inputs): "
                          "their 13 low mantissa bits truncated or rounded")
     ap.add_argument("--gate-bound", type=float, default=None,
                     help="declare g ≥ this (kda, gdn2): the centred diagonal blocks")
     a = ap.parse_args(argv)
-    from pallas_kernels.gpu import blocks, kernels
+    from benchmarks.run import kernel_overrides
 
-    tune = dict(kernels.parse_tune(t) for t in a.tune)
+    tune = kernel_overrides(None, a.kernel_config)
     t0 = time.time()
-    saved, blocks.TF32_EMULATION = blocks.TF32_EMULATION, a.tf32
-    try:
-        reports = check(a.op, a.H, a.D, a.T, tune, a.gate_bound)
-    finally:
-        blocks.TF32_EMULATION = saved
+    reports = check(a.op, a.H, a.D, a.T, tune, a.gate_bound,
+                    base={"tf32_emulation": a.tf32} if a.tf32 else None)
     tf32 = (f" (TF32 {a.tf32})" if a.tf32 else "") + (
         "" if a.gate_bound is None else f" g≥{a.gate_bound:g}")
     for name, rep in reports.items():

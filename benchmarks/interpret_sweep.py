@@ -11,7 +11,7 @@ draw, e.g. ``--backend pallas_tpu --ops gdn --dtypes bfloat16 --decays strong``,
 strong-decay bf16 case of issue 40) with the kernels' defaults, and prints one row
 per case: every output and gradient's ratio against its rewy-math §8 threshold. The tiles are
 made small (``--tiles``) so that K, V = 32 run two tiles through every kernel. At K ≤ 32 16-bit
-calls run the kernels on fp32 (kernels.DEFAULTS "precision.narrow_keys"); ``--narrow-keys 0`` runs the 16-bit
+calls run the kernels on fp32 (KernelConfig.narrow_keys); ``--narrow-keys 0`` runs the 16-bit
 kernels there instead, as production head dims (≥ 64) do. Exits 1 if any ratio is over its
 threshold or not finite.
 """
@@ -30,20 +30,26 @@ from pathlib import Path
 import numpy as np
 
 
-def run(seed: int, cases: int, backend: str, tiles: int, **draw) -> list[dict]:
-    """``cases`` rows; ``draw``: testing.random_case's keywords (ops, dtypes, max_T, dims)."""
-    from pallas_kernels.gpu import api
+def run(seed: int, cases: int, backend: str, tiles: int, narrow_keys: int | None = None,
+        **draw) -> list[dict]:
+    """``cases`` rows; ``draw``: testing.random_case's keywords (ops, dtypes, max_T, dims);
+    ``tiles`` (several key and value tiles at K, V = 32) and ``narrow_keys``: KernelConfig
+    overrides of the pallas_gpu backend."""
     from rewy_jax import testing
 
-    if tiles:  # several key and value tiles at K, V = 32
-        api.DEFAULT_BV = api.DEFAULT_BK = api.DEFAULT_BV_STATE = tiles
+    kcfg = {}
+    if tiles:
+        kcfg.update(block_v=tiles, block_k=tiles, block_v_state=tiles)
+    if narrow_keys is not None:
+        kcfg["narrow_keys"] = narrow_keys
+    extra = {"kernel_config": kcfg} if kcfg and backend == "pallas_gpu" else {}
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(cases):
         case = testing.random_case(rng, **draw)
         t0 = time.time()
         rep = case.report(seed=seed * 1000 + 2 * i,
-                          backend=backend, interpret=True)
+                          backend=backend, interpret=True, **extra)
         bad = sorted(n for n, (r, tol) in rep.items() if not (math.isfinite(r) and r <= tol))
         worst = max(rep, key=lambda n: rep[n][0] / rep[n][1])
         rows.append(dict(case=case._asdict(), label=case.label(), seconds=time.time() - t0,
@@ -70,17 +76,13 @@ def main(argv=None) -> int:
                     "resets: 10%% of gates −inf and 10%% −50)")
     ap.add_argument("--max-T", type=int, default=150)
     ap.add_argument("--dims", type=int, nargs="+", default=[16, 32], help="K and V to draw from")
-    ap.add_argument("--narrow-keys", type=int, help="precision.narrow_keys for the run (0: 16-bit "
+    ap.add_argument("--narrow-keys", type=int, help="KernelConfig.narrow_keys for the run (0: 16-bit "
                     "calls run the 16-bit kernels at every K; default: the library's)")
     ap.add_argument("--out-dir", type=Path)
     a = ap.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # the code this run loads
-    if a.narrow_keys is not None:
-        from pallas_kernels.gpu import kernels
-
-        kernels.TUNE["precision.narrow_keys"] = a.narrow_keys
-    rows = run(a.seed, a.cases, a.backend, a.tiles, ops=a.ops, dtypes=tuple(a.dtypes),
+    rows = run(a.seed, a.cases, a.backend, a.tiles, a.narrow_keys, ops=a.ops, dtypes=tuple(a.dtypes),
                max_T=a.max_T, dims=tuple(a.dims), decays=a.decays)
     n_bad = sum(bool(r["bad"]) for r in rows)
     worst = max(rows, key=lambda r: r["ratios"][r["worst"]] / r["tolerances"][r["worst"]])

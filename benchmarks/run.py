@@ -137,15 +137,29 @@ def parse_args(argv):
                     help="a lock file shared by benchmark processes run side by side (gpu_run.sh "
                          "BENCH_SPLIT): each compiles on its own CPU cores but holds the lock "
                          "while it times on the GPU")
-    ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
-                    help="a Pallas GPU kernel setting for this run (kernels.TUNE, e.g. exp2=true); "
-                         "repeatable; recorded in the results' command line")
+    ap.add_argument("--kernel-config", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a Pallas GPU KernelConfig override for this run's pallas_gpu rows "
+                         "(e.g. twin_pass=false, warps.bwd_leaf=4); repeatable; recorded in the "
+                         "results' command line")
     ap.add_argument("--variant", default=None, metavar="NAME[+NAME...]",
-                    help="Pallas GPU kernel settings of pallas_kernels/gpu/profile_kernels.VARIANTS "
-                         "(trace_op.py's names; 'a+b' for several), set before --tune's")
+                    help="KernelConfig overrides of tools/profile_kernels.VARIANTS (trace_op's "
+                         "names; 'a+b' for several), under --kernel-config's")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--stem", default=None, help="file stem (default: <mode>-<date>)")
     return ap.parse_args(argv)
+
+
+def kernel_overrides(variant, settings):
+    """The pallas_gpu rows' KernelConfig overrides: ``variant``'s (tools/profile_kernels.VARIANTS,
+    or None), then each "field=value" of ``settings`` (warps.<kernel> / stages.<pass> entries
+    update those tables)."""
+    from tools.profile_kernels import parse_setting, variant_overrides
+
+    out = variant_overrides(variant) if variant else {}
+    for text in settings:
+        field, value = parse_setting(text)
+        out[field] = {**out.get(field, {}), **value} if isinstance(value, dict) else value
+    return out
 
 
 def main(argv=None):
@@ -167,16 +181,9 @@ def main(argv=None):
     if mode == "quick":  # fit one 10-minute device call (machine start and transfers included)
         a.deadline_s = 330.0 if a.deadline_s is None else a.deadline_s
         a.fla_deadline_s = 300.0 if a.fla_deadline_s is None else a.fla_deadline_s
-    if a.variant:
-        from pallas_kernels.gpu.profile_kernels import apply_variant
-
-        apply_variant(a.variant)
-    if a.tune:
-        from pallas_kernels.gpu import kernels as gpu_kernels
-
-        gpu_kernels.TUNE.update(gpu_kernels.parse_tune(t) for t in a.tune)
     backends_ = a.backends.split(",") if a.backends else None
-    impl_list = I.all_impls(quick=mode != "full", backends_=backends_)
+    impl_list = I.all_impls(quick=mode != "full", backends_=backends_,
+                            kernel_config=kernel_overrides(a.variant, a.kernel_config) or None)
     if a.impls:
         keys = [k.strip() for k in a.impls.split(",") if k.strip()]
         impl_list = [i for i in impl_list if any(k in i.name for k in keys)]

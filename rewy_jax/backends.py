@@ -128,13 +128,16 @@ def _pallas_tpu_supports(call, chunk_size, interpret):
 # ----------------------------------------------------------------------------------------------
 # pallas_gpu: the Triton-lowered Pallas kernels (pallas_kernels.gpu), imported lazily
 # ----------------------------------------------------------------------------------------------
-def pallas_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
+def pallas_gpu_impl(call, *, chunk_size, policy, backward, interpret=False, kernel_config=None):
+    """kernel_config: None (the measured defaults), a ``pallas_kernels.gpu.config.KernelConfig``
+    or a mapping of its field overrides (the ops' ``kernel_config=``)."""
     from pallas_kernels.gpu import api
 
     plan = (None if call.cu_seqlens is None
             else layout.plan_chunks(call.q.shape[1], chunk_size, call.cu_seqlens))
     return api.delta_rule_call(call, chunk_size=chunk_size, policy=policy, backward=backward,
-                               interpret=interpret, plan=plan, gate_lower_bound=call.g_bound)
+                               interpret=interpret, plan=plan, gate_lower_bound=call.g_bound,
+                               kernel_config=kernel_config)
 
 
 def _pallas_gpu_supports(call, chunk_size, interpret):

@@ -146,7 +146,7 @@ def _global_tokens(q, context_axis):
 
 
 def _run_chunk(call: GeneralCall, *, chunk_size, policy, backward, backend, interpret,
-               output_final_state, scale, context_axis=None):
+               output_final_state, scale, context_axis=None, kernel_config=None):
     validate.check_options(chunk_size=chunk_size, policy=policy, backward=backward,
                            backend=backend, scale=scale)
     if context_axis is not None:  # T split over a shard_map axis (rewy_jax.context_parallel)
@@ -170,8 +170,15 @@ def _run_chunk(call: GeneralCall, *, chunk_size, policy, backward, backend, inte
                                               backward=backward, interpret=interpret)
         return o.astype(call.out_dtype), (final if output_final_state else None)
     impl = backends.select(backend, call, chunk_size=chunk_size, interpret=interpret)
+    # kernel settings exist only for the Pallas GPU kernels: refused elsewhere, not ignored
+    kw = {}
+    if kernel_config is not None:
+        if getattr(impl, "__wrapped__", impl) is not backends.pallas_gpu_impl:
+            raise ValueError("kernel_config= configures the Pallas GPU kernels; this call runs "
+                             "another backend (pass backend='pallas_gpu')")
+        kw = {"kernel_config": kernel_config}
     o, final = impl(call, chunk_size=chunk_size, policy=policy, backward=backward,
-                    interpret=interpret)
+                    interpret=interpret, **kw)
     return o.astype(call.out_dtype), (final if output_final_state else None)
 
 
@@ -204,6 +211,9 @@ _COMMON_DOC = """
         cu_seqlens, as ``jax.experimental.checkify`` checks — wrap the caller in
         ``checkify.checkify``. Concrete inputs are always checked (ValueError naming the
         argument); see docs/input-contract.md.
+      kernel_config: backend "pallas_gpu" only — None (the measured defaults), a
+        ``pallas_kernels.gpu.config.KernelConfig`` or a dict of its field overrides, e.g.
+        ``{{"block_v": 32}}`` (tiles, warps, stages, precision policy, algorithm choices).
 {extra}    Returns:
       (o [B, T, H, V] in q's dtype, final_state fp32 or None).
 """
@@ -212,7 +222,8 @@ _COMMON_DOC = """
 def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False,
                      use_qk_l2norm=None, chunk_size=64, policy="recompute", backward="rewy",
                      backend=None, interpret=False, cu_seqlens=None,
-                     use_qk_l2norm_in_kernel=None, checked=False, context_axis=None):
+                     use_qk_l2norm_in_kernel=None, checked=False, context_axis=None,
+                     kernel_config=None):
     call = _prepare(q, k, v, None, beta, beta, g_kind=None, b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
                     cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -220,13 +231,15 @@ def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_fi
                     gate_names=(None, "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
-                      scale=scale, context_axis=context_axis)
+                      scale=scale, context_axis=context_axis,
+                      kernel_config=kernel_config)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
                            output_final_state=False, use_qk_l2norm=None, chunk_size=64,
                            policy="recompute", backward="rewy", backend=None, interpret=False,
-                           cu_seqlens=None, use_qk_l2norm_in_kernel=None, checked=False, context_axis=None):
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=None, checked=False, context_axis=None,
+                           kernel_config=None):
     call = _prepare(q, k, v, g, beta, beta, g_kind="scalar", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
                     cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -234,13 +247,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
                     gate_names=("g", "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
-                      scale=scale, context_axis=context_axis)
+                      scale=scale, context_axis=context_axis,
+                      kernel_config=kernel_config)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm=None, chunk_size=64, policy="recompute", backward="rewy",
               backend=None, interpret=False, cu_seqlens=None, gate_lower_bound=None,
-              use_qk_l2norm_in_kernel=None, checked=False, context_axis=None):
+              use_qk_l2norm_in_kernel=None, checked=False, context_axis=None,
+              kernel_config=None):
     call = _prepare(q, k, v, g, beta, beta, g_kind="vector", b_kind="scalar", w_kind="scalar",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
                     cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound,
@@ -248,13 +263,15 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                     context_axis=context_axis, gate_names=("g", "beta", None))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
-                      scale=scale, context_axis=context_axis)
+                      scale=scale, context_axis=context_axis,
+                      kernel_config=kernel_config)
 
 
 def chunk_gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None, output_final_state=False,
                use_qk_l2norm=None, chunk_size=64, policy="recompute", backward="rewy",
                backend=None, interpret=False, cu_seqlens=None, gate_lower_bound=None,
-               use_qk_l2norm_in_kernel=None, checked=False, context_axis=None):
+               use_qk_l2norm_in_kernel=None, checked=False, context_axis=None,
+               kernel_config=None):
     call = _prepare(q, k, v, g, b, w, g_kind="vector", b_kind="vector", w_kind="vector",
                     scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
                     cu_seqlens=cu_seqlens, gate_lower_bound=gate_lower_bound,
@@ -262,7 +279,8 @@ def chunk_gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None, output_final
                     context_axis=context_axis, gate_names=("g", "b", "w"))
     return _run_chunk(call, chunk_size=chunk_size, policy=policy, backward=backward,
                       backend=backend, interpret=interpret, output_final_state=output_final_state,
-                      scale=scale, context_axis=context_axis)
+                      scale=scale, context_axis=context_axis,
+                      kernel_config=kernel_config)
 
 
 _BOUND_DOC = """      gate_lower_bound: None, or a static float in [−40, 0) that every g respects (a concrete g

@@ -179,12 +179,14 @@ def wrap_if_multi_device(impl, *, unless_interpret=False):
     lowering cannot hold (jax 0.12), so XLA partitions the interpreter's program itself."""
 
     @functools.wraps(impl)
-    def wrapped(call, *, chunk_size, policy, backward, interpret=False):
+    def wrapped(call, *, chunk_size, policy, backward, interpret=False, **settings):
+        # settings: backend-specific keywords (pallas_gpu's kernel_config), static
+        target = functools.partial(impl, **settings) if settings else impl
         if (jax.device_count() == 1 or _in_manual_context()
                 or (unless_interpret and interpret)):
-            return impl(call, chunk_size=chunk_size, policy=policy, backward=backward,
-                        interpret=interpret)
-        return partitioned(impl, call, chunk_size=chunk_size, policy=policy, backward=backward,
+            return target(call, chunk_size=chunk_size, policy=policy, backward=backward,
+                          interpret=interpret)
+        return partitioned(target, call, chunk_size=chunk_size, policy=policy, backward=backward,
                            interpret=interpret)
 
     return wrapped

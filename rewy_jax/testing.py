@@ -157,7 +157,7 @@ def output_and_vjp(f, x, ct):
 
 
 # Keyword arguments of the ops that select an implementation but do not change the result.
-_EXECUTION_ONLY = ("backend", "chunk_size", "policy", "backward", "interpret")
+_EXECUTION_ONLY = ("backend", "chunk_size", "policy", "backward", "interpret", "kernel_config")
 
 
 def accuracy_report(op: str, inputs: dict, *, seed: int = 1, use_qk_l2norm: bool = True, **kw) -> dict:

@@ -218,22 +218,18 @@ def test_refusing_implementation_is_reported(tmp_path, monkeypatch):
         def call(self, op, q, k, v, gates, output_final_state):
             raise ValueError("head dims must be in (64, 128)")
 
-    monkeypatch.setattr(impls, "all_impls", lambda quick, backends_=None: [
-        Refuses(), impls.Ours("no_such_backend", "rewy", "recompute")])
-    from pallas_kernels.gpu import kernels
-
-    from pallas_kernels.gpu import api
-
-    monkeypatch.setattr(kernels, "TUNE", {})  # --tune writes here; restored after the test
-    for width in ("DEFAULT_BV", "DEFAULT_BV_STATE", "DEFAULT_BK"):  # and --variant here
-        monkeypatch.setattr(api, width, getattr(api, width))
+    seen = []
+    monkeypatch.setattr(impls, "all_impls", lambda quick, backends_=None, kernel_config=None: (
+        seen.append(kernel_config) or [Refuses(), impls.Ours("no_such_backend", "rewy", "recompute")]))
     assert run.main(["--cpu-smoke", "--shapes", TINY, "--ops", "deltanet", "--rounds", "1",
-                     "--out-dir", str(tmp_path), "--stem", "r", "--tune", "exp2=true",
-                     "--tune", "backward.low_precision=S0,dS", "--variant", "qdo+bltl",
-                     "--tune", "backward.chunk_qdo=none"]) == 0
-    assert kernels.TUNE == {"exp2": True, "backward.low_precision": ("S0", "dS"),
-                            "backward.chunk_qdo": "none", "rewy_bwd_local.tile_loop": True}
-    assert "--tune exp2=true" in json.loads((tmp_path / "r.json").read_text())["meta"]["command"]
+                     "--out-dir", str(tmp_path), "--stem", "r", "--kernel-config", "twin_pass=false",
+                     "--kernel-config", "backward_low_precision=S0,dS", "--variant", "nopd+lw4",
+                     "--kernel-config", "warps.bwd_dlam=8"]) == 0
+    # the rows' KernelConfig overrides: the variant's, then --kernel-config's, merged
+    assert seen == [{"twin_pass": False, "backward_low_precision": ("S0", "dS"),
+                     "fwd_predecayed": False, "warps": {"bwd_leaf": 4, "bwd_dlam": 8}}]
+    assert "--kernel-config twin_pass=false" in json.loads(
+        (tmp_path / "r.json").read_text())["meta"]["command"]
     rows = {r["impl"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
     assert rows["refuses"]["status"] == "refused" and "head dims" in rows["refuses"]["reason"]
     assert rows["ours no_such_backend rewy/recompute"]["status"] == "skipped"
@@ -303,20 +299,17 @@ def test_gpu_turn_is_a_readers_writer_lock(tmp_path):
 def test_interpret_accuracy_tool_reports_both_storages(monkeypatch):
     """benchmarks/interpret_accuracy.py: the benchmark's accuracy check of our kernels on CPU —
     both backward storages pass at a small shape, the bf16 one moves the gradients (not o),
-    its rows keep the caller's settings (here the 16-bit kernels at D = 32, which
-    "precision.narrow_keys" would run in fp32), and the kernel settings are left as found."""
+    and its rows start from the caller's base overrides (here the 16-bit kernels at D = 32,
+    which KernelConfig.narrow_keys would run in fp32)."""
     from benchmarks import interpret_accuracy
-    from pallas_kernels.gpu import kernels
 
-    monkeypatch.setitem(kernels.TUNE, "precision.narrow_keys", 0)
-    before = dict(kernels.TUNE)
-    reps = interpret_accuracy.check("gdn", 2, 32, T=96, tune={"backward.native_pass_dots": False})
-    third = "bf16-backward + backward.native_pass_dots=False"
+    reps = interpret_accuracy.check("gdn", 2, 32, T=96, tune={"backward_native_pass_dots": False},
+                                    base={"narrow_keys": 0})
+    third = "bf16-backward + backward_native_pass_dots=False"
     assert set(reps) == {"bf16-backward", "fp32-backward", third}
     assert all(r["status"] == "pass" for r in reps.values())
     lo, hi, nat = (reps[n]["ratios"] for n in ("bf16-backward", "fp32-backward", third))
     assert lo["o"] == hi["o"] == nat["o"] and lo["dk"] != hi["dk"] != nat["dk"] != lo["dk"]
-    assert dict(kernels.TUNE) == before
 
 
 def test_timed_fwd_bwd_is_the_output_and_its_vjp():

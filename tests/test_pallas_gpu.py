@@ -19,6 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rewy_jax
+from pallas_kernels.gpu import chunk_backward, chunk_local, launch, state_passes
+from pallas_kernels.gpu import gates as gates_mod
+from pallas_kernels.gpu import output as output_mod
 from rewy_jax import backends, testing
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -31,24 +34,69 @@ def _check(rep):
     assert not bad, bad
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """Value and key tiles of 16 so that V = 32 / K = 32 run two tiles through the kernels."""
-    from pallas_kernels.gpu import api
-
-    monkeypatch.setattr(api, "DEFAULT_BV", 16)
-    monkeypatch.setattr(api, "DEFAULT_BK", 16)
-    monkeypatch.setattr(api, "DEFAULT_BV_STATE", 16)
+# Field overrides on every call's default KernelConfig during one test (reset by ``tuned``):
+# tests set entries to run the kernels under another setting, as the ops' kernel_config= does.
+_TUNED: dict = {}
+_DEFAULT_CONFIG = None  # config.default_config itself, before ``tuned`` wraps it
 
 
 @pytest.fixture(autouse=True)
-def sixteen_bit_kernels_at_small_keys(monkeypatch):
-    """This file's small K (16, 32) stand in for the production head dims (≥ 64), at which 16-bit
-    calls run the 16-bit kernels; DEFAULTS "precision.narrow_keys" would run them on fp32 here.
-    The tests of that policy set it back."""
-    from pallas_kernels.gpu import kernels
+def tuned(monkeypatch):
+    """Every pallas_gpu call of the test runs its default config with ``_TUNED``'s overrides.
+    This file's small K (16, 32) stand in for the production head dims (≥ 64), at which 16-bit
+    calls run the 16-bit kernels; KernelConfig.narrow_keys would run them on fp32 here, so it
+    is 0 (the tests of that policy set it back)."""
+    from pallas_kernels.gpu import config
 
-    monkeypatch.setitem(kernels.TUNE, "precision.narrow_keys", 0)
+    global _DEFAULT_CONFIG
+    _DEFAULT_CONFIG = _DEFAULT_CONFIG or config.default_config
+    _TUNED.clear()
+    _TUNED["narrow_keys"] = 0
+    real = _DEFAULT_CONFIG
+    monkeypatch.setattr(config, "default_config",
+                        lambda *a, **k: real(*a, **k).with_overrides(_TUNED))
+    yield _TUNED
+    _TUNED.clear()
+
+
+def _default(mode="scalar", K=32, V=32, dtype=jnp.bfloat16, **kw):
+    """The measured default KernelConfig (without this file's overrides)."""
+    from pallas_kernels.gpu import config
+
+    return (_DEFAULT_CONFIG or config.default_config)(mode, K, V, dtype, **kw)
+
+
+def _kcfg(mode="scalar", K=32, V=32, dtype=jnp.float32, **over):
+    """A KernelConfig for tests that call the kernels directly: the default plus ``over``."""
+    return _default(mode, K, V, dtype).with_overrides({"narrow_keys": 0, **_TUNED, **over})
+
+
+def _wu_case(mode, K, V, seed):
+    """(Shape, k, e = 0.7 k, z, G, a spare PRNG key): bf16 rows at B = 1, T = 128, H = 2, C = 64,
+    strong gates of ``mode`` (G from the chunk's start), the config with ``_TUNED`` — the
+    kernel-level tests of W, U."""
+    from pallas_kernels.gpu import api
+
+    B, T, H, C = 1, 128, 2, 64
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    k = (jax.random.normal(ks[0], (B, T, H, K)) / K ** 0.5).astype(jnp.bfloat16)
+    e = (0.7 * k.astype(jnp.float32)).astype(jnp.bfloat16)
+    z = jax.random.normal(ks[1], (B, T, H, V)).astype(jnp.bfloat16)
+    G = None
+    if mode != "none":
+        g = -jax.random.uniform(ks[2], (B, T, H) if mode == "scalar" else (B, T, H, K),
+                                jnp.float32, 0.01, 3.0)
+        G, _ = api._cum_gates(g, C, True, 4)
+    h0 = jnp.zeros((B, H, 2, K, V), jnp.float32)
+    s = api._shape(api.Config(C, "recompute", "rewy", True, _kcfg(mode, K, V, jnp.bfloat16),
+                              one_seq=True), k, z, G, h0)
+    return s, k, e, z, G, ks[3]
+
+
+@pytest.fixture
+def small_tiles(tuned):
+    """Value and key tiles of 16 so that V = 32 / K = 32 run two tiles through the kernels."""
+    tuned.update(block_v=16, block_k=16, block_v_state=16)
 
 
 # (op, T, K, V, chunk, decay, extra kwargs) — each case compiles its own interpret kernels.
@@ -95,24 +143,24 @@ def test_interpret_random_cases(seed, small_tiles):
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 def test_interpret_narrow_keys_run_in_fp32(small_tiles, monkeypatch):
-    """DEFAULTS "precision.narrow_keys": at K ≤ 32 a bf16 call runs the kernels on fp32 q, k, v (three-TF32
+    """KernelConfig.narrow_keys: at K ≤ 32 a bf16 call runs the kernels on fp32 q, k, v (three-TF32
     products on the GPU, exact fp32 here) and still returns o in bf16. On the case an interpret
     sweep found (benchmarks/results/interpret-sweep-26: DeltaNet, K = 16, T = 272, no decay,
     β ∈ [0, 2], two packed sequences with initial states) the 16-bit kernels' dk exceeds
     rewy-math §8's 1e-2; this path meets every bound with room."""
-    from pallas_kernels.gpu import api, kernels
+    from pallas_kernels.gpu import api
 
     case = testing.Case("deltanet", 1, 272, 1, 16, 16, 64, "none", "rewy", "recompute", True, 2,
                         "bfloat16")
-    monkeypatch.setitem(kernels.TUNE, "precision.narrow_keys", kernels.DEFAULTS["precision.narrow_keys"])
-    assert kernels.DEFAULTS["precision.narrow_keys"] >= 16
+    _TUNED["narrow_keys"] = _default().narrow_keys
+    assert _default().narrow_keys >= 16
     o, _ = testing.run_op("deltanet", case.inputs(27002), backend="pallas_gpu", interpret=True,
                           use_qk_l2norm=True, **case.kwargs())
     assert o.dtype == jnp.bfloat16
     rep = case.report(27002, backend="pallas_gpu", interpret=True)
     assert all(r <= tol / 2 for r, tol in rep.values()), rep
     assert api._precision(jnp.bfloat16, False, narrow=True) == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    monkeypatch.setitem(kernels.TUNE, "precision.narrow_keys", 0)  # the 16-bit kernels, same case
+    _TUNED["narrow_keys"] = 0  # the 16-bit kernels, same case
     sixteen = case.report(27002, backend="pallas_gpu", interpret=True)
     assert sixteen["dk"][0] > sixteen["dk"][1], sixteen
 
@@ -123,10 +171,8 @@ def test_interpret_narrow_keys_run_in_fp32(small_tiles, monkeypatch):
 def test_interpret_leaf_chunk_grid(kw, small_tiles, monkeypatch):
     """The leaf and qk_gram kernels with one program per chunk (their row grids off; a tuning
     option — the row grids are the default)."""
-    from pallas_kernels.gpu import kernels
-
-    monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.rowgrid", False)
-    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", False)
+    _TUNED["leaf_rowgrid"] = False
+    _TUNED["qk_gram_rowgrid"] = False
     inp = testing.make_inputs("kda", 1, 70, 2, 16, 16, decay="bounded", seed=11)
     _check(testing.accuracy_report("kda", inp, backend="pallas_gpu", interpret=True,
                                    chunk_size=64, **kw))
@@ -145,59 +191,11 @@ def test_interpret_shared_decay_options(op, decay, kw, diag, gram_from_qk, share
     key Gram T from qk_gram or building it, the leaf applying dT and dA_qk through one set of
     factors or two — with each diagonal method (exact
     loop, exact bit levels, centred under a bound) at strong decays: every output and gradient."""
-    from pallas_kernels.gpu import kernels
-
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", gram_from_qk)
-    monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.shared_decay", shared)
-    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.exact_diag", diag)
-    monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.exact_diag", diag)
+    _TUNED["gram_from_qk"] = gram_from_qk
+    _TUNED["leaf_shared_decay"] = shared
+    _TUNED["qk_gram_diag"] = diag
+    _TUNED["leaf_diag"] = diag
     inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay=decay, seed=13)
-    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
-                                   chunk_size=64, **kw))
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-def test_fused_output_by_gate_mode(small_tiles, monkeypatch):
-    """"fwd_pass.fused_output" naming gate modes: only those fuse the output into the forward's
-    pass (the others launch the output kernel), with the same o; an unknown mode is refused."""
-    from pallas_kernels.gpu import kernels
-
-    monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", ("none", "vector"))
-    assert [kernels.fused_output(m) for m in ("none", "scalar", "vector")] == [True, False, True]
-    monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", "scalar")
-    assert [kernels.fused_output(m) for m in ("none", "scalar", "vector")] == [False, True, False]
-    calls = []
-    output = kernels.output
-    monkeypatch.setattr(kernels, "output", lambda *a, **k: calls.append(1) or output(*a, **k))
-    kw = dict(backend="pallas_gpu", interpret=True, chunk_size=16)
-    for op, fused in (("deltanet", True), ("gdn", False)):
-        inp = testing.make_inputs(op, 1, 40, 2, 16, 16, decay="strong", seed=5)
-        monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", ("none", "vector"))
-        jax.clear_caches()
-        calls.clear()
-        o1, f1 = testing.run_op(op, inp, **kw)
-        assert len(calls) == (not fused), op
-        monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", not fused)
-        jax.clear_caches()
-        o2, f2 = testing.run_op(op, inp, **kw)  # the other form
-        assert _rel(o1, o2) < 1e-6 and _rel(f1, f2) < 1e-6, op
-    monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", ("none", "gated"))
-    with pytest.raises(ValueError, match="fwd_pass.fused_output.*gated"):
-        kernels.fused_output("none")
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,gram_from_qk,kw", [("kda", True, {}),
-                                                ("gdn2", False, {"gate_lower_bound": -5.0})])
-def test_interpret_qk_gram_pair_grid(op, gram_from_qk, kw, small_tiles, monkeypatch):
-    """qk_gram with one program per (row block, column block) (a tuning option), forming P alone
-    or P and intra's T: every output and gradient at strong decays, T not a multiple of 64."""
-    from pallas_kernels.gpu import kernels
-
-    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.pairgrid", True)
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", gram_from_qk)
-    inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay="strong" if not kw else "bounded",
-                              seed=15)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
                                    chunk_size=64, **kw))
 
@@ -208,18 +206,16 @@ def test_interpret_qk_gram_pair_grid(op, gram_from_qk, kw, small_tiles, monkeypa
                                                ("kda", "strong", None, 64),
                                                ("gdn2", "normal", 2, 16)])
 def test_interpret_fused_output_pass(op, decay, n_seqs, C, small_tiles, monkeypatch):
-    """DEFAULTS "fwd_pass.fused_output": the output formed inside the forward state pass (no
+    """KernelConfig.fused_output: the output formed inside the forward state pass (no
     S0, R stored) — every output and gradient against the float64 recurrence, initial states
     and packed sequences included, T not a multiple of the chunk; o and the final state equal
     the two-kernel forward's to fp32 rounding; policy "save" (which keeps S0, R) still runs."""
-    from pallas_kernels.gpu import kernels
-
     inp = testing.make_inputs(op, 1 if n_seqs else 2, 70, 2, 32, 32, decay=decay, seed=19,
                               n_seqs=n_seqs)
     kw = dict(backend="pallas_gpu", interpret=True, chunk_size=C, use_qk_l2norm=True)
-    monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", False)
+    _TUNED["fused_output"] = False
     o2, f2 = testing.run_op(op, inp, **kw)
-    monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", True)
+    _TUNED["fused_output"] = True
     o1, f1 = testing.run_op(op, inp, **kw)
     assert _rel(o1, o2) < 1e-6 and _rel(f1, f2) < 1e-6
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True, chunk_size=C))
@@ -232,24 +228,24 @@ def test_interpret_fused_output_pass(op, decay, n_seqs, C, small_tiles, monkeypa
                                                 ("gdn2", False, {"policy": "save"})])
 def test_interpret_outer_diagonal(op, gram_from_qk, kw, small_tiles, monkeypatch):
     """qk_gram's diagonal blocks by the "outer" method (all pairs at once, key slices of
-    blocks.OUTER_SLICE; K = 32 makes two slices): every output and gradient at strong
+    decay.OUTER_SLICE; K = 32 makes two slices): every output and gradient at strong
     decays (g down to −50 and −inf), forming P alone or P and intra's T. The method needs the
-    row operands' refs: intra's own Gram reads them over key slices (``rewy_intra.kslice``, the
+    row operands' refs: intra's own Gram reads them over key slices (``intra_kslice``, the
     default) and then runs it too; from fp32 rows (kslice 0: no refs) it refuses it by name."""
-    from pallas_kernels.gpu import blocks, kernels
+    from pallas_kernels.gpu import decay
 
-    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.exact_diag", "outer")
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", gram_from_qk)
-    monkeypatch.setattr(blocks, "OUTER_SLICE", 16)
+    _TUNED["qk_gram_diag"] = "outer"
+    _TUNED["gram_from_qk"] = gram_from_qk
+    monkeypatch.setattr(decay, "OUTER_SLICE", 16)
     inp = testing.make_inputs(op, 1, 70, 2, 32, 16, decay="strong", seed=16)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
                                    chunk_size=64, **kw))
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.exact_diag", "outer")
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", False)
+    _TUNED["intra_diag"] = "outer"
+    _TUNED["gram_from_qk"] = False
     if not gram_from_qk:  # intra's own vector-gate Gram by "outer", read over key slices
         _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
                                        chunk_size=64, **kw))
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.kslice", 0)
+    _TUNED["intra_kslice"] = 0
     with pytest.raises(ValueError, match="outer"):
         testing.run_op(op, inp, backend="pallas_gpu", interpret=True, chunk_size=64)
 
@@ -263,12 +259,10 @@ def test_interpret_key_sliced_grams(op, kw, kslice, monkeypatch):
     16) and intra's own (``rewy_intra.kslice``, an option: the no-gate and scalar-gate key
     Gram, read as stored) — K = 32 in two loop steps, or over all K at once (0): strong or
     bounded decays, every output and gradient."""
-    from pallas_kernels.gpu import kernels
-
-    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.kslice", kslice)
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.kslice", kslice)
+    _TUNED["qk_gram_kslice"] = kslice
+    _TUNED["intra_kslice"] = kslice
     # GDN2: intra forms its own vector-gate key Gram (frame blocks and diagonal loop, sliced)
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", op != "gdn2")
+    _TUNED["gram_from_qk"] = op != "gdn2"
     decay = "bounded" if kw.get("gate_lower_bound") else "strong"
     inp = testing.make_inputs(op, 1, 70, 2, 32, 32, decay=decay, seed=17)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
@@ -282,9 +276,7 @@ def test_interpret_key_sliced_grams(op, kw, kslice, monkeypatch):
 def test_interpret_chained_diagonal_inverse(op, decay, kw, small_tiles, monkeypatch):
     """intra inverting its diagonal blocks one after another (the tuning alternative to the
     default interleaved loop): every output and gradient, each gate kind, strong decays."""
-    from pallas_kernels.gpu import kernels
-
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.joint_diag_inverse", False)
+    _TUNED["joint_diag_inverse"] = False
     inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay=decay, seed=14)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
                                    chunk_size=64, **kw))
@@ -297,29 +289,9 @@ def test_interpret_exact_diagonals_strong_decay(op, kw, diag, small_tiles, monke
     """Both exact diagonal-block methods (per-column loop, bit levels) in every kernel that has
     them, at strong decays (g down to −10, −50 and −inf): every output and gradient, no
     overflow. (The defaults mix them: loop in intra/qk_gram, levels in bwd_leaf.)"""
-    from pallas_kernels.gpu import kernels
-
-    for k in ("intra", "qk_gram", "bwd_leaf"):
-        monkeypatch.setitem(kernels.TUNE, f"rewy_{k}.exact_diag", diag)
+    for k in ("intra", "qk_gram", "leaf"):
+        _TUNED[f"{k}_diag"] = diag
     inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay="strong", seed=12)
-    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
-                                   chunk_size=64, **kw))
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,decay,kw", [("kda", "strong", {}),
-                                         ("deltanet", "none", {"policy": "save"}),
-                                         ("gdn", "strong", {"backward": "wy"})])
-def test_interpret_unrolled_loops(op, decay, kw, small_tiles, monkeypatch):
-    """intra's and qk_gram's 16-step loops unrolled at trace time (a tuning option): the
-    diagonal inverse substitution and the exact per-column diagonal blocks, every output and
-    gradient at strong decays."""
-    from pallas_kernels.gpu import kernels
-
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.unroll", True)
-    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.unroll", True)
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", False)  # intra's own Gram too
-    inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay=decay, seed=18)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
                                    chunk_size=64, **kw))
 
@@ -330,27 +302,10 @@ def test_interpret_unrolled_loops(op, decay, kw, small_tiles, monkeypatch):
 def test_interpret_full_recompute(op, decay, kw, small_tiles, monkeypatch):
     """Policy "recompute" re-forming A (and P) in the backward instead of keeping them (the
     tuning alternative to the default): every output and gradient."""
-    from pallas_kernels.gpu import kernels
-
-    monkeypatch.setitem(kernels.TUNE, "recompute.keep_chunk_matrices", False)
+    _TUNED["keep_chunk_matrices"] = False
     inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay=decay, seed=16)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
                                    chunk_size=64, **kw))
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,decay,kw", [("deltanet", "normal", {}), ("gdn", "strong", {}),
-                                         ("kda", "strong", {}),
-                                         ("kda", "normal", {"backward": "wy", "policy": "save"})])
-def test_interpret_leaf_maps_in_kernel(op, decay, kw, small_tiles, monkeypatch):
-    """DEFAULTS "backward.leaf_maps_in_kernel" (off): bwd_dlam and bwd_leaf differentiate
-    Ē = β ⊙ k and Z = β ⊙ v themselves — every gradient to fp32 accuracy, both backwards."""
-    from pallas_kernels.gpu import kernels
-
-    monkeypatch.setitem(kernels.TUNE, "backward.leaf_maps_in_kernel", True)
-    inp = testing.make_inputs(op, 2, 40, 2, 16, 32, decay=decay, seed=9)
-    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True, chunk_size=16,
-                                   **kw))
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
@@ -392,7 +347,7 @@ def test_row_scales_keep_no_products(monkeypatch):
 def test_recompute_keeps_chunk_matrices_not_states(mode):
     """Policy "recompute" keeps A (and P for vector gates) for the backward and no chunk state;
     intra given that A re-forms the forward's W and U exactly (same fp32 products)."""
-    from pallas_kernels.gpu import api, kernels as kn
+    from pallas_kernels.gpu import api
 
     B, T, H, K, V, C = 1, 128, 2, 16, 32, 64
     rng = np.random.default_rng(17)
@@ -404,7 +359,7 @@ def test_recompute_keeps_chunk_matrices_not_states(mode):
     h0 = jnp.zeros((B, H, 2, K, V), jnp.float32)
     meta = ((jnp.arange(N) == 0).astype(jnp.int32), (jnp.arange(N) == N - 1).astype(jnp.int32),
             jnp.zeros((N,), jnp.int32))
-    cfg = api.Config(C, "recompute", "rewy", True, 16)
+    cfg = api.Config(C, "recompute", "rewy", True, _kcfg(mode, K, V, block_v=16))
     _, res = api._fwd(cfg, q, k, e, z, G, h0, *meta)
     kept = res[-2]
     assert res[-1] is None  # no per-row scales given (general_delta's rows)
@@ -414,7 +369,7 @@ def test_recompute_keeps_chunk_matrices_not_states(mode):
                if a is not h0 and hasattr(a, "shape"))
     s = api._shape(cfg, q, z, G, h0)
     A, W, U, _ = api._intra(s, q, k, e, z, G, True)
-    W2, U2 = kn.intra(s, k, e, z, G, A=A, interpret=True)
+    W2, U2 = chunk_local.intra(s, k, e, z, G, A=A, interpret=True)
     np.testing.assert_array_equal(np.asarray(W2), np.asarray(W))
     np.testing.assert_array_equal(np.asarray(U2), np.asarray(U))
 
@@ -423,27 +378,28 @@ def test_recompute_keeps_chunk_matrices_not_states(mode):
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {}), ("kda", "strong", {}),
                                          ("gdn", "normal", {"backward": "wy", "policy": "save"})])
 def test_interpret_low_precision_backward(op, decay, kw, monkeypatch):
-    """backward.low_precision: the backward's stored S0, R, dS, dR, dRl, Λ, W, U, dT and dA_qk
+    """KernelConfig.backward_low_precision: the backward's stored S0, R, dS, dR, dRl, Λ, W, U, dT and dA_qk
     and the forward's kept A in bf16 (16-bit inputs). The forward is untouched bit for bit; every gradient stays within the bf16
     thresholds against the float64 recurrence; the stored tensors really are bf16."""
-    from pallas_kernels.gpu import api, kernels
+    from pallas_kernels.gpu import api, config
 
     inp = testing.make_inputs(op, 1, 100, 2, 32, 32, dtype=jnp.bfloat16, decay=decay, seed=23)
     kw = dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32)
-    monkeypatch.setitem(kernels.TUNE, "backward.low_precision", ())  # all fp32
+    _TUNED["backward_low_precision"] = ()  # all fp32
     ref = testing.accuracy_report(op, inp, **kw)
     o_ref = testing.run_op(op, inp, **kw)[0]
-    monkeypatch.setitem(kernels.TUNE, "backward.low_precision", kernels.LOW_PRECISION_NAMES)
+    _TUNED["backward_low_precision"] = config.LOW_PRECISION_NAMES
     rep = testing.accuracy_report(op, inp, **kw)
     _check(rep)
     np.testing.assert_array_equal(np.asarray(testing.run_op(op, inp, **kw)[0]), np.asarray(o_ref))
     assert any(rep[n][0] != ref[n][0] for n in rep if n.startswith("d"))  # it did take effect
-    sd = api._stored_dtypes(jnp.bfloat16)
-    assert set(sd.values()) == {jnp.bfloat16} and set(api._stored_dtypes(jnp.float32).values()) == {
+    s = api._shape(api.Config(32, "recompute", "rewy", True, _kcfg()), inp["q"], inp["v"],
+                   None, jnp.zeros((1, 2, 2, 32, 32)))
+    sd = api._stored_dtypes(s, jnp.bfloat16)
+    assert set(sd.values()) == {jnp.bfloat16} and set(api._stored_dtypes(s, jnp.float32).values()) == {
         jnp.float32}
-    monkeypatch.setitem(kernels.TUNE, "backward.low_precision", ("S0", "dW"))
-    with pytest.raises(ValueError, match="unknown names.*dW"):
-        api._stored_dtypes(jnp.bfloat16)
+    with pytest.raises(ValueError, match="backward_low_precision.*must be a tuple of some of"):
+        _kcfg(backward_low_precision=("S0", "dW"))
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
@@ -456,72 +412,33 @@ def test_interpret_native_pass_dots(op, decay, kw, small_tiles, monkeypatch):
     thresholds against the float64 recurrence (initial states, packed sequences, T not a
     multiple of the chunk, two value tiles), and the option does change the gradients; fp32
     inputs never take it."""
-    from pallas_kernels.gpu import kernels
-
     n_seqs = kw.pop("n_seqs", None)
     inp = testing.make_inputs(op, 1, 100, 2, 32, 32, dtype=jnp.bfloat16, decay=decay, seed=31,
                               n_seqs=n_seqs)
     kw = dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32)
-    monkeypatch.setitem(kernels.TUNE, "backward.native_pass_dots", False)
+    _TUNED["backward_native_pass_dots"] = False
     ref = testing.accuracy_report(op, inp, **kw)
     o_ref = testing.run_op(op, inp, **kw)[0]
-    monkeypatch.setitem(kernels.TUNE, "backward.native_pass_dots", True)
+    _TUNED["backward_native_pass_dots"] = True
     rep = testing.accuracy_report(op, inp, **kw)
     _check(rep)
     np.testing.assert_array_equal(np.asarray(testing.run_op(op, inp, **kw)[0]), np.asarray(o_ref))
     assert any(rep[n][0] != ref[n][0] for n in rep if n.startswith("d"))  # it did take effect
-    assert not kernels._native_pass_dots((jnp.float32, jnp.bfloat16))
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
-                                         ("deltanet", "none", {}),
-                                         ("gdn", "strong", {"policy": "save"}),
-                                         ("kda", "strong", {})])
-def test_interpret_chunk_qdo(op, decay, kw, small_tiles, monkeypatch):
-    """DEFAULTS "backward.chunk_qdo" (off until timed): bwd_local forms each chunk's Qγᵀ dO
-    (reading q and G beside the kept P for vector gates) and the reverse state pass (twin or
-    alone) reads it instead of q and dO. Every gradient
-    stays within the bf16 thresholds against the float64 recurrence (initial states, packed
-    sequences, T not a multiple of the chunk, two value tiles), the forward is untouched bit for
-    bit, and the option takes effect: bwd_local returns the term, the pass reads no q."""
-    from pallas_kernels.gpu import kernels
-
-    assert not kernels.DEFAULTS["backward.chunk_qdo"]
-    n_seqs = kw.pop("n_seqs", None)
-    inp = testing.make_inputs(op, 1, 100, 2, 32, 32, dtype=jnp.bfloat16, decay=decay, seed=41,
-                              n_seqs=n_seqs)
-    kw = dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32)
-    ref = testing.accuracy_report(op, inp, **kw)
-    o_ref = testing.run_op(op, inp, **kw)[0]
-    monkeypatch.setitem(kernels.TUNE, "backward.chunk_qdo", True)
-    launches = _record_launches(monkeypatch)
-    jax.clear_caches()
-    rep = testing.accuracy_report(op, inp, **kw)
-    _check(rep)
-    np.testing.assert_array_equal(np.asarray(testing.run_op(op, inp, **kw)[0]), np.asarray(o_ref))
-    assert any(rep[n][0] != ref[n][0] for n in rep if n.startswith("d"))  # it did take effect
-    calls = {}
-    for launch in launches:
-        calls.setdefault(launch["name"], launch)
-    reverse = calls.get("rewy_twin_pass", calls.get("rewy_bwd_pass"))
-    n_in = 8 if op == "deltanet" else 9  # [qdo, k, (G), W, dRl, dfin, reset, end, seq]
-    assert len(reverse["in_specs"]) == n_in + ("rewy_twin_pass" in calls) * (n_in - 1)
-    assert len(calls["rewy_bwd_local"]["out_shape"]) == 2
+    s = launch.Shape(1, 32, 1, 32, 32, 32, 2, "none", None, _kcfg())
+    assert not state_passes.native_pass_dots(s, (jnp.float32, jnp.bfloat16))
+    assert state_passes.native_pass_dots(s, (jnp.bfloat16, jnp.bfloat16))
 
 
 def _record_launches(monkeypatch):
-    """Wrap kernels._call so that every launch's settings (name, grid, in_specs, out_shape, …)
+    """Wrap launch.call so that every launch's settings (name, grid, in_specs, out_shape, …)
     are appended to the returned list, for tests that check which kernels an option runs."""
-    from pallas_kernels.gpu import kernels
-
-    launches, call = [], kernels._call
+    launches, call = [], launch.call
 
     def recorded(kernel, **launch):
         launches.append(launch)
         return call(kernel, **launch)
 
-    monkeypatch.setattr(kernels, "_call", recorded)
+    monkeypatch.setattr(launch, "call", recorded)
     return launches
 
 
@@ -547,16 +464,13 @@ def _bf16_case(op, decay, seed, kw):
 
 def _bit_identical_with(monkeypatch, case, key, value):
     """The outputs and every gradient of ``case`` (``_bf16_case``'s inputs, cotangents and
-    keywords) with kernels.TUNE[key] = value are bit for bit those without; returns the
-    launches of the run with it (``_record_launches``), to check which kernels it ran."""
-    from pallas_kernels.gpu import kernels
-
+    keywords) with the KernelConfig field ``key`` = value are bit for bit those without;
+    returns the launches of the run with it (``_record_launches``), to check which kernels it
+    ran."""
     op, inp, cts, kw = case
-    jax.clear_caches()
     base = testing.loss_and_grads(op, inp, cts, **kw)
     launched = _record_launches(monkeypatch)
-    monkeypatch.setitem(kernels.TUNE, key, value)
-    jax.clear_caches()
+    _TUNED[key] = value
     _same_runs(testing.loss_and_grads(op, inp, cts, **kw), base)
     return launched
 
@@ -580,14 +494,14 @@ def test_interpret_gate_clamp_in_kernel(vector):
     pairs = jax.random.normal(ks[1], shape, jnp.float32)
     path = jax.random.normal(ks[2], shape, jnp.float32)
     clamped = clamp_gates(g, floor)
-    G, below = api._cum_gates(g, C, True, floor, keep_below=True)
-    assert np.array_equal(G, api._cum_gates(clamped, C, True)[0])
+    G, below = api._cum_gates(g, C, True, 4, floor, keep_below=True)
+    assert np.array_equal(G, api._cum_gates(clamped, C, True, 4)[0])
     assert np.array_equal(np.asarray(below) != 0, np.asarray(g) < floor)
     assert 0 < int(np.sum(np.asarray(below) != 0)) < below.size
-    assert api._cum_gates(g, C, True, floor)[1] is None  # the primal keeps no mask
-    dg = api._gate_grad((pairs, path), C, True, below)
+    assert api._cum_gates(g, C, True, 4, floor)[1] is None  # the primal keeps no mask
+    dg = api._gate_grad((pairs, path), C, True, 4, below)
     _, vjp = jax.vjp(lambda x: clamp_gates(x, floor), g)
-    assert np.array_equal(dg, vjp(api._gate_grad((pairs, path), C, True))[0])
+    assert np.array_equal(dg, vjp(api._gate_grad((pairs, path), C, True, 4))[0])
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
@@ -615,11 +529,11 @@ def test_interpret_op_clamps_gates_in_kernel(op, monkeypatch):
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("K", [32, 128])
 def test_interpret_gate_kernels(K):
-    """kernels.cum_gates / gate_grad (vector gates' G and dg, in-kernel since profile-21)
+    """gates_mod.cum_gates / gate_grad (vector gates' G and dg, in-kernel since profile-21)
     against the plain-JAX cumsums of chunk_algebra in float64, over several chunks, heads and
     key tiles, with strong decays (g down to −60) and gradient parts of mixed sign."""
     from pallas_kernels.chunk_algebra import exclusive_cumsum, reverse_cumsum
-    from pallas_kernels.gpu import api, kernels
+    from pallas_kernels.gpu import api
 
     C, shape = 16, (2, 48, 3, K)
     ks = jax.random.split(jax.random.PRNGKey(K), 3)
@@ -627,19 +541,19 @@ def test_interpret_gate_kernels(K):
     pairs = 30.0 * jax.random.normal(ks[1], shape, jnp.float32)
     path = jax.random.normal(ks[2], shape, jnp.float32)
     f64 = lambda x: np.asarray(x, np.float64).reshape(2, 3, C, 3, K)  # noqa: E731
-    G = kernels.cum_gates(g, C, interpret=True)
+    G = gates_mod.cum_gates(g, C, interpret=True, warps=4)
     np.testing.assert_allclose(np.asarray(G).reshape(2, 3, C, 3, K),
                                np.cumsum(f64(g), axis=2), rtol=1e-6, atol=1e-5)
-    dg = kernels.gate_grad(pairs, path, C, interpret=True)
+    dg = gates_mod.gate_grad(pairs, path, C, interpret=True, warps=4)
     ref = np.flip(np.cumsum(np.flip(f64(pairs), 2), 2), 2) + np.cumsum(f64(path), 2) - f64(path)
     err = np.linalg.norm(np.asarray(dg, np.float64).reshape(ref.shape) - ref) / np.linalg.norm(ref)
     assert err < 1e-6, err
     # the dispatch: vector gates through the kernels, scalar gates in jnp (same sums)
-    assert np.array_equal(api._cum_gates(g, C, True)[0], G)
-    np.testing.assert_allclose(api._gate_grad((pairs, path), C, True), dg)
+    assert np.array_equal(api._cum_gates(g, C, True, 4)[0], G)
+    np.testing.assert_allclose(api._gate_grad((pairs, path), C, True, 4), dg)
     gs = g[..., 0]
-    np.testing.assert_allclose(api._cum_gates(gs, C, True)[0], G[..., 0], rtol=1e-6, atol=1e-5)
-    sc = api._gate_grad((pairs[..., 0], path[..., 0]), C, True)
+    np.testing.assert_allclose(api._cum_gates(gs, C, True, 4)[0], G[..., 0], rtol=1e-6, atol=1e-5)
+    sc = api._gate_grad((pairs[..., 0], path[..., 0]), C, True, 4)
     c = lambda x: api._chunks(x, C)  # noqa: E731
     np.testing.assert_allclose(
         sc, (reverse_cumsum(c(pairs[..., 0]), 2) + exclusive_cumsum(c(path[..., 0]), 2)
@@ -647,127 +561,50 @@ def test_interpret_gate_kernels(K):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,dtype", [("deltanet", jnp.float32), ("kda", jnp.bfloat16)])
-def test_interpret_row_vjp_kernel(op, dtype, monkeypatch):
-    """DEFAULTS "backward.row_vjp_kernel" (off: measured slower in profile-21): the VJP of
-    e = β ⊙ k, z = β ⊙ v by kernels.row_scale_vjp gives the gradients of XLA's three fusions
-    (the same fp32 arithmetic; the row sums may round in another order), and the kernel runs."""
-    from pallas_kernels.gpu import kernels
-
-    assert not kernels.DEFAULTS["backward.row_vjp_kernel"]
-    monkeypatch.setitem(kernels.TUNE, "backward.row_vjp_kernel", True)
-    inp = testing.make_inputs(op, 2, 40, 2, 32, 16, dtype=dtype, seed=3)
-    rng = np.random.default_rng(0)
-    cts = {"o": jnp.asarray(rng.standard_normal((2, 40, 2, 16)), jnp.float32),
-           "final_state": jnp.asarray(rng.standard_normal((2, 2, 32, 16)), jnp.float32)}
-    kw = dict(backend="pallas_gpu", interpret=True, chunk_size=16, use_qk_l2norm=True)
-    launched = _record_launches(monkeypatch)
-    jax.clear_caches()
-    _, _, g1 = testing.loss_and_grads(op, inp, cts, **kw)
-    assert any(launch["name"] == "rewy_row_vjp" for launch in launched)
-    monkeypatch.setitem(kernels.TUNE, "backward.row_vjp_kernel", False)
-    jax.clear_caches()
-    _, _, g2 = testing.loss_and_grads(op, inp, cts, **kw)
-    for name in g1:
-        assert _rel(g1[name], g2[name]) < 1e-5, (name, _rel(g1[name], g2[name]))
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 def test_interpret_qk_gram_centred(monkeypatch):
-    """DEFAULTS "rewy_qk_gram.centred": under a declared gate bound qk_gram's diagonal blocks as
+    """KernelConfig.qk_gram_centred: under a declared gate bound qk_gram's diagonal blocks as
     centred frame products give P and T as the exact loop does, to fp32 rounding, with every
     gate at the bound (factors up to e^40 before the mask); without the bound the loop stays;
     KDA through the op within the bf16 thresholds."""
-    from pallas_kernels.gpu import api, kernels
+    from pallas_kernels.gpu import api
 
     s, k, e, _, _, key = _wu_case("vector", 32, 32, 17)
     kq, kg = jax.random.split(key)
     q = (jax.random.normal(kq, k.shape) / k.shape[-1] ** 0.5).astype(jnp.bfloat16)
     g = -jax.random.uniform(kg, k.shape, jnp.float32, 0.0, 5.0).at[:, ::7].set(-5.0)
-    G, _ = api._cum_gates(g, s.C, True)
+    G, _ = api._cum_gates(g, s.C, True, 4)
     h0 = jnp.zeros((1, 2, 2, 32, 32), jnp.float32)
-    centred = api._shape(api.Config(s.C, "recompute", "rewy", True, 64, centred=True,
-                                    one_seq=True), k, k, G, h0)
-    assert kernels.DEFAULTS["rewy_qk_gram.centred"]  # default since profile-21
-    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.centred", False)
-    exact = kernels.qk_gram(centred, q, k, G, e=e, interpret=True)
+
+    def centred(on):  # the shape of a call with a declared bound
+        return api._shape(api.Config(s.C, "recompute", "rewy", True,
+                                     _kcfg("vector", qk_gram_centred=on), centred=True,
+                                     one_seq=True), k, k, G, h0)
+
+    assert _default("vector").qk_gram_centred  # default since profile-21
+    exact = chunk_local.qk_gram(centred(False), q, k, G, e=e, interpret=True)
     seen = []
-    gates = kernels.Gates
-    monkeypatch.setattr(kernels, "Gates", lambda *a, **k_: seen.append(a[4]) or gates(*a, **k_))
-    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.centred", True)
-    got = kernels.qk_gram(centred, q, k, G, e=e, interpret=True)
+    gates = chunk_local.Gates
+    monkeypatch.setattr(chunk_local, "Gates", lambda *a, **k_: seen.append(a[4]) or gates(*a, **k_))
+    got = chunk_local.qk_gram(centred(True), q, k, G, e=e, interpret=True)
     assert seen == ["centred"], seen
     for x, y in zip(got, exact, strict=True):  # P, T
         assert _rel(x, y) < 1e-5, _rel(x, y)
     seen.clear()
-    kernels.qk_gram(s, q, k, G, e=e, interpret=True)  # no declared bound: exact
-    assert seen == [kernels.setting("rewy_qk_gram.exact_diag")], seen
+    chunk_local.qk_gram(s, q, k, G, e=e, interpret=True)  # no declared bound: exact
+    assert seen == [_default("vector").qk_gram_diag], seen
     inp, _, kw = _bf16_case("kda", "normal", 79, {})
-    jax.clear_caches()
     _check(testing.accuracy_report("kda", inp, gate_lower_bound=-5.0, **kw))
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("backward,keep", [("rewy", True), ("wy", True), ("rewy", False)])
-def test_interpret_backward_row_scaled_wu(backward, keep, monkeypatch):
-    """DEFAULTS "backward.row_scaled_wu": the backward re-forms W, U from k, v and β like the
-    forward (off: from βk, βv rounded to bf16), for kept or re-formed chunk matrices — the key
-    gradients come closer to the float64 recurrence and every check passes (DeltaNet, packed
-    sequences, β in [0, 2])."""
-    from pallas_kernels.gpu import api, kernels
-
-    inp, _, kw = _bf16_case("deltanet", "none", 83, {"n_seqs": 2, "backward": backward})
-    for n in ("q", "k"):  # unit rows as bf16 inputs (see test_interpret_row_scaled_ez)
-        x = inp[n].astype(jnp.float32)
-        inp[n] = (x / jnp.linalg.norm(x, axis=-1, keepdims=True)).astype(jnp.bfloat16)
-    kw["use_qk_l2norm"] = False
-    monkeypatch.setitem(kernels.TUNE, "recompute.keep_chunk_matrices", keep)
-    in_bwd, rows_seen = [False], []  # whether each W, U re-formation of the backward got rows
-
-    def spy(real):
-        def call(*a, rows=None, **kw):
-            if in_bwd[0]:
-                rows_seen.append(rows is not None)
-            return real(*a, rows=rows, **kw)
-        return call
-
-    monkeypatch.setattr(api, "_wu", spy(api._wu))
-    monkeypatch.setattr(api, "_intra", spy(api._intra))
-    bwd = api._bwd
-
-    def bwd_spy(*a):
-        in_bwd[0] = True
-        try:
-            return bwd(*a)
-        finally:
-            in_bwd[0] = False
-
-    api.general_delta.defvjp(api._fwd, bwd_spy)
-    reps = {}
-    try:
-        for on in (False, True):
-            monkeypatch.setitem(kernels.TUNE, "backward.row_scaled_wu", on)
-            jax.clear_caches()
-            rows_seen.clear()
-            reps[on] = testing.accuracy_report("deltanet", inp, **kw)
-            _check(reps[on])
-            assert rows_seen and all(r == on for r in rows_seen), (on, rows_seen)
-    finally:
-        api.general_delta.defvjp(api._fwd, bwd)
-    assert reps[True]["dk"][0] < reps[False]["dk"][0], reps
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("mode", ["none", "scalar", "vector"])
 @pytest.mark.parametrize("kslice", [0, 16])
 def test_interpret_intra_rows(mode, kslice, monkeypatch):
-    """kernels.intra and qk_gram with per-row scales (``rows``, ``e_rows``): from k, v as stored
+    """chunk_local.intra and qk_gram with per-row scales (``rows``, ``e_rows``): from k, v as stored
     and β, the same A, W, U, T as from the exactly scaled fp32 rows — with the Grams over key
     slices (native products of the stored rows) or whole."""
-    from pallas_kernels.gpu import kernels
-
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.kslice", kslice)
-    monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.kslice", kslice)
+    _TUNED["intra_kslice"] = kslice
+    _TUNED["qk_gram_kslice"] = kslice
     s, k, _, v, G, key = _wu_case(mode, 32, 32, 13)
     kq, kb = jax.random.split(key)
     q = (jax.random.normal(kq, k.shape) / k.shape[-1] ** 0.5).astype(jnp.bfloat16)
@@ -776,11 +613,11 @@ def test_interpret_intra_rows(mode, kslice, monkeypatch):
     e32, z32 = be[..., None] * k.astype(jnp.float32), bz[..., None] * v.astype(jnp.float32)
     Tg = Tg32 = None
     if mode == "vector":
-        P, Tg = kernels.qk_gram(s, q, k, G, e=k, e_rows=be, interpret=True)
-        P32, Tg32 = kernels.qk_gram(s, q, k, G, e=e32, interpret=True)
+        P, Tg = chunk_local.qk_gram(s, q, k, G, e=k, e_rows=be, interpret=True)
+        P32, Tg32 = chunk_local.qk_gram(s, q, k, G, e=e32, interpret=True)
         assert _rel(P, P32) == 0 and _rel(Tg, Tg32) < 1e-6, _rel(Tg, Tg32)
-    got = kernels.intra(s, k, k, v, G, T=Tg, interpret=True, rows=(be, bz))
-    want = kernels.intra(s, k, e32, z32, G, T=Tg32, interpret=True)
+    got = chunk_local.intra(s, k, k, v, G, T=Tg, interpret=True, rows=(be, bz))
+    want = chunk_local.intra(s, k, e32, z32, G, T=Tg32, interpret=True)
     for x, y in zip(got, want, strict=True):  # A, W, U
         assert _rel(x, y) < 1e-5, (_rel(x, y), mode)
 
@@ -791,13 +628,11 @@ def test_interpret_intra_rows(mode, kslice, monkeypatch):
                                          ("kda", "normal", {}),
                                          ("gdn2", "normal", {})])
 def test_interpret_row_scaled_ez(op, decay, kw, monkeypatch):
-    """forward.row_scaled_ez (default): with per-row β (DeltaNet, GDN, KDA) the forward's
+    """KernelConfig.row_scaled_ez (default): with per-row β (DeltaNet, GDN, KDA) the forward's
     kernels form Ē = β ⊙ k and Z = β ⊙ v from k, v and β instead of reading e, z rounded to
     bf16 — o and the final state come closer to the float64 recurrence (β in [0, 2], packed
     sequences, strong decays, both policies), the gradients move by rounding only, and GDN2 (b, w
     per channel) keeps the rounded e, z."""
-    from pallas_kernels.gpu import kernels
-
     inp, cts, kw = _bf16_case(op, decay, 71, kw)
     # q, k of unit norm as bf16 inputs (normalised in-op, they would be rounded to bf16 after
     # the reference saw them in fp32): the forward's own rounding alone
@@ -806,13 +641,12 @@ def test_interpret_row_scaled_ez(op, decay, kw, monkeypatch):
         inp[n] = (x / jnp.linalg.norm(x, axis=-1, keepdims=True)).astype(jnp.bfloat16)
     kw["use_qk_l2norm"] = False
     seen = []
-    intra = kernels.intra
-    monkeypatch.setattr(kernels, "intra", lambda *a, **k: seen.append(k.get("rows") is not None)
+    intra = chunk_local.intra
+    monkeypatch.setattr(chunk_local, "intra", lambda *a, **k: seen.append(k.get("rows") is not None)
                         or intra(*a, **k))
     reps, grads = {}, {}
     for on in (False, True):
-        monkeypatch.setitem(kernels.TUNE, "forward.row_scaled_ez", on)
-        jax.clear_caches()  # read when the kernels are traced
+        _TUNED["row_scaled_ez"] = on
         seen.clear()
         reps[on] = testing.accuracy_report(op, inp, **kw)
         grads[on] = testing.loss_and_grads(op, inp, cts, **kw)[2]  # the gradients alone
@@ -831,48 +665,26 @@ def test_interpret_row_scaled_ez(op, decay, kw, monkeypatch):
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,kw,setting", [("kda", "strong", {"n_seqs": 2}, True),
                                                  ("gdn2", "normal", {"gate_lower_bound": -5.0},
-                                                  "kbar32")])
+                                                  True)])
 def test_interpret_fwd_predecayed(op, decay, kw, setting, small_tiles, monkeypatch):
-    """DEFAULTS "fwd_pass.predecayed" (vector gates; True since profile-22): the fused forward
-    pass reads K̄ = e^{G_C − G} ⊙ k and Qγ = e^{G} ⊙ q from kernels.decayed_rows (Qγ rounded to
-    the inputs' 16 bits, K̄ too or kept in fp32) instead of forming them per value tile from k,
+    """KernelConfig.fwd_predecayed (vector gates; True since profile-22): the fused forward
+    pass reads K̄ = e^{G_C − G} ⊙ k and Qγ = e^{G} ⊙ q from gates_mod.decayed_rows (both rounded
+    to the inputs' 16 bits) instead of forming them per value tile from k,
     q and G (False). The output and final state move by that rounding only and stay within the bf16 thresholds against the float64 recurrence
     (strong decays, packed sequences, initial states, T not a multiple of the chunk); the
     gradients, which the backward recomputes, are unchanged bit for bit."""
-    from pallas_kernels.gpu import kernels
-
     inp, cts, kw = _bf16_case(op, decay, 47, kw)
-    monkeypatch.setitem(kernels.TUNE, "fwd_pass.predecayed", False)
-    jax.clear_caches()
+    _TUNED["fwd_predecayed"] = False
     base = testing.loss_and_grads(op, inp, cts, **kw)
     _check(testing.accuracy_report(op, inp, **kw))
     launched = _record_launches(monkeypatch)
-    monkeypatch.setitem(kernels.TUNE, "fwd_pass.predecayed", setting)
-    jax.clear_caches()
+    _TUNED["fwd_predecayed"] = setting
     pre = testing.loss_and_grads(op, inp, cts, **kw)
     assert any(launch["name"] == "rewy_decayed_rows" for launch in launched)
     _same_runs(pre[2], base[2])  # the gradients
     assert 0 < _rel(pre[0], base[0]) < 1e-2  # o: Qγ's rounding to 16 bits
-    assert _rel(pre[1], base[1]) < 1e-2  # the final state: K̄'s (none for an fp32 K̄)
+    assert _rel(pre[1], base[1]) < 1e-2  # the final state: K̄'s
     _check(testing.accuracy_report(op, inp, **kw))
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,decay,kw,qdo", [("kda", "strong", {"n_seqs": 2}, False),
-                                             ("kda", "normal", {"policy": "save"}, False),
-                                             ("gdn2", "strong", {"gate_lower_bound": -5.0}, True)])
-def test_interpret_bwd_predecayed(op, decay, kw, qdo, small_tiles, monkeypatch):
-    """DEFAULTS "backward.predecayed" (vector gates; off until timed): the backward's state
-    passes read K̄ and Qγ from kernels.decayed_rows instead of forming them from k, q and G in
-    each value-tile program — in the dtype each pass would round them to, so the outputs and
-    every gradient are bit for bit the default's (twin and lone reverse pass, with and without
-    chunk_qdo, packed sequences, strong decays)."""
-    from pallas_kernels.gpu import kernels
-
-    inp, cts, kw = _bf16_case(op, decay, 53, kw)
-    monkeypatch.setitem(kernels.TUNE, "backward.chunk_qdo", qdo)
-    launched = _bit_identical_with(monkeypatch, (op, inp, cts, kw), "backward.predecayed", True)
-    assert any(launch["name"] == "rewy_decayed_rows" for launch in launched)
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
@@ -881,18 +693,16 @@ def test_interpret_bwd_predecayed(op, decay, kw, qdo, small_tiles, monkeypatch):
                                          ("gdn2", "normal", {"gate_lower_bound": -5.0,
                                                              "chunk_size": 64})])
 def test_interpret_qk_gram_row_frames(op, decay, kw, monkeypatch):
-    """DEFAULTS "rewy_qk_gram.row_frames" (True since profile-22): qk_gram's frame-product
+    """KernelConfig.qk_gram_row_frames (True since profile-22): qk_gram's frame-product
     blocks of a row — every block left of the diagonal, and the centred diagonal under a
     declared bound — in one key-slice loop give P, T and so the outputs and every gradient bit
     for bit as one loop per block (False): exact and centred diagonals, chunks of 2 and 4 row
     blocks, packed sequences, strong decays."""
-    from pallas_kernels.gpu import kernels
-
     inp, cts, kw2 = _bf16_case(op, decay, 59, {k: v for k, v in kw.items() if k != "chunk_size"})
     kw2["chunk_size"] = kw.get("chunk_size", kw2["chunk_size"])
-    assert 0 < kernels.setting("rewy_qk_gram.kslice") < 32  # K = 32: two key slices
-    assert kernels.setting("rewy_qk_gram.row_frames") is True
-    launched = _bit_identical_with(monkeypatch, (op, inp, cts, kw2), "rewy_qk_gram.row_frames",
+    assert 0 < _default("vector").qk_gram_kslice < 32  # K = 32: two key slices
+    assert _default("vector").qk_gram_row_frames is True
+    launched = _bit_identical_with(monkeypatch, (op, inp, cts, kw2), "qk_gram_row_frames",
                                    False)
     assert any(launch["name"] == "rewy_qk_gram" for launch in launched)
 
@@ -906,55 +716,48 @@ def test_interpret_qk_gram_row_frames(op, decay, kw, monkeypatch):
     ("kda", "normal", {"gate_lower_bound": -5.0}, None),  # the centred ones
     ("kda", "normal", {}, "loop")])  # per-pair diagonals: XLA's e, always
 def test_interpret_leaf_e_rows(op, decay, kw, diag, monkeypatch):
-    """DEFAULTS "backward.leaf_e_rows" (no and scalar gates since profile-23; vector gates by
-    TUNE True): under ReWY the leaf kernel forms e = βe ⊙ k from k and βe, rounded as
+    """KernelConfig.leaf_e_rows (no and scalar gates since profile-23; vector gates by
+    override): under ReWY the leaf kernel forms e = βe ⊙ k from k and βe, rounded as
     api.leaf_product rounds it, instead of reading XLA's e — the outputs and every gradient
     bit for bit (both policies, packed sequences, strong decays, β in [0, 2], every diagonal
     form); the leaf got βe and no e, except with vector gates' per-pair diagonals."""
-    from pallas_kernels.gpu import kernels
-
     inp, cts, kw2 = _bf16_case(op, decay, 61, kw)
     if diag is not None:
-        monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.exact_diag", diag)
-    assert kernels.DEFAULTS["backward.leaf_e_rows"] == ("none", "scalar")
-    monkeypatch.setitem(kernels.TUNE, "backward.leaf_e_rows", True)
+        _TUNED["leaf_diag"] = diag
+    assert [_default(m).leaf_e_rows for m in ("none", "scalar", "vector")] == [True, True, False]
+    _TUNED["leaf_e_rows"] = True
     got = []
-    leaf = kernels.bwd_leaf
-    monkeypatch.setattr(kernels, "bwd_leaf", lambda *a, **k: got.append(
+    leaf = chunk_backward.bwd_leaf
+    monkeypatch.setattr(chunk_backward, "bwd_leaf", lambda *a, **k: got.append(
         (a[3] is None, k.get("e_scale") is not None)) or leaf(*a, **k))
-    _bit_identical_with(monkeypatch, (op, inp, cts, kw2), "backward.leaf_e_rows", False)
+    _bit_identical_with(monkeypatch, (op, inp, cts, kw2), "leaf_e_rows", False)
     formed = diag != "loop"
     assert got == [(formed, formed), (False, False)], got  # with the option, then XLA's e
-    monkeypatch.setitem(kernels.TUNE, "backward.leaf_e_rows", True)
+    _TUNED["leaf_e_rows"] = True
     got.clear()  # the seven-product backward's bwd_dlam reads e: it keeps XLA's
-    jax.clear_caches()
     testing.loss_and_grads(op, inp, cts, **dict(kw2, backward="wy"))
     assert got == [(False, False)], got
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("key,kw", [("backward.dlam_decays", {}),
-                                    ("backward.dlam_decays", {"n_seqs": 2}),
-                                    ("rewy_bwd_leaf.native_decayed", {})])
+@pytest.mark.parametrize("key,kw", [("dlam_decays", {}),
+                                    ("dlam_decays", {"n_seqs": 2}),
+                                    ("leaf_native_decayed", {})])
 def test_interpret_gdn_decayed_cotangents(key, kw, small_tiles, monkeypatch):
     """Where GDN's decayed chunk cotangents dT ⊙ D, dA_qk ⊙ D are rounded to bf16 for native
-    products: in bwd_dlam, once per chunk (DEFAULTS "backward.dlam_decays", dA_qk's diagonal
-    inside), or in the leaf ("rewy_bwd_leaf.native_decayed", dlam_decays off). Either way every
+    products: in bwd_dlam, once per chunk (KernelConfig.dlam_decays, dA_qk's diagonal
+    inside), or in the leaf ("leaf_native_decayed", dlam_decays off). Either way every
     output and gradient stays within the bf16 thresholds of the float64 recurrence (strong
     decays, β in [0, 2], packed sequences); against the form without it, o, the final state and
     dv (none of them the leaf's) are bit for bit the same and the leaf's gradients move by about
     a bf16 rounding, not more."""
-    from pallas_kernels.gpu import kernels
-
     inp, cts, kw2 = _bf16_case("gdn", "strong", 71, kw)
-    assert kernels.DEFAULTS[key]
-    if key != "backward.dlam_decays":
-        monkeypatch.setitem(kernels.TUNE, "backward.dlam_decays", False)
+    assert getattr(_default("scalar"), key)
+    if key != "dlam_decays":
+        _TUNED["dlam_decays"] = False
     _check(testing.accuracy_report("gdn", inp, **kw2))
-    jax.clear_caches()
     o, s, g = testing.loss_and_grads("gdn", inp, cts, **kw2)
-    monkeypatch.setitem(kernels.TUNE, key, False)
-    jax.clear_caches()
+    _TUNED[key] = False
     o2, s2, g2 = testing.loss_and_grads("gdn", inp, cts, **kw2)
     assert np.array_equal(o, o2) and np.array_equal(s, s2) and np.array_equal(g["dv"], g2["dv"])
     for name in ("dq", "dk", "dg", "dbeta"):
@@ -963,24 +766,22 @@ def test_interpret_gdn_decayed_cotangents(key, kw, small_tiles, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("key,kw", [("state_pass.value_side_decay", {}),
-                                    ("state_pass.value_side_decay", {"n_seqs": 2}),
-                                    ("state_pass.value_side_decay",
+@pytest.mark.parametrize("key,kw", [("value_side_decay", {}),
+                                    ("value_side_decay", {"n_seqs": 2}),
+                                    ("value_side_decay",
                                      {"policy": "save", "backward": "wy"}),
-                                    ("rewy_intra.gate_on_A", {"n_seqs": 2})])
+                                    ("gate_on_A", {"n_seqs": 2})])
 def test_interpret_gdn_value_side_decay(key, kw, small_tiles, monkeypatch):
-    """GDN's decays on the narrow side of a product: DEFAULTS "state_pass.value_side_decay"
-    (the state passes scale R, k·dS, q·S0 and dO instead of k and q) and "rewy_intra.gate_on_A"
+    """GDN's decays on the narrow side of a product: KernelConfig.value_side_decay
+    (the state passes scale R, k·dS, q·S0 and dO instead of k and q) and "gate_on_A"
     (intra and wu put γ on A's columns instead of Ē's rows). Every output and gradient stays
     within the bf16 thresholds of the float64 recurrence (strong decays, packed sequences, both
     policies); against the key-side form the outputs and gradients move by about a rounding,
     not more — and something moves, so the setting reaches the kernels."""
-    from pallas_kernels.gpu import kernels
-
     inp, cts, kw2 = _bf16_case("gdn", "strong", 73, kw)
-    assert kernels.DEFAULTS[key]
+    assert getattr(_default("scalar"), key)
     _check(testing.accuracy_report("gdn", inp, **kw2))
-    intra, W = kernels.intra, []  # the forward's W: where gate_on_A shows (sub-ulp in o here)
+    intra, W = chunk_local.intra, []  # the forward's W: where gate_on_A shows (sub-ulp in o here)
 
     def recording(*a, **k):
         out = intra(*a, **k)
@@ -988,12 +789,10 @@ def test_interpret_gdn_value_side_decay(key, kw, small_tiles, monkeypatch):
             W.append(out[1])
         return out
 
-    monkeypatch.setattr(kernels, "intra", recording)
-    jax.clear_caches()
+    monkeypatch.setattr(chunk_local, "intra", recording)
     o, s, g = testing.loss_and_grads("gdn", inp, cts, **kw2)
     n_first = len(W)
-    monkeypatch.setitem(kernels.TUNE, key, False)
-    jax.clear_caches()
+    _TUNED[key] = False
     o2, s2, g2 = testing.loss_and_grads("gdn", inp, cts, **kw2)
     # Some may not move at all: o is bf16 (values an fp32 rounding apart may round alike), the
     # interpreter multiplies fp32 exactly where the GPU rounds to TF32, and under "save" the
@@ -1005,44 +804,21 @@ def test_interpret_gdn_value_side_decay(key, kw, small_tiles, monkeypatch):
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,decay,qdo", [("deltanet", "none", False), ("gdn", "strong", True),
-                                          ("kda", "normal", False)])
-def test_interpret_bwd_local_tile_loop(op, decay, qdo, small_tiles, monkeypatch):
-    """DEFAULTS "rewy_bwd_local.tile_loop" (off until timed): bwd_local on one program per
-    (chunk, head) looping over the value tiles — P built (no or scalar gates, with the chunk's
-    Qγᵀ dO under "backward.chunk_qdo") or read (vector gates) once — gives the outputs and
-    every gradient bit for bit as one program per value tile (packed sequences, initial
-    states, T not a multiple of the chunk, two value tiles)."""
-    from pallas_kernels.gpu import kernels
-
-    inp, cts, kw = _bf16_case(op, decay, 43, {"n_seqs": 2})
-    monkeypatch.setitem(kernels.TUNE, "backward.chunk_qdo", qdo)
-    launches = _bit_identical_with(monkeypatch, (op, inp, cts, kw), "rewy_bwd_local.tile_loop",
-                                   True)
-    grids = [launch["grid"] for launch in launches if launch["name"] == "rewy_bwd_local"]
-    assert grids and all(len(g) == 2 for g in grids)
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
                                          ("gdn", "strong", {}),
                                          ("kda", "normal", {"policy": "save"})])
 def test_interpret_twin_pass(op, decay, kw, small_tiles, monkeypatch):
-    """backward.twin_pass (default): the recompute pass and the reverse pass in one launch give
+    """KernelConfig.twin_pass (default): the recompute pass and the reverse pass in one launch give
     the outputs and every gradient bit for bit as the two launches (packed sequences, initial
     states, T not a multiple of the chunk, two value tiles); it is taken under ``recompute``
     only, and the gradients stay within the bf16 thresholds."""
-    from pallas_kernels.gpu import kernels
-
     inp, cts, kw = _bf16_case(op, decay, 37, kw)
-    monkeypatch.setitem(kernels.TUNE, "backward.twin_pass", False)  # the two launches apart
-    jax.clear_caches()
+    _TUNED["twin_pass"] = False  # the two launches apart
     apart = testing.loss_and_grads(op, inp, cts, **kw)
     calls = []
-    twin = kernels.twin_pass
-    monkeypatch.setattr(kernels, "twin_pass", lambda *a, **k: calls.append(1) or twin(*a, **k))
-    monkeypatch.setitem(kernels.TUNE, "backward.twin_pass", True)
-    jax.clear_caches()  # the setting is read when the kernels are traced
+    twin = state_passes.twin_pass
+    monkeypatch.setattr(state_passes, "twin_pass", lambda *a, **k: calls.append(1) or twin(*a, **k))
+    _TUNED["twin_pass"] = True
     together = testing.loss_and_grads(op, inp, cts, **kw)
     assert len(calls) == (kw.get("policy", "recompute") == "recompute")
     _same_runs(together, apart)
@@ -1054,21 +830,18 @@ def test_interpret_twin_pass(op, decay, kw, small_tiles, monkeypatch):
                                          ("kda", "strong", {"policy": "save"}),
                                          ("gdn", "normal", {})])
 def test_interpret_tiles_first(op, decay, kw, small_tiles, monkeypatch):
-    """launch.tiles_first: the kernels with value or key tiles launch that grid axis first; the
+    """KernelConfig.tiles_first: the kernels with value or key tiles launch that grid axis first; the
     outputs and every gradient are bit for bit those of the logical order (two value and key
     tiles, packed sequences, T not a multiple of the chunk, both policies, the twin pass), and
     the reordering did happen."""
-    from pallas_kernels.gpu import kernels
-
     inp, cts, kw = _bf16_case(op, decay, 41, kw)
     orders = []
-    ordered = kernels._launch_ordered
-    monkeypatch.setattr(kernels, "_launch_ordered",
+    ordered = launch._launch_ordered
+    monkeypatch.setattr(launch, "_launch_ordered",
                         lambda kernel, order: orders.append(order) or ordered(kernel, order))
     runs = []
     for first in (False, True):
-        monkeypatch.setitem(kernels.TUNE, "launch.tiles_first", first)
-        jax.clear_caches()  # the setting is read when the kernels are traced
+        _TUNED["tiles_first"] = first
         orders.clear()
         runs.append(testing.loss_and_grads(op, inp, cts, **kw))
         moved = [o for o in orders if o != tuple(range(len(o)))]
@@ -1080,387 +853,75 @@ def test_interpret_tiles_first(op, decay, kw, small_tiles, monkeypatch):
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 @pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
-                                         ("gdn", "strong", {}),
-                                         ("gdn", "normal", {"policy": "save"}),
-                                         ("deltanet", "none", {"_fuse_all": False})])
-def test_interpret_intra_forms_P(op, decay, kw, small_tiles, monkeypatch):
-    """rewy_intra.emit_P: intra forms P = tril(Qγ K̄ᵀ) for no and scalar gates, and the output
-    (fused into the pass or its own kernel) and, under ``save``, bwd_local read it — the outputs
-    and every gradient bit for bit as when each rebuilds it (same fp32 products), with intra
-    really called with q (packed sequences, strong decays, both policies)."""
-    from pallas_kernels.gpu import kernels
-
-    kw = dict(kw)
-    fuse_all = kw.pop("_fuse_all", True)
-    if not fuse_all:  # DeltaNet's forward through the output kernel too
-        monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", False)
-    inp, cts, kw = _bf16_case(op, decay, 43, kw)
-    with_q = []
-    intra = kernels.intra
-    monkeypatch.setattr(kernels, "intra", lambda *a, **k: with_q.append(
-        k.get("q") is not None) or intra(*a, **k))
-    runs = []
-    for modes in ((), ("none", "scalar")):
-        monkeypatch.setitem(kernels.TUNE, "rewy_intra.emit_P", modes)
-        jax.clear_caches()  # the setting is read when the kernels are traced
-        with_q.clear()
-        runs.append(testing.loss_and_grads(op, inp, cts, **kw))
-        assert any(with_q) == bool(modes), with_q
-    _same_runs(runs[1], runs[0])
-    assert [kernels.intra_forms_P(m) for m in ("none", "scalar", "vector")] == [True, True, False]
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.emit_P", ("none", "gated"))
-    with pytest.raises(ValueError, match="rewy_intra.emit_P.*gated"):
-        kernels.intra_forms_P("none")
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
-                                         ("gdn", "strong", {}),
-                                         ("gdn", "normal", {"policy": "save"}),
-                                         ("deltanet", "none", {"_fuse": False})])
-def test_interpret_split_kr(op, decay, kw, small_tiles, monkeypatch):
-    """fwd_pass.split_kr: the forward's pass forms K̄ᵀ R as two native bf16 products (R split
-    into high and low parts) — the outputs and final state agree with the fp32 product to
-    R's ~16 bits, every output and gradient stays within the bf16 thresholds (packed sequences,
-    strong decays, both policies, the fused and the separate output), the split really ran,
-    and it is skipped for vector gates."""
-    from pallas_kernels.gpu import blocks, kernels
-
-    kw = dict(kw)
-    if not kw.pop("_fuse", True):
-        monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", False)
-    inp, cts, kw = _bf16_case(op, decay, 53, kw)
-    splits = []
-    split = blocks.dot_split
-    monkeypatch.setattr(kernels, "dot_split", lambda *a, **k: splits.append(1) or split(*a, **k))
-    runs = []
-    for on in (False, True):
-        monkeypatch.setitem(kernels.TUNE, "fwd_pass.split_kr", on)
-        jax.clear_caches()  # the setting is read when the kernels are traced
-        splits.clear()
-        runs.append(testing.run_op(op, inp, **kw))
-        assert bool(splits) == on
-    for x, y in zip(runs[1], runs[0], strict=True):
-        assert _rel(x, y) < 1e-3, (_rel(x, y), op)
-    _check(testing.accuracy_report(op, inp, **kw))
-    splits.clear()
-    kda, _, _ = _bf16_case("kda", "normal", 53, {})
-    jax.clear_caches()
-    testing.run_op("kda", kda, **kw)
-    assert not splits
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
-                                         ("gdn", "strong", {"policy": "save"}),
-                                         ("kda", "normal", {})])
-def test_interpret_forward_low_precision(op, decay, kw, small_tiles, monkeypatch):
-    """forward.low_precision ("W"; the default is ()): intra stores the forward's W in bf16 for the
-    state pass — W really is bf16 there (fp32 when the setting is empty), and with W S as one
-    upcast product or split (fwd_pass.split_w) the outputs agree with the fp32 W to bf16
-    rounding, and every output and gradient stays within the bf16 thresholds (packed sequences,
-    strong decays, both policies, all gate modes)."""
-    from pallas_kernels.gpu import kernels
-
-    inp, cts, kw = _bf16_case(op, decay, 59, kw)
-    w_dtypes = []
-    fwd_pass = kernels.fwd_pass
-    monkeypatch.setattr(kernels, "fwd_pass",
-                        lambda s, W, *a, **k: w_dtypes.append(W.dtype) or fwd_pass(s, W, *a, **k))
-    monkeypatch.setitem(kernels.TUNE, "forward.low_precision", ())
-    base = testing.run_op(op, inp, **kw)
-    assert w_dtypes[0] == jnp.float32
-    monkeypatch.setitem(kernels.TUNE, "forward.low_precision", ("W",))
-    for split in (False, True):
-        monkeypatch.setitem(kernels.TUNE, "fwd_pass.split_w", split)
-        jax.clear_caches()  # the settings are read when the kernels are traced
-        w_dtypes.clear()
-        run = testing.run_op(op, inp, **kw)
-        assert w_dtypes[0] == jnp.bfloat16, w_dtypes
-        for x, y in zip(run, base, strict=True):
-            assert _rel(x, y) < 1e-2, (_rel(x, y), op, split)
-        _check(testing.accuracy_report(op, inp, **kw))
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-def test_interpret_forward_low_precision_modes(monkeypatch):
-    """DEFAULTS "forward.low_precision_modes": at K ≤ 128 the names one gate mode gets — GDN's
-    unfused forward storing S0, R in bf16 for its output kernel (and multiplying natively) —
-    other modes and K > 128 untouched; the outputs within the bf16 thresholds (packed
-    sequences, strong decays); an unknown mode is refused."""
-    from pallas_kernels.gpu import api, kernels
-
-    assert kernels.DEFAULTS["forward.low_precision_modes"] == {}
-    # GDN's forward unfused (fused by default since profile-22), so that it stores S0, R
-    monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", ("none", "vector"))
-    monkeypatch.setitem(kernels.TUNE, "forward.low_precision_modes", {"scalar": ("S0", "R")})
-    assert api._forward_dtypes(jnp.bfloat16, 128, "scalar")["S0"] == jnp.bfloat16
-    assert api._forward_dtypes(jnp.bfloat16, 128, "none")["S0"] == jnp.float32
-    assert api._forward_dtypes(jnp.bfloat16, 128)["S0"] == jnp.float32
-    assert api._forward_dtypes(jnp.float32, 128, "scalar")["S0"] == jnp.float32
-    s0_dtypes = []
-    output = kernels.output
-    monkeypatch.setattr(kernels, "output", lambda s, q, k, G, S0, *a, **k_: s0_dtypes.append(
-        S0.dtype) or output(s, q, k, G, S0, *a, **k_))
-    inp, _, kw = _bf16_case("gdn", "strong", 73, {"n_seqs": 2})
-    jax.clear_caches()
-    _check(testing.accuracy_report("gdn", inp, **kw))
-    assert s0_dtypes and set(s0_dtypes) == {jnp.dtype(jnp.bfloat16)}, s0_dtypes
-    monkeypatch.setitem(kernels.TUNE, "forward.low_precision_modes", {"gated": ("S0",)})
-    with pytest.raises(ValueError, match="unknown gate modes"):
-        api._forward_dtypes(jnp.bfloat16, 128, "scalar")
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
                                          ("kda", "strong", {"policy": "save"})])
 def test_interpret_forward_low_precision_wide(op, decay, kw, monkeypatch):
-    """forward.low_precision_wide (the default ("W", "S0", "R"), or ("S0", "R")): at K > 128 the
+    """KernelConfig.forward_low_precision (at K > 128 by default ("W", "S0", "R")): the
     forward's unfused pass stores S0 and R in bf16 for the output kernel (and the save policy's
     backward) — really bf16 there, fp32 at K ≤ 128 and with the setting empty — and the outputs
     agree with the fp32 storage to bf16
     rounding, every output and gradient within the bf16 thresholds (K = V = 256, T = 70 not a
     multiple of the chunk, packed sequences, strong decays)."""
-    from pallas_kernels.gpu import api, kernels
+    from pallas_kernels.gpu import api
 
     n_seqs = kw.pop("n_seqs", None)
     inp = testing.make_inputs(op, 1, 70, 1, 256, 256, dtype=jnp.bfloat16, decay=decay, seed=61,
                               n_seqs=n_seqs)
     kw = dict(kw, backend="pallas_gpu", interpret=True, chunk_size=32, use_qk_l2norm=True)
     s0_dtypes = []
-    output = kernels.output
-    monkeypatch.setattr(kernels, "output", lambda s, q, k, G, S0, *a, **k_: s0_dtypes.append(
+    output = output_mod.output
+    monkeypatch.setattr(output_mod, "output", lambda s, q, k, G, S0, *a, **k_: s0_dtypes.append(
         S0.dtype) or output(s, q, k, G, S0, *a, **k_))
-    monkeypatch.setitem(kernels.TUNE, "forward.low_precision_wide", ())
+    _TUNED["forward_low_precision"] = ()
     base = testing.run_op(op, inp, **kw)
     assert s0_dtypes and set(s0_dtypes) == {jnp.dtype(jnp.float32)}, s0_dtypes
-    assert set(kernels.DEFAULTS["forward.low_precision_wide"]) >= {"S0", "R"}
-    assert api._forward_dtypes(jnp.bfloat16, 256)["W"] == jnp.float32
-    monkeypatch.setitem(kernels.TUNE, "forward.low_precision_wide", ("S0", "R"))
-    assert api._forward_dtypes(jnp.bfloat16, 128)["S0"] == jnp.float32  # K ≤ 128 untouched
-    assert api._forward_dtypes(jnp.float32, 256)["S0"] == jnp.float32  # fp32 inputs too
-    jax.clear_caches()
+    assert _default("none", 256, 256).forward_low_precision == ("W", "S0", "R")
+    assert _default("none", 128, 128).forward_low_precision == ()  # K ≤ 128 untouched
+    assert _default("none", 256, 256, jnp.float32).forward_low_precision == ()  # fp32 too
+    _TUNED["forward_low_precision"] = ("S0", "R")
     s0_dtypes.clear()
     run = testing.run_op(op, inp, **kw)
     assert s0_dtypes and set(s0_dtypes) == {jnp.dtype(jnp.bfloat16)}, s0_dtypes
     for x, y in zip(run, base, strict=True):
         assert _rel(x, y) < 1e-2, (_rel(x, y), op)
     _check(testing.accuracy_report(op, inp, **kw))
-    # the same storage with the forward's products kept off bf16 (forward.native_pass_dots):
+    # the same storage with the forward's products kept off bf16 (forward_native_pass_dots):
     # closer to the fp32 storage than the native products are
-    monkeypatch.setitem(kernels.TUNE, "forward.native_pass_dots", False)
-    jax.clear_caches()
+    _TUNED["forward_native_pass_dots"] = False
     kept = testing.run_op(op, inp, **kw)
     # (on the fp32 final state: o's own bf16 rounding can hide the difference)
     assert _rel(kept[1], base[1]) < _rel(run[1], base[1]), op
     _check(testing.accuracy_report(op, inp, **kw))
-    monkeypatch.setitem(kernels.TUNE, "forward.low_precision_wide", ("S1",))
-    with pytest.raises(ValueError, match=r"unknown names \['S1'\]"):
-        api._forward_dtypes(jnp.bfloat16, 256)
+    with pytest.raises(ValueError, match=r"forward_low_precision=\('S1',\) must be"):
+        _kcfg(forward_low_precision=("S1",))
 
 
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
-                                         ("kda", "strong", {})])
-def test_interpret_forward_native_fused_dots(op, decay, kw, small_tiles, monkeypatch):
-    """forward.native_fused_dots (off by default; True or the gate modes it applies to): the
-    forward's fused pass (policy recompute, no or vector gates) is handed bf16 "stored" dtypes
-    for 16-bit inputs — fp32 by default, for fp32 inputs and for modes not named — so it
-    multiplies its recurrence in bf16, and the outputs agree with the TF32 products to bf16
-    rounding (packed sequences, strong decays). KDA stays within every bf16 threshold; DeltaNet
-    does not always (o 5.1e-3 > 5e-3 here, as FLA's bf16 state products fail it), which is why
-    the option is off."""
-    from pallas_kernels.gpu import api, kernels
-
-    inp, cts, kw = _bf16_case(op, decay, 67, kw)
-    mode = "none" if op == "deltanet" else "vector"
-    fused_dtypes = []
-    fwd_pass = kernels.fwd_pass
-
-    def spy(*a, **k):
-        if k.get("out") is not None:
-            fused_dtypes.append(tuple(k.get("dtypes", ())))
-        return fwd_pass(*a, **k)
-
-    monkeypatch.setattr(kernels, "fwd_pass", spy)
-    base = testing.run_op(op, inp, **kw)
-    assert fused_dtypes and set(fused_dtypes) == {(jnp.float32,) * 2}, fused_dtypes
-    monkeypatch.setitem(kernels.TUNE, "forward.native_fused_dots",
-                        ("scalar", "vector") if mode == "none" else ("vector",))
-    assert api._fused_pass_dtypes(jnp.bfloat16, mode) == (
-        (jnp.float32,) * 2 if mode == "none" else (jnp.bfloat16,) * 2)  # named modes only
-    monkeypatch.setitem(kernels.TUNE, "forward.native_fused_dots", True)
-    assert api._fused_pass_dtypes(jnp.float32, mode) == (jnp.float32,) * 2  # fp32 inputs
-    jax.clear_caches()  # the settings are read when the kernels are traced
-    fused_dtypes.clear()
-    run = testing.run_op(op, inp, **kw)
-    assert fused_dtypes and set(fused_dtypes) == {(jnp.bfloat16,) * 2}, fused_dtypes
-    for x, y in zip(run, base, strict=True):
-        assert _rel(x, y) < 1e-2, (_rel(x, y), op)
-    assert _rel(run[0], base[0]) > 1e-4, op  # the products really changed
-    rep = testing.accuracy_report(op, inp, **kw)
-    if op == "kda":
-        _check(rep)
-    else:  # the gradients are the backward's own; the forward's outputs near their threshold
-        _check({n: v for n, v in rep.items() if n not in ("o", "final_state")})
-        assert rep["o"][0] < 2 * rep["o"][1] and rep["final_state"][0] < 2 * rep["o"][1], rep
-    monkeypatch.setitem(kernels.TUNE, "forward.native_fused_dots", ("gated",))
-    with pytest.raises(ValueError, match="unknown gate modes"):
-        api._fused_pass_dtypes(jnp.bfloat16, mode)
-
-
-def _wu_case(mode, K, V, seed):
-    """(Shape, k, e = 0.7 k, z, G, a spare PRNG key): bf16 rows at B = 1, T = 128, H = 2, C = 64,
-    strong gates of ``mode`` (G from the chunk's start) — the kernel-level tests of W, U."""
-    from pallas_kernels.gpu import api
-
-    B, T, H, C = 1, 128, 2, 64
-    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-    k = (jax.random.normal(ks[0], (B, T, H, K)) / K ** 0.5).astype(jnp.bfloat16)
-    e = (0.7 * k.astype(jnp.float32)).astype(jnp.bfloat16)
-    z = jax.random.normal(ks[1], (B, T, H, V)).astype(jnp.bfloat16)
-    G = None
-    if mode != "none":
-        g = -jax.random.uniform(ks[2], (B, T, H) if mode == "scalar" else (B, T, H, K),
-                                jnp.float32, 0.01, 3.0)
-        G, _ = api._cum_gates(g, C, True)
-    h0 = jnp.zeros((B, H, 2, K, V), jnp.float32)
-    s = api._shape(api.Config(C, "recompute", "rewy", True, 64, one_seq=True), k, z, G, h0)
-    return s, k, e, z, G, ks[3]
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("mode", ["none", "scalar", "vector"])
-def test_interpret_wu_whole_chunk(mode, monkeypatch):
-    """kernels.wu (DEFAULTS "rewy_wu.whole_chunk"): W, U re-formed from the kept inverse as two
-    whole-chunk products agree with intra's row-block sums to fp32 rounding (strong decays: the
-    factors e^{G} stay ≤ 1), with A kept in fp32 or bf16, its copy in another dtype is A cast;
-    the backward takes it under the setting, and the op's gradients stay within the bf16
-    thresholds."""
-    from pallas_kernels.gpu import kernels
-
-    s, k, e, z, G, _ = _wu_case(mode, 32, 32, 5)
-    for a_dtype in (jnp.float32, jnp.bfloat16):
-        A, W, U = kernels.intra(s, k, e, z, G, interpret=True, a_dtype=a_dtype)
-        rows = kernels.intra(s, k, e, z, G, A=A, interpret=True)
-        whole = kernels.wu(s, k, e, z, G, A, interpret=True, a_copy=jnp.float16)
-        for x, y in zip(whole[:2], rows, strict=True):
-            assert x.shape == y.shape and x.dtype == y.dtype
-            assert _rel(x, y) < 1e-6, (_rel(x, y), mode, a_dtype)
-        assert whole[2].dtype == jnp.float16
-        np.testing.assert_array_equal(np.asarray(whole[2]), np.asarray(A.astype(jnp.float16)))
-        if a_dtype == jnp.float32:  # the forward's own W, U from the same inverse
-            assert _rel(whole[0], W) < 1e-6 and _rel(whole[1], U) < 1e-6
-    calls = []
-    wu = kernels.wu
-    monkeypatch.setattr(kernels, "wu", lambda *a, **kw: calls.append(1) or wu(*a, **kw))
-    # the setting names this gate mode only (True / False would take every mode)
-    monkeypatch.setitem(kernels.TUNE, "rewy_wu.whole_chunk", (mode,))
-    assert [kernels.wu_whole_chunk(m) for m in ("none", "scalar", "vector")] == [
-        m == mode for m in ("none", "scalar", "vector")]
-    op = {"none": "deltanet", "scalar": "gdn", "vector": "kda"}[mode]
-    inp, _, kw = _bf16_case(op, "strong" if mode != "none" else "none", 61, {})
-    jax.clear_caches()
-    _check(testing.accuracy_report(op, inp, **kw))
-    assert calls  # the backward's W, U came from kernels.wu
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("mode", ["none", "scalar", "vector"])
-@pytest.mark.parametrize("K,V", [(32, 32), (32, 64), (64, 32)])
-def test_interpret_wu_col_tile(mode, K, V, monkeypatch):
-    """DEFAULTS "rewy_wu.col_tile": kernels.wu on column tiles (one program per chunk, head and
-    tile; K ≠ V leaves the narrower side's last programs idle) gives W, U as whole rows do, to
-    rounding, and A's copy bit for bit; with per-row scales of k and v (``rows``) they are the
-    products of the exactly scaled rows; a width that does not divide K and V is refused."""
-    from pallas_kernels.gpu import kernels
-
-    s, k, e, z, G, key = _wu_case(mode, K, V, 11)
-    B, T, H = k.shape[:3]
-    (A,) = kernels.intra(s, k, e, z, G, interpret=True, wu=False)
-    outs = {}
-    for tile in (0, 16):
-        monkeypatch.setitem(kernels.TUNE, "rewy_wu.col_tile", tile)
-        outs[tile] = kernels.wu(s, k, e, z, G, A, interpret=True,
-                                dtypes=(jnp.bfloat16, jnp.float32), a_copy=jnp.bfloat16)
-    assert [x.shape for x in outs[16]] == [(B, T, H, K), (B, T, H, V), A.shape]
-    for x, y in zip(outs[16], outs[0], strict=True):
-        assert x.dtype == y.dtype
-        # the same products; a narrower matmul may sum in another order (XLA:CPU here)
-        assert _rel(x, y) < 1e-5, (_rel(x, y), mode, K, V)
-    np.testing.assert_array_equal(np.asarray(outs[16][2]), np.asarray(outs[0][2]))
-    assert float(jnp.abs(outs[16][0].astype(jnp.float32)).max()) > 0  # not an empty buffer
-    # per-row scales (forward.row_scaled_ez): from k, v and β the products of exact β ⊙ k, β ⊙ v
-    beta = jax.random.uniform(key, (B, T, H), jnp.float32, 0.0, 2.0)
-    v = z
-    exact = (beta[..., None] * k.astype(jnp.float32), beta[..., None] * v.astype(jnp.float32))
-    for tile in (0, 16):
-        monkeypatch.setitem(kernels.TUNE, "rewy_wu.col_tile", tile)
-        got = kernels.wu(s, k, k, v, G, A, interpret=True, rows=(beta, 0.5 * beta))
-        want = kernels.wu(s, k, exact[0], 0.5 * exact[1], G, A, interpret=True)
-        for x, y in zip(got, want, strict=True):
-            assert _rel(x, y) < 1e-6, (_rel(x, y), tile, mode)
-    monkeypatch.setitem(kernels.TUNE, "rewy_wu.col_tile", 24)
-    with pytest.raises(ValueError, match="rewy_wu.col_tile 24 must divide"):
-        kernels.wu(s, k, e, z, G, A, interpret=True)
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,decay,kw", [("deltanet", "none", {"n_seqs": 2}),
-                                         ("gdn", "strong", {"policy": "save"}),
-                                         ("kda", "normal", {})])
-def test_interpret_split_wu(op, decay, kw, small_tiles, monkeypatch):
-    """rewy_intra.split_wu: the forward's intra forms only the inverse and a second launch W, U
-    (and the backward's bf16 copy of A) — the launches really split, the outputs and every
-    gradient agree with the one-launch intra to rounding and stay within the bf16 thresholds
-    (packed sequences, strong decays, both policies, all gate modes)."""
-    from pallas_kernels.gpu import kernels
-
-    inp, cts, kw = _bf16_case(op, decay, 67, kw)
-    launches = []
-    intra, wu = kernels.intra, kernels.wu
-    monkeypatch.setattr(kernels, "intra", lambda *a, **k: launches.append(
-        "A" if k.get("wu", True) is False else "rows" if k.get("A") is not None else "intra")
-        or intra(*a, **k))
-    monkeypatch.setattr(kernels, "wu", lambda *a, **k: launches.append(
-        "wu" if k.get("a_copy") is None else "wu+A") or wu(*a, **k))
-    runs = []
-    mode = {"deltanet": "none", "gdn": "scalar"}.get(op, "vector")
-    # True / False, or the gate modes it applies to: this op's mode alone, or another one's
-    for split, setting in ((False, tuple({"none", "scalar", "vector"} - {mode})), (True, (mode,))):
-        monkeypatch.setitem(kernels.TUNE, "rewy_intra.split_wu", setting)
-        assert kernels.split_wu(mode) == split
-        jax.clear_caches()  # the setting is read when the kernels are traced
-        launches.clear()
-        runs.append(testing.loss_and_grads(op, inp, cts, **kw))
-        assert ({"A", "wu+A"} <= set(launches)) == split, launches
-        assert ("intra" in launches) != split, launches
-    for x, y in zip(jax.tree_util.tree_leaves(runs[1]), jax.tree_util.tree_leaves(runs[0]),
-                    strict=True):
-        assert _rel(x, y) < 1e-3, (_rel(x, y), op)
-    _check(testing.accuracy_report(op, inp, **kw))
-
-
-def test_tf32_emulation(monkeypatch):
-    """blocks.TF32_EMULATION (interpret_accuracy --tf32): fp32 operands keep 10 mantissa bits —
-    truncated, or rounded to nearest (ties away) — 16-bit operands and None leave dots exact."""
-    from pallas_kernels.gpu import blocks
+def test_tf32_emulation():
+    """KernelConfig.tf32_emulation (interpret_accuracy --tf32): in interpret mode the 16-bit
+    calls' DEFAULT products become blocks.EmulatedTF32 ones, whose fp32 operands keep 10
+    mantissa bits — truncated, or rounded to nearest (ties away); 16-bit operands, fp32 calls
+    (HIGHEST), the GPU and None leave the products as they were."""
+    from pallas_kernels.gpu import api, blocks
 
     x = jnp.array([1 + 2.0 ** -10, 1 + 2.0 ** -11, 1 + 2.0 ** -12, -(1 + 3 * 2.0 ** -12)],
                   jnp.float32)
     want = {"truncate": [1 + 2.0 ** -10, 1, 1, -1], "round": [1 + 2.0 ** -10, 1 + 2.0 ** -10, 1,
                                                                 -(1 + 2.0 ** -10)]}
+    eye = jnp.eye(4, dtype=jnp.float32)
     for mode, w in want.items():
-        monkeypatch.setattr(blocks, "TF32_EMULATION", mode)
-        np.testing.assert_array_equal(np.asarray(blocks._as_tf32(x)), np.float32(w))
+        np.testing.assert_array_equal(np.asarray(blocks._as_tf32(x, mode)), np.float32(w))
         xb = x.astype(jnp.bfloat16)
-        assert blocks._as_tf32(xb) is xb
-        eye = jnp.eye(4, dtype=jnp.float32)
-        np.testing.assert_array_equal(np.asarray(blocks.dot(x[None, :], eye, None)[0]),
+        assert blocks._as_tf32(xb, mode) is xb
+        prec = api._precision(jnp.bfloat16, True, tf32_emulation=mode)
+        assert prec == blocks.EmulatedTF32(mode)
+        np.testing.assert_array_equal(np.asarray(blocks.dot(x[None, :], eye, prec)[0]),
                                       np.float32(w))
-    monkeypatch.setattr(blocks, "TF32_EMULATION", None)
-    np.testing.assert_array_equal(np.asarray(blocks.dot(x[None, :], jnp.eye(4), None)[0]),
-                                  np.asarray(x))
+        assert api._precision(jnp.float32, True, tf32_emulation=mode) == jax.lax.Precision.HIGHEST
+        assert api._precision(jnp.bfloat16, False, tf32_emulation=mode) == jax.lax.Precision.DEFAULT
+    assert api._precision(jnp.bfloat16, True) == jax.lax.Precision.DEFAULT
+    np.testing.assert_array_equal(
+        np.asarray(blocks.dot(x[None, :], eye, jax.lax.Precision.DEFAULT)[0]), np.asarray(x))
+    with pytest.raises(ValueError, match="tf32_emulation='nearest'"):
+        _kcfg(tf32_emulation="nearest")
 
 
 def test_stacked_blocks_and_inverse():
@@ -1488,12 +949,10 @@ def test_stacked_blocks_and_inverse():
                                          ("gdn", "strong", {"backward": "wy"}),
                                          ("kda", "strong", {"policy": "save"})])
 def test_interpret_per_block_diagonal_inverse(op, decay, kw, monkeypatch):
-    """rewy_intra.stacked_diag off (the tuning alternative to the stacked inverse): intra's
+    """KernelConfig.stacked_diag off (the tuning alternative to the stacked inverse): intra's
     joint diagonal loop on the [16, 16] blocks — every output and gradient against the float64
     recurrence (default chunk: four diagonal blocks), each gate kind, strong decays."""
-    from pallas_kernels.gpu import kernels
-
-    monkeypatch.setitem(kernels.TUNE, "rewy_intra.stacked_diag", False)
+    _TUNED["stacked_diag"] = False
     inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay=decay, seed=15)
     _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True,
                                    chunk_size=64, **kw))
@@ -1504,12 +963,12 @@ def test_interpret_per_block_diagonal_inverse(op, decay, kw, monkeypatch):
                                          ("gdn", "strong", {"policy": "save"}),
                                          ("kda", "normal", {"backward": "wy"})])
 def test_interpret_one_seq_init(op, decay, kw, small_tiles, monkeypatch):
-    """state_pass.one_seq_init: without cu_seqlens the state passes start from h0 and dfin
-    instead of selecting them at every chunk, and (state_pass.end_after_loop) store the final
+    """KernelConfig.one_seq_init: without cu_seqlens the state passes start from h0 and dfin
+    instead of selecting them at every chunk, and (.end_after_loop) store the final
     state and dh0 after their loop instead of under a per-chunk branch — the outputs and every gradient (dh0 and the
     final state's cotangent included) bit for bit as the per-chunk select, both policies, the
     twin pass and the separate passes; a varlen call keeps the per-chunk select."""
-    from pallas_kernels.gpu import api, kernels
+    from pallas_kernels.gpu import api
 
     inp, cts, kw = _bf16_case(op, decay, 47, kw)
     shapes = []
@@ -1517,9 +976,8 @@ def test_interpret_one_seq_init(op, decay, kw, small_tiles, monkeypatch):
     monkeypatch.setattr(api, "_shape", lambda *a: shapes.append(shape(*a)) or shapes[-1])
     runs = []
     for init, end_after in ((False, False), (True, False), (True, True)):
-        monkeypatch.setitem(kernels.TUNE, "state_pass.one_seq_init", init)
-        monkeypatch.setitem(kernels.TUNE, "state_pass.end_after_loop", end_after)
-        jax.clear_caches()  # the settings are read when the kernels are traced
+        _TUNED["one_seq_init"] = init
+        _TUNED["end_after_loop"] = end_after
         runs.append(testing.loss_and_grads(op, inp, cts, **kw))
     _same_runs(runs[1], runs[0])
     _same_runs(runs[2], runs[0])
@@ -1528,18 +986,6 @@ def test_interpret_one_seq_init(op, decay, kw, small_tiles, monkeypatch):
     varlen, _, _ = _bf16_case(op, decay, 47, dict(kw, n_seqs=2))
     testing.run_op(op, varlen, **kw)
     assert shapes and not any(s.one_seq for s in shapes)
-
-
-@pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-@pytest.mark.parametrize("op,decay", [("kda", "strong"), ("gdn", "strong")])
-def test_interpret_exp2(op, decay, small_tiles, monkeypatch):
-    """kernels.DEFAULTS "exp2": every e^x of the kernels as exp2(x·log2 e) — the fp32 bound
-    (1e-4) at strong decays (g down to −50 and −inf: masked −inf exponents still give 0)."""
-    from pallas_kernels.gpu import kernels
-
-    monkeypatch.setitem(kernels.TUNE, "exp2", True)
-    inp = testing.make_inputs(op, 1, 70, 2, 16, 16, decay=decay, seed=29)
-    _check(testing.accuracy_report(op, inp, backend="pallas_gpu", interpret=True, chunk_size=64))
 
 
 def _rel(a, b):
@@ -1672,7 +1118,7 @@ def test_gpu_fp32_strong_decay(op):
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
 def test_declared_bound_takes_the_centred_path(small_tiles):
     """gate_lower_bound switches the diagonal blocks of the leaf-gradient kernel and of
-    qk_gram (DEFAULTS "rewy_qk_gram.centred", since profile-21) to the centred contraction:
+    qk_gram (KernelConfig.qk_gram_centred, since profile-21) to the centred contraction:
     outputs and gradients that round differently but agree."""
     inp = testing.make_inputs("kda", 1, 40, 2, 16, 16, decay="bounded", seed=7)
     rng = np.random.default_rng(8)
@@ -1701,36 +1147,33 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
     ("kda", 64, 64, jnp.bfloat16, {"gate_lower_bound": -5.0}, True),
     ("gdn2", 64, 64, jnp.float32, {"gate_lower_bound": -5.0, "backward": "wy"}, False),
     ("gdn2", 128, 128, jnp.bfloat16, {"_exact_diag": "loop", "_unshared": True}, False),
-    ("kda", 128, 64, jnp.bfloat16, {"_pairgrid": True}, False),
     ("gdn", 256, 256, jnp.float16, {"_chained_inverse": True}, False),
-    ("kda", 128, 128, jnp.bfloat16, {"_unroll": True}, False),
     ("gdn2", 64, 64, jnp.bfloat16, {"_vmap": True}, False),
     ("deltanet", 128, 128, jnp.bfloat16, {"_fp32_backward": True, "backward": "wy"}, False),
     ("kda", 64, 128, jnp.bfloat16, {"_fp32_backward": True}, False),
-    ("gdn2", 128, 64, jnp.bfloat16, {"_expf": True}, False),
     ("deltanet", 128, 64, jnp.bfloat16, {"_unfused": True}, False),
-    ("deltanet", 128, 128, jnp.bfloat16, {"_tune": "qdotl"}, False),
-    # narrow keys (DEFAULTS "precision.narrow_keys", which this file's fixture sets off and
+    # narrow keys (KernelConfig.narrow_keys, which this file's fixture sets off and
     # "_narrow" back on): fp32 kernels for a bf16 call, three-TF32 products
     ("deltanet", 32, 32, jnp.bfloat16, {"_narrow": True}, True),
     ("kda", 16, 32, jnp.bfloat16, {"policy": "save", "_narrow": True}, False),
-    ("gdn", 64, 128, jnp.bfloat16, {"_tune": "qdo", "policy": "save"}, True),
-    ("kda", 128, 128, jnp.bfloat16, {"_tune": "nopd", "gate_lower_bound": -5.0}, False),
-    ("gdn2", 64, 64, jnp.bfloat16, {"_tune": "qdotl"}, True),
-    ("kda", 128, 64, jnp.bfloat16, {"_tune": "bwdpd"}, False),
-    ("kda", 64, 64, jnp.bfloat16, {"_tune": "bwdpd", "policy": "save"}, True),
-    ("kda", 128, 64, jnp.bfloat16, {"_tune": "unfused16"}, False),
-    ("kda", 128, 128, jnp.bfloat16, {"_tune": "noqrowf", "gate_lower_bound": -5.0}, False),
-    ("gdn2", 64, 64, jnp.bfloat16, {"_tune": "noqrowf"}, True),
-    ("gdn", 128, 128, jnp.bfloat16, {"_tune": "w4i+unfusedg"}, False),
-    ("deltanet", 128, 128, jnp.bfloat16, {"_tune": "noleafe"}, True),
-    ("gdn", 64, 64, jnp.bfloat16, {"_tune": "noleafe"}, False),
-    ("kda", 128, 128, jnp.bfloat16, {"_tune": "leafev", "gate_lower_bound": -5.0}, False),
-    ("kda", 64, 64, jnp.bfloat16, {"_tune": "leafev"}, True),
-    ("gdn", 128, 128, jnp.bfloat16, {"_tune": "leaftf32"}, False),
+    ("kda", 128, 128, jnp.bfloat16, {"_cfg": {"fwd_predecayed": False},
+                                     "gate_lower_bound": -5.0}, False),
+    ("kda", 128, 64, jnp.bfloat16, {"_cfg": {"fused_output": False,
+                                             "forward_low_precision": ("S0", "R")}}, False),
+    ("kda", 128, 128, jnp.bfloat16, {"_cfg": {"qk_gram_row_frames": False},
+                                     "gate_lower_bound": -5.0}, False),
+    ("gdn2", 64, 64, jnp.bfloat16, {"_cfg": {"qk_gram_row_frames": False}}, True),
+    ("gdn", 128, 128, jnp.bfloat16, {"_cfg": {"warps": {"intra": 4, "wu": 4},
+                                              "fused_output": False}}, False),
+    ("deltanet", 128, 128, jnp.bfloat16, {"_cfg": {"leaf_e_rows": False}}, True),
+    ("gdn", 64, 64, jnp.bfloat16, {"_cfg": {"leaf_e_rows": False}}, False),
+    ("kda", 128, 128, jnp.bfloat16, {"_cfg": {"leaf_e_rows": True}, "gate_lower_bound": -5.0},
+     False),
+    ("kda", 64, 64, jnp.bfloat16, {"_cfg": {"leaf_e_rows": True}}, True),
+    ("gdn", 128, 128, jnp.bfloat16, {"_cfg": {"leaf_native_decayed": False}}, False),
 ]
-# "_tune": kernel settings of profile_kernels.VARIANTS ("a+b": several) that change what the
-# kernels lower to — options off by default, or the forms the defaults replaced
+# "_cfg": KernelConfig overrides that change what the kernels lower to (the forms the
+# defaults replaced)
 
 
 @pytest.mark.skipif(_ON_GPU, reason="the GPU tests above run the real kernels")
@@ -1739,43 +1182,31 @@ LOWER_CASES = [  # (op, K, V, dtype, extra kwargs, varlen)
                               "-".join(f"{v}" for v in c[4].values()) + ("-varlen" if c[5] else "")
                               for c in LOWER_CASES])
 def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
-    from pallas_kernels.gpu import api, kernels
+    from pallas_kernels.gpu import api
 
     monkeypatch.setattr(api, "supports", lambda call, chunk_size, interpret: None)  # no GPU here
     kw = dict(kw)
     if "_exact_diag" in kw:  # one exact diagonal method everywhere (a tuning option)
         diag = kw.pop("_exact_diag")
-        for k in ("intra", "qk_gram", "bwd_leaf"):
-            monkeypatch.setitem(kernels.TUNE, f"rewy_{k}.exact_diag", diag)
-    if kw.pop("_pairgrid", False):  # qk_gram's (row, column) block grid (tuning option)
-        monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.pairgrid", True)
-    if kw.pop("_unroll", False):  # intra's and qk_gram's loops unrolled (tuning option)
-        monkeypatch.setitem(kernels.TUNE, "rewy_intra.unroll", True)
-        monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.unroll", True)
+        for k in ("intra", "qk_gram", "leaf"):
+            _TUNED[f"{k}_diag"] = diag
     if kw.pop("_chained_inverse", False):  # intra's diagonal inverses one after another
-        monkeypatch.setitem(kernels.TUNE, "rewy_intra.joint_diag_inverse", False)
+        _TUNED["joint_diag_inverse"] = False
     if kw.pop("_unshared", False):  # the shared-decay-factor options off (tuning alternative)
-        monkeypatch.setitem(kernels.TUNE, "rewy_intra.gram_from_qk", False)
-        monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.shared_decay", False)
+        _TUNED["gram_from_qk"] = False
+        _TUNED["leaf_shared_decay"] = False
     if varlen:  # and the one-program-per-chunk tuning variant of the leaf and qk_gram kernels
-        monkeypatch.setitem(kernels.TUNE, "rewy_bwd_leaf.rowgrid", False)
-        monkeypatch.setitem(kernels.TUNE, "rewy_qk_gram.rowgrid", False)
+        _TUNED["leaf_rowgrid"] = False
+        _TUNED["qk_gram_rowgrid"] = False
     if kw.pop("_fp32_backward", False):  # the backward's stored tensors in fp32 (tuning option)
-        monkeypatch.setitem(kernels.TUNE, "backward.low_precision", ())
-    if kw.pop("_expf", False):  # e^x as jnp.exp (libdevice's expf; the alternative to exp2)
-        monkeypatch.setitem(kernels.TUNE, "exp2", False)
+        _TUNED["backward_low_precision"] = ()
     if kw.pop("_narrow", False):  # the narrow-key policy's default (this file sets it off)
-        monkeypatch.setitem(kernels.TUNE, "precision.narrow_keys",
-                            kernels.DEFAULTS["precision.narrow_keys"])
-    unfused = kw.pop("_unfused", False)  # the forward's output kernel instead of the fused pass
-    if unfused:
-        monkeypatch.setitem(kernels.TUNE, "fwd_pass.fused_output", False)
-    if "_tune" in kw:
-        from pallas_kernels.gpu import profile_kernels
-
-        for key, value in profile_kernels.variant_settings(kw.pop("_tune"))[0].items():
-            monkeypatch.setitem(kernels.TUNE, key, value)
-        unfused = not kernels.fused_output({"deltanet": "none", "gdn": "scalar"}.get(op, "vector"))
+        _TUNED["narrow_keys"] = _default().narrow_keys
+    if kw.pop("_unfused", False):  # the forward's output kernel instead of the fused pass
+        _TUNED["fused_output"] = False
+    _TUNED.update(kw.pop("_cfg", {}))
+    mode = {"deltanet": "none", "gdn": "scalar"}.get(op, "vector")
+    run_cfg = _default(mode, K, V, dtype).with_overrides(_TUNED)
     vmapped = kw.pop("_vmap", False)  # the gradient under jax.vmap: one more grid axis
     inp = testing.make_inputs(op, 1, 100, 2, K, V, dtype=dtype, n_seqs=3 if varlen else None)
     diff = {n: x for n, x in inp.items() if n != "cu_seqlens"}
@@ -1794,15 +1225,13 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
         device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(jax.value_and_grad(loss)).trace(diff).lower(lowering_platforms=("cuda",)).as_text()
-    # the gate modes whose recompute forward fuses its output (DEFAULTS "fwd_pass.fused_output")
-    mode_fuses = kernels.fused_output({"deltanet": "none", "gdn": "scalar"}.get(op, "vector"))
     kernels = {"rewy_intra", "rewy_fwd_pass", "rewy_bwd_local", "rewy_bwd_pass",
                "rewy_bwd_dlam", "rewy_bwd_leaf"} | ({"rewy_qk_gram"} if op in ("kda", "gdn2") else set())
     recompute = kw.get("policy", "recompute") == "recompute"
     if recompute:  # the backward's W, U from the kept A
         kernels.add("rewy_wu")
     # the output kernel unless the recompute forward fuses it into its pass (K ≤ 128)
-    fused = recompute and K <= 128 and not unfused and mode_fuses
+    fused = recompute and run_cfg.fused_output
     if not fused:
         kernels.add("rewy_output")
     assert ("rewy_output" in text) == (not fused)
@@ -1815,288 +1244,93 @@ def test_kernels_lower_for_h200(op, K, V, dtype, kw, varlen, monkeypatch):
     assert not missing, f"kernels absent from the lowered module: {missing}"
 
 
-@pytest.mark.skipif(_ON_GPU, reason="CPU smoke test of the profiling script")
-def test_profile_script_runs_its_variants():
-    """pallas_kernels/gpu/profile_kernels.py (the device-session tool) runs every kernel of a
-    variant in interpret mode and leaves the module settings as it found them."""
-    from pallas_kernels.gpu import api, kernels, profile_kernels
 
-    before = dict(kernels.TUNE), api.DEFAULT_BV
-    rows, grads = profile_kernels.profile("vector", "levels", (1, 64, 1, 16), interpret=True,
-                                          reps=1, runs=1)
-    assert {"intra", "wu", "qk_gram", "fwd_pass", "output", "bwd_local", "bwd_pass", "bwd_dlam",
-            "bwd_leaf", "OP_FWD+BWD (kda)"} <= set(rows)
-    assert all(t > 0 for t in rows.values())
-    assert (dict(kernels.TUNE), api.DEFAULT_BV) == before
-    # a variant that only reorganises work agrees with the base one (the two state passes
-    # launched apart instead of the default twin pass, which has its own row); a changed input
-    # does not
-    rows2, grads2 = profile_kernels.profile("vector", "apart", (1, 64, 1, 16), interpret=True,
-                                            reps=1, runs=1)
-    assert rows["twin_pass"] > 0 and "twin_pass" not in rows2
-    assert profile_kernels.grad_gap(grads2, grads) < 1e-5
-    assert profile_kernels.grad_gap(jax.tree_util.tree_map(lambda g: 2 * g, grads), grads) > 0.9
+# ----------------------------------------------------------------------------------------------
+# The kernel config: one frozen, validated KernelConfig per call
+# ----------------------------------------------------------------------------------------------
+def test_default_config_measured_choices():
+    """default_config's per-(mode, K, V, dtype, varlen) choices, as measured
+    (docs/performance-log.md): warps, stages, the leaf's key tile and the K > 128 forms."""
+    from pallas_kernels.gpu import config
+
+    d = _default("none", 128, 128, jnp.bfloat16)
+    assert dict(d.warps) == {"intra": 2, "wu": 2, "qk_gram": 2, "fwd_pass": 4, "output": 4,
+                             "bwd_local": 4, "bwd_pass": 8, "bwd_dlam": 4, "bwd_leaf": 8,
+                             "twin_pass": 4, "gates": 4}
+    assert dict(d.stages) == {"fwd": 3, "native": 3, "fused": 3, "fused_w32": 3,
+                              "fused_f32": 2, "bwd": 2, "twin": 2}
+    assert (d.block_v, d.block_k, d.block_v_state) == (64, 64, 32)
+    assert d.fused_output and d.twin_pass and d.forward_low_precision == ()
+    v = _default("vector", 128, 128)
+    assert v.block_k == 32 and v.warp("bwd_leaf") == 4 and v.warp("wu") == 4
+    assert v.stage("fwd") == v.stage("native") == 2 and not v.leaf_e_rows
+    assert _default("scalar", 64, 256).block_k == 32 and _default("scalar", 64, 256).warp(
+        "bwd_leaf") == 8  # scalar gates keep 8 warps on 32-wide key tiles
+    wide = _default("scalar", 256, 256, jnp.bfloat16)
+    assert set(dict(wide.stages).values()) == {1} and wide.warp("intra") == wide.warp("wu") == 4
+    assert not wide.fused_output and not wide.twin_pass
+    assert wide.forward_low_precision == ("W", "S0", "R")
+    varlen = _default("none", 64, 64, one_seq=False)
+    assert dict(varlen.stages) == {**dict.fromkeys(config.PASSES, 3), "twin": 1}
+    assert _default("none", 16, 16).block_v == 16  # tiles no wider than the head dims
+
+
+def test_kernel_config_validated_frozen_hashable():
+    """KernelConfig refuses bad values on construction (naming the field), cannot be changed
+    in place, and is hashable — equal configs hash alike, so it can key jit's cache."""
+    import dataclasses
+
+    from pallas_kernels.gpu import config
+
+    d = _default("vector", 64, 64)
+    assert hash(d) == hash(_default("vector", 64, 64)) and d == _default("vector", 64, 64)
+    assert d != d.with_overrides({"block_v": 32})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.block_v = 32
+    for bad, match in [({"block_v": 48}, "block_v=48 must be a power of two"),
+                       ({"leaf_diag": "centred"}, "leaf_diag='centred' must be one of"),
+                       ({"twin_pass": 1}, "twin_pass=1 must be a bool"),
+                       ({"backward_low_precision": ("S0", "dW")}, "backward_low_precision"),
+                       ({"warps": {"intra": 0}}, r"warps\['intra'\]=0 must be a positive int"),
+                       ({"no_such_field": 1}, "no fields.*no_such_field")]:
+        with pytest.raises(ValueError, match=match):
+            d.with_overrides(bad)
+    with pytest.raises(ValueError, match="warps must give every one of"):
+        dataclasses.replace(d, warps=(("intra", 2),))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        config.default_config("gated", 64, 64, jnp.float32)
+    assert d.with_overrides({"warps": {"intra": 8}}).warp("intra") == 8  # a table entry
 
 
 @pytest.mark.skipif(_ON_GPU, reason="interpret-mode twin")
-def test_fused_pass_stage_entry(monkeypatch):
-    """The forward's fused pass takes its "state_pass.stages" entry by what it reads: "fused_w32"
-    for 16-bit inputs with an fp32 W (the default), "fused" with a 16-bit W, "fused_f32" for
-    fp32 inputs (more bytes per stage: kept at the stages that have run)."""
-    from pallas_kernels.gpu import kernels
+def test_kernel_config_keyword_reaches_the_kernels(monkeypatch):
+    """The ops' kernel_config= (a KernelConfig, or a dict of overrides on the call's default)
+    is the config every kernel of the call reads, under jit too (each config traces its own
+    kernels); another backend refuses it rather than ignore it."""
+    shapes = []
+    shape = launch.Shape.__init__
 
-    seen = []
-    pass_stages = kernels._pass_stages
-    monkeypatch.setattr(kernels, "_pass_stages",
-                        lambda s, which: seen.append(which) or pass_stages(s, which))
-    for dtype, low, want in ((jnp.bfloat16, (), "fused_w32"), (jnp.bfloat16, ("W",), "fused"),
-                             (jnp.float32, (), "fused_f32")):
-        monkeypatch.setitem(kernels.TUNE, "forward.low_precision", low)
-        inp = testing.make_inputs("deltanet", 1, 40, 1, 16, 16, dtype=dtype, seed=3)
-        seen.clear()
-        jax.clear_caches()
-        testing.run_op("deltanet", inp, backend="pallas_gpu", interpret=True, chunk_size=16)
-        assert want in seen and not {"fused", "fused_w32", "fused_f32"} - {want} & set(seen), (
-            dtype, low, seen)
+    def recording(self, *a, **k):
+        shape(self, *a, **k)
+        shapes.append(self.cfg)
 
+    monkeypatch.setattr(launch.Shape, "__init__", recording)
+    inp = testing.make_inputs("gdn", 1, 40, 2, 16, 32, decay="strong", seed=5)
+    kw = dict(backend="pallas_gpu", interpret=True, chunk_size=16)
+    o1, _ = testing.run_op("gdn", inp, kernel_config={"twin_pass": False, "block_v": 16}, **kw)
+    assert shapes and all(c.block_v == 16 and not c.twin_pass for c in shapes)
+    full = _default("scalar", 16, 32, jnp.float32).with_overrides({"dlam_decays": False})
+    shapes.clear()
+    o2, _ = testing.run_op("gdn", inp, kernel_config=full, **kw)
+    assert shapes and all(c == full for c in shapes)
+    assert _rel(o1, o2) < 1e-6
 
-def test_wide_warps(monkeypatch):
-    """DEFAULTS "launch.wide_warps": at K > 128 a kernel takes its "<kernel>:<gate mode>" entry
-    before its "<kernel>" one, at K ≤ 128 always WARPS; and the launches get it."""
-    from pallas_kernels.gpu import kernels
-
-    def warps(K, mode, kernel):
-        return kernels.Shape(1, 64, 1, K, K, 64, 1, mode, None, 64).warps(kernel)
-
-    # the defaults: intra and the backward's wu at 2 warps at K ≤ 128 (wu at 4 for vector
-    # gates: WARPS's "<kernel>:<gate mode>" entry), both at 4 at K > 128
-    assert kernels.DEFAULTS["launch.wide_warps"] == {"intra": 4, "wu": 4}
-    assert warps(128, "none", "intra") == 2 and warps(256, "none", "intra") == 4
-    assert warps(128, "none", "wu") == 2 and warps(128, "vector", "wu") == 4
-    assert warps(256, "scalar", "wu") == 4
-    assert warps(128, "scalar", "intra") == 2 and warps(128, "scalar", "wu") == 2  # profile-22
-    assert warps(256, "vector", "fwd_pass") == kernels.WARPS["fwd_pass"]
-    monkeypatch.setitem(kernels.TUNE, "launch.wide_warps",
-                        {"fwd_pass:vector": 8, "fwd_pass": 2, "output": 8})
-    assert warps(256, "vector", "fwd_pass") == 8 and warps(256, "none", "fwd_pass") == 2
-    assert warps(128, "vector", "fwd_pass") == kernels.WARPS["fwd_pass"]
-    assert warps(256, "scalar", "output") == 8 and warps(256, "none", "intra") == 2
-    launched = {}
-    call = kernels._call
-    monkeypatch.setattr(kernels, "_call", lambda k, **kw: launched.update(
-        {kw["name"]: kw["num_warps"]}) or call(k, **kw))
-    for K in (128, 256):
-        inp = testing.make_inputs("deltanet", 1, 16, 1, K, K, dtype=jnp.bfloat16, seed=1)
-        launched.clear()
-        jax.clear_caches()
-        testing.run_op("deltanet", inp, backend="pallas_gpu", interpret=True, chunk_size=16)
-        assert launched["rewy_fwd_pass"] == (2 if K > 128 else kernels.WARPS["fwd_pass"]), launched
-        assert launched["rewy_intra"] == 2, launched  # WARPS: no "intra" entry in the TUNE
-
-
-def test_pass_stages():
-    """kernels._pass_stages: the one-sequence passes take DEFAULTS "state_pass.stages" (vector
-    gates' unfused forward pass its own entry, the fused pass reading an fp32 W another), varlen
-    calls 3 (the twin pass 1), K = 256 one; and every profile variant that sets the stages names
-    every pass."""
-    from pallas_kernels.gpu import kernels, profile_kernels
-
-    def stages(K, mode, one_seq, which):
-        return kernels._pass_stages(
-            kernels.Shape(1, 64, 1, K, K, 64, 2, mode, None, 64, one_seq=one_seq), which)
-
-    want = kernels.DEFAULTS["state_pass.stages"]
-    for which in ("fwd", "fused", "bwd", "twin"):
-        assert stages(128, "none", True, which) == want[which]
-        assert stages(128, "none", False, which) == (1 if which == "twin" else 3)
-    assert stages(128, "vector", True, "fwd") == want["fwd_vector"]
-    assert stages(128, "scalar", True, "fwd") == want["fwd"]
-    assert stages(128, "none", True, "fused_w32") == want["fused_w32"]
-    assert stages(128, "none", True, "fused_f32") == want["fused_f32"] <= 2  # fp32 inputs
-    assert stages(128, "none", False, "fused_w32") == 3
-    assert stages(256, "none", True, "fused_w32") == 1
-    # K = 256: one stage unless "state_pass.wide_stages" names the pass (one-sequence calls)
-    wide = kernels.DEFAULTS["state_pass.wide_stages"]
-    for which in ("fwd", "native", "bwd"):
-        assert stages(256, "none", True, which) == wide.get(which, 1)
-        assert stages(256, "none", False, which) == 1
-    # a pass with native products takes the forward's unfused-pass entry at K ≤ 128
-    assert stages(128, "none", True, "native") == want["fwd"]
-    assert stages(128, "vector", True, "native") == want["fwd_vector"]
-    for name, (tune, *_) in profile_kernels.VARIANTS.items():
-        if "state_pass.stages" in tune:
-            assert set(tune["state_pass.stages"]) == set(want), name
-
-
-def test_variants_name_known_settings():
-    """Every variant of profile_kernels / trace_op sets kernel settings that exist (DEFAULTS keys
-    or "<kernel>.warps" / ".stages"), so a misspelt one fails here and not on the GPU machine,
-    after its start; and the variants the device plan in PERF.md names are defined."""
-    import re
-    from pathlib import Path
-
-    from pallas_kernels.gpu import kernels, profile_kernels
-
-    for name, (tune, *_) in profile_kernels.VARIANTS.items():
-        for key in tune:
-            assert key in kernels.DEFAULTS or key.endswith((".warps", ".stages")), (name, key)
-    perf = (Path(kernels.__file__).parent / "PERF.md").read_text()
-    plan = perf[perf.index("## Next session"):]
-    # --variants a,b | --variants "op:a,b op2:c+d" (trace_op.parse_plan's forms)
-    from pallas_kernels.gpu import trace_op
-
-    named = {v for m in re.finditer(r'--variants (?:"([^"]+)"|([\w,+]+))', plan)
-             for _, vs in trace_op.parse_plan("x", m.group(1) or m.group(2)) for v in vs}
-    assert len(named) >= 15, named
-    for v in named:  # raises on an unknown name or two parts that disagree
-        profile_kernels.variant_settings(v)
-
-
-def test_parse_tune():
-    """kernels.parse_tune: the tooling's key=value settings, and clear errors."""
-    from pallas_kernels.gpu import kernels
-
-    assert kernels.parse_tune("exp2=true") == ("exp2", True)
-    assert kernels.parse_tune("rewy_bwd_pass.warps=4") == ("rewy_bwd_pass.warps", 4)
-    assert kernels.parse_tune("rewy_qk_gram.exact_diag=outer") == ("rewy_qk_gram.exact_diag",
-                                                                    "outer")
-    assert kernels.parse_tune("backward.low_precision=S0,dS") == ("backward.low_precision",
-                                                                   ("S0", "dS"))
-    assert kernels.parse_tune("backward.low_precision=,") == ("backward.low_precision", ())
-    with pytest.raises(ValueError, match="key=value"):
-        kernels.parse_tune("exp2")
-    with pytest.raises(ValueError, match="unknown tuning key 'exp3'"):
-        kernels.parse_tune("exp3=true")
-
-
-def test_leaf_tile_choice():
-    """bwd_leaf's key tile and warps (kernels.Shape, profile-11, profile-15): tiles of 64 up to
-    V = 128 and 32 above, except vector gates at K = V = 128 (32); no or vector gates run tiles
-    of 32 at 4 warps, everything else 8; an explicit tile is kept (capped at K)."""
-    from pallas_kernels.gpu import kernels
-
-    def leaf(mode, K, V, BK=None):
-        s = kernels.Shape(1, 64, 1, K, V, 64, 2, mode, None, 64, BK)
-        return s.BK, s.leaf_warps
-
-    w = kernels.WARPS["bwd_leaf"]
-    assert leaf("vector", 128, 128) == (32, 4)
-    assert leaf("vector", 64, 64) == (64, w)
-    assert leaf("vector", 256, 256) == (32, 4)
-    assert leaf("none", 256, 256) == (32, 4)
-    assert leaf("none", 128, 128) == (64, w)
-    assert leaf("scalar", 128, 256) == (32, w)
-    assert leaf("scalar", 256, 256) == (32, w)
-    assert leaf("vector", 128, 128, BK=64) == (64, w)
-    assert leaf("none", 16, 32, BK=64) == (16, w)
-
-
-@pytest.mark.skipif(_ON_GPU, reason="CPU smoke test of the tracing script")
-def test_trace_script_sums_stream_kernels(tmp_path, monkeypatch):
-    """pallas_kernels/gpu/trace_op.py (the device-session tool): on a GPU-like trace it sums
-    the stream threads only (the XLA-op spans repeat the same time); it runs end to end on
-    CPU in interpret mode."""
-    import gzip
-    import json
-
-    from pallas_kernels.gpu import kernels, trace_op
-
-    ev = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
-          {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
-          {"ph": "M", "name": "thread_name", "pid": 1, "tid": 10, "args": {"name": "Stream #13"}},
-          {"ph": "M", "name": "thread_name", "pid": 1, "tid": 11, "args": {"name": "XLA Ops"}},
-          {"ph": "X", "pid": 1, "tid": 10, "name": "rewy_intra", "dur": 400.0},
-          {"ph": "X", "pid": 1, "tid": 10, "name": "rewy_intra", "dur": 400.0},
-          {"ph": "X", "pid": 1, "tid": 10, "name": "loop_fusion", "dur": 100.0},
-          {"ph": "X", "pid": 1, "tid": 11, "name": "custom-call.1", "dur": 900.0},
-          {"ph": "X", "pid": 2, "tid": 5, "name": "PjitFunction", "dur": 5000.0}]
-    path = tmp_path / "t.json.gz"
-    with gzip.open(path, "wt") as fh:
-        json.dump({"traceEvents": ev}, fh)
-    times, tracks = trace_op.device_times(str(path), iters=2)
-    assert times == {"rewy_intra": 0.4, "loop_fusion": 0.05} and tracks == "Stream #13"
-
-    text, times = trace_op.trace_op("gdn", (1, 64, 1, 16), iters=1, out_dir=str(tmp_path),
-                                    interpret=True)
-    assert (tmp_path / "trace-gdn.txt").read_text().startswith("gdn ") and times
-    # variants side by side: each kernel's device ms under each variant, kernels summed apart
-    # from the glue, and the wall time per call
-    table = trace_op.compare_table("gdn", (1, 64, 1, 16), {
-        "base": {"rewy_wu": 0.1, "rewy_intra": 0.2, "fusion": 0.05, "WALL": 0.5},
-        "wut": {"rewy_wu": 0.07, "rewy_intra": 0.2, "WALL": 0.45}})
-    assert "| rewy_wu | 0.1000 | 0.0700 |" in table
-    assert "| our kernels | 0.3000 | 0.2700 |" in table
-    assert "| XLA glue | 0.0500 | 0.0000 |" in table and "| wall per call | 0.5000 | 0.4500 |" in table
-    saved = dict(kernels.TUNE)
-    from pallas_kernels.gpu.profile_kernels import with_variant
-    assert with_variant("wut", lambda: kernels.setting("rewy_wu.col_tile")) == 64
-    assert kernels.TUNE == saved
-    # one process for a device call's plan: per-op variant lists, all lowered, then compiled in
-    # threads, then traced; each variant's settings reach its own lowering (unfused: one more
-    # forward kernel), a failing variant is reported and the rest still run
-    assert trace_op.parse_plan("gdn,kda", "a,b") == [("gdn", ["a", "b"]), ("kda", ["a", "b"])]
-    assert trace_op.parse_plan("x", "deltanet:a,b kda:c") == [("deltanet", ["a", "b"]),
-                                                                ("kda", ["c"])]
-    with pytest.raises(ValueError, match="OP:VARIANT"):
-        trace_op.parse_plan("x", "deltanet: kda:c")
-    launches, logs, kernels_of = _record_launches(monkeypatch), [], []
-    real_lower = trace_op.lower_op
-
-    def lower(*a):
-        n = len(launches)
-        out = real_lower(*a)
-        kernels_of.append({x["name"] for x in launches[n:]})
-        return out
-
-    monkeypatch.setattr(trace_op, "lower_op", lower)
-    res = trace_op.trace_variants([("deltanet", ["base", "nonesuch", "unfused"])],
-                                  (1, 64, 1, 16), iters=1, out_dir=str(tmp_path),
-                                  interpret=True, wall_iters=1, workers=2, log=logs.append)
-    assert set(res["deltanet"]) == {"base", "unfused"} and res["deltanet"]["unfused"]["WALL"] > 0
-    assert any("nonesuch ERROR lowering KeyError" in m for m in logs), logs
-    assert any(m.startswith("lowered 2 variants") for m in logs), logs
-    assert kernels_of[1] - kernels_of[0] == {"rewy_output"}, kernels_of
-    assert kernels.TUNE == saved
-
-
-def test_variants_combine():
-    """profile_kernels.variant_settings("a+b"): two variants' settings together (a trace's
-    winners for different kernels, or a benchmark's --variant); a key set two ways is an error."""
-    from pallas_kernels.gpu import profile_kernels as pk
-
-    tune, BV, BVs, BK = pk.variant_settings("qdo+bltl+predecayed")
-    assert tune == {"backward.chunk_qdo": True, "rewy_bwd_local.tile_loop": True,
-                    "fwd_pass.predecayed": True} and (BV, BVs, BK) == pk.VARIANTS["qdo"][1:]
-    assert pk.variant_settings("qdo+qdotl")[0] == pk.VARIANTS["qdotl"][0]  # agreeing keys
-    with pytest.raises(ValueError, match="fwd_pass.predecayed"):
-        pk.variant_settings("predecayed+pd32")
-    with pytest.raises(KeyError, match="nonesuch"):
-        pk.variant_settings("qdo+nonesuch")
-    assert pk.is_bounded("qdo+centred") and not pk.is_bounded("qdo+bltl")
-
-
-@pytest.mark.skipif(_ON_GPU, reason="CPU check of the lowering tool")
-def test_resource_report_plan_records_each_kernels_launch(tmp_path):
-    """resource_report.py plan: every (op, variant) of a device plan lowered for CUDA on CPU,
-    each kernel's Triton IR written with the warps and stages it launches with (what ptxas then
-    compiles it with); a variant that cannot lower is reported; the jax patches are undone."""
-    import contextlib
-    import io
-    import json
-
-    from pallas_kernels.gpu import api, kernels, resource_report
-
-    supports = api.supports
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        resource_report.plan(str(tmp_path), "deltanet:base,unfused,nonesuch", "1x128x2x32")
-    assert "deltanet nonesuch LOWERING FAILED KeyError" in log.getvalue()
-    launches = json.loads((tmp_path / "launches.json").read_text())
-    files = {p.name for p in tmp_path.glob("*.ttir")}
-    assert files == set(launches) and files
-    leaf_warps = kernels.Shape(1, 128, 2, 32, 32, 64, 2, "none", None, 64, None).leaf_warps
-    assert launches["deltanet__base__rewy_bwd_leaf__1.ttir"][0] == leaf_warps
-    assert launches["deltanet__base__rewy_intra__1.ttir"][0] == kernels.WARPS["intra"]
-    assert ("deltanet__unfused__rewy_output__1.ttir" in files
-            and not any("base__rewy_output" in f for f in files))
-    assert api.supports is supports
+    calls = []
+    shapes.clear()
+    f = jax.jit(lambda x, bv: calls.append(bv) or testing.run_op(
+        "gdn", dict(inp, q=x), kernel_config={"block_v": bv}, **kw)[0], static_argnums=1)
+    f(inp["q"], 16)
+    f(inp["q"], 32)
+    assert calls == [16, 32] and {c.block_v for c in shapes} == {16, 32}
+    with pytest.raises(ValueError, match="kernel_config= configures the Pallas GPU kernels"):
+        testing.run_op("gdn", inp, backend="xla", kernel_config={"block_v": 16})

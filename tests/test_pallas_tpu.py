@@ -243,9 +243,9 @@ def test_vmap_lowers_for_tpu():
 
 
 def test_roofline_counts():
-    """The roofline counter runs on the kernels' own chunk functions; ReWY's backward does fewer
-    MXU FLOPs than the seven-product baseline for every op."""
-    from pallas_kernels.tpu import roofline
+    """The roofline counter (tools/tpu_roofline.py) runs on the kernels' own chunk functions;
+    ReWY's backward does fewer MXU FLOPs than the seven-product baseline for every op."""
+    from tools import tpu_roofline as roofline
 
     for op in roofline.OPS:
         w = roofline.chunk_work(op, 64, 64, 64)

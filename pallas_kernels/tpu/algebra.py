@@ -40,7 +40,7 @@ SUB = ca.SUBCHUNK  # diagonal blocks of the triangular inverse
 # Rows per sub-chunk of the vector-gate reference frames. The exact per-pair diagonal sweep
 # costs DIAG_SUB elementwise [C, K] passes per product (VPU/EUP), the off-diagonal frames one
 # small matmul per sub-chunk (MXU): 8 rows trade +3% MXU FLOPs for −35% VPU and −30% EUP work
-# per chunk at K = 128 (counted by roofline.py); 8 is also one f32 sublane tile.
+# per chunk at K = 128 (counted by tools/tpu_roofline.py); 8 is also one f32 sublane tile.
 DIAG_SUB = 8
 f32 = jnp.float32
 

@@ -55,7 +55,7 @@ def _interpret_arg(interpret):
 
 
 # ----------------------------------------------------------------------------------------------
-# One chunk: what a grid step computes on its loaded blocks (also traced by roofline.py)
+# One chunk: what a grid step computes on its loaded blocks (also traced by tools/tpu_roofline.py)
 # ----------------------------------------------------------------------------------------------
 def ca_tril(C):
     """[C, C] lower-triangular ones (diagonal included), fp32."""

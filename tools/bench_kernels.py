@@ -1,6 +1,6 @@
 """Check and time the Pallas GPU kernels against rewy_jax's xla backend (one process, one GPU).
 
-    PYTHONPATH=$PWD python3 pallas_kernels/gpu/bench_kernels.py [--acc [--cases 4]] [--time]
+    python -m tools.bench_kernels [--acc [--cases 4]] [--time]
         [--ops kda,gdn2] [--backends pallas_gpu,xla] [--variants]
 
 --acc: accuracy ratios vs the float64 token recurrence (rewy_jax.testing.accuracy_report) on

@@ -1,8 +1,8 @@
 """Where one public op's fwd+bwd spends its GPU time: every kernel and XLA fusion, from a trace.
 
-    PYTHONPATH=$PWD python3 pallas_kernels/gpu/trace_op.py [--ops deltanet,gdn,kda,gdn2]
+    python -m tools.trace_op [--ops deltanet,gdn,kda,gdn2]
         [--shape 2x4096x16x128] [--gate-lower-bound -5] [--iters 5] [--out-dir DIR]
-        [--variants base,wut,w2 | --variants "deltanet:base,qdo kda:centred,allpd"]
+        [--variants base,nopd,w2 | --variants "deltanet:base,apart kda:centred,nopd"]
 
 For each op: o and the inputs' gradients for a cotangent dO (``testing.output_and_vjp``, as
 the benchmark times fwd+bwd) through the public op (``backend="pallas_gpu"``, bf16 inputs,
@@ -72,15 +72,15 @@ def device_times(trace_path: str, iters: int) -> tuple[dict, str]:
     return dict(totals), ", ".join(where)
 
 
-def lower_op(op, shape, gate_lower_bound=None, interpret=False, inp=None):
+def lower_op(op, shape, gate_lower_bound=None, interpret=False, inp=None, kernel_config=None):
     """(the op's jitted fwd+bwd lowered for bf16 inputs of ``shape``, those inputs — ``inp``
-    when given, as an earlier call returned them). The kernel settings (kernels.TUNE) are read
-    here, while tracing: lower under ``with_variant``."""
+    when given, as an earlier call returned them), with ``kernel_config`` (KernelConfig
+    overrides, e.g. ``profile_kernels.variant_overrides(name)``) passed to the op."""
     B, T, H, D = shape
     if inp is None:
         inp = testing.make_inputs(op, B, T, H, D, D, dtype=jnp.bfloat16, initial_state=False)
     dO = jax.random.normal(jax.random.PRNGKey(7), inp["v"].shape, F32).astype(jnp.bfloat16)
-    kw = dict(backend="pallas_gpu", interpret=interpret)
+    kw = dict(backend="pallas_gpu", interpret=interpret, kernel_config=kernel_config)
     if gate_lower_bound is not None:
         kw["gate_lower_bound"] = gate_lower_bound
 
@@ -140,14 +140,13 @@ def trace_variants(plan, shape, gate_lower_bound=None, iters=5, out_dir=".", int
                    keep_trace=False, wall_iters=20, workers=None, log=print):
     """{op: {variant: times}} for ``plan`` = [(op, [variant, ...]), ...].
 
-    Every (op, variant) is lowered first, one after another (the settings are module state read
-    while tracing), then all are compiled at once in a thread pool (XLA compiles each module's
-    Triton kernels then, releasing the GIL; compiling, by this machine's timings, was most of
-    the ~15 s a variant cost the GPU machine when each was compiled in turn), then traced one
-    at a time, so no two share the GPU. A variant that fails to lower, compile or run is
+    Every (op, variant) is lowered first, one after another, then all are compiled at once
+    in a thread pool (XLA compiles each module's Triton kernels then, releasing the GIL;
+    compiling, by this machine's timings, was most of the ~15 s a variant cost the GPU
+    machine when each was compiled in turn), then traced one at a time, so no two share the GPU. A variant that fails to lower, compile or run is
     reported and skipped.
     """
-    from pallas_kernels.gpu.profile_kernels import is_bounded, with_variant
+    from tools.profile_kernels import is_bounded, variant_overrides
 
     t0 = time.perf_counter()
     lowered = {}  # (op, variant) -> (lowered, inputs, bound)
@@ -158,8 +157,8 @@ def trace_variants(plan, shape, gate_lower_bound=None, iters=5, out_dir=".", int
             b = -5.0 if vector and is_bounded(var) else (
                 gate_lower_bound if vector else None)
             try:
-                lo, inputs[op] = with_variant(var, lambda op=op, b=b: lower_op(
-                    op, shape, b, interpret, inputs.get(op)))
+                lo, inputs[op] = lower_op(op, shape, b, interpret, inputs.get(op),
+                                          variant_overrides(var))
             except Exception as ex:  # noqa: BLE001 — one failing variant must not hide the rest
                 log(f"{op} {var} ERROR lowering {type(ex).__name__}: {str(ex)[:300]}")
                 continue

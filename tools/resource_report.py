@@ -4,20 +4,22 @@ Two steps, because the lowering needs jax and the compile needs the Triton of th
 (triton 3.6, for Python 3.12 — the lent H200's version):
 
     # 1. lower the kernels of one op (fwd + bwd, bf16, B=2 T=4096 H=16) to Triton IR files
-    JAX_PLATFORMS=cpu PYTHONPATH=$PWD python pallas_kernels/gpu/resource_report.py dump kda /tmp/ttir [K=128] [backward=wy] [dtype=float32] [policy=save]
-        [gate_lower_bound=-5] [tune.rewy_bwd_leaf.exact_diag=loop] [tune.rewy_bwd_leaf.rowgrid=false]
-        [tune.backward.low_precision=S0,R,dS,dR,dRl,lam]
+    JAX_PLATFORMS=cpu python -m tools.resource_report dump kda /tmp/ttir [K=128] [backward=wy]
+        [dtype=float32] [policy=save] [gate_lower_bound=-5] [cfg.leaf_diag=loop]
+        [cfg.leaf_rowgrid=false] [cfg.backward_low_precision=S0,R,dS,dR,dRl,lam]
+        [cfg.warps.bwd_leaf=4]
     #    or every (op, variant) of a device plan (trace_op.py's --variants forms; vector-gate
     #    ops with g >= -5 declared), to check before a device call that each lowers and compiles
-    JAX_PLATFORMS=cpu PYTHONPATH=$PWD python pallas_kernels/gpu/resource_report.py plan /tmp/ttir "deltanet:base,qdo kda:centred,allpd" [2x4096x16x128]
+    JAX_PLATFORMS=cpu python -m tools.resource_report plan /tmp/ttir \
+        "deltanet:base,apart kda:centred,nopd" [2x4096x16x128]
     # 2. compile them for sm_90 and print ptxas's report (in a venv with `pip install triton==3.6.0`)
-    python pallas_kernels/gpu/resource_report.py ptxas /tmp/ttir/*.ttir [--warps 8] [--stages 3]
+    python tools/resource_report.py ptxas /tmp/ttir/*.ttir [--warps 8] [--stages 3]
 
 Step 1 also writes ``launches.json`` beside the files: each kernel's warps and pipeline stages
 as the kernels launch it (read from the lowered custom call), which step 2 uses for every file
 it lists unless ``--warps`` / ``--stages`` override them (the Triton IR does not carry them).
 Step 2 reports per kernel: shared memory (~227 KB per SM on Hopper; jaxlib's Triton has run
-kernels this Triton counts a little over it, PERF.md), registers per thread, spill bytes and
+kernels this Triton counts a little over it, docs/performance-log.md), registers per thread, spill bytes and
 static SASS counts; a kernel that fails to compile says FAILED. The GPU model is forced to H200
 for the lowering (a lowering-only shortcut through jax internals; never used by the library).
 """
@@ -41,7 +43,11 @@ def _capturing(outdir):
     """Within: the Pallas Triton lowering writes every kernel it lowers to ``outdir`` as
     ``<prefix[0]>__<kernel>__<n>.ttir``, with its warps and stages in ``outdir/launches.json``;
     yields the one-element prefix list to set between lowerings. The patched jax internals and
-    ``api.supports`` are restored after."""
+    ``api.supports`` are restored after.
+
+    The one place of the repository that imports jax's private modules: the Triton IR of a
+    kernel and its launch settings exist only inside the Pallas Triton lowering (no public API
+    returns them), and the GPU model it targets must be forced to H200 on a CPU machine."""
     from jax._src.pallas.triton import gpu_info
     from jax._src.pallas.triton import pallas_call_registration as pcr
 
@@ -86,7 +92,7 @@ def _capturing(outdir):
          pcr.mlir.custom_call) = saved
 
 
-def _lower_op(op, B, T, H, K, dtype, **kw):
+def _lower_op(op, B, T, H, K, dtype, **kw):  # kw: the op's keywords (kernel_config= too)
     """Lower the public op's forward and its fwd+bwd (o and its VJP) for CUDA."""
     import jax
     import jax.numpy as jnp
@@ -106,10 +112,16 @@ def dump(op, outdir, *opts):
 
     kw = dict(o.split("=", 1) for o in opts)
     K = int(kw.pop("K", 128))
-    from pallas_kernels.gpu import kernels
-    for key in [k for k in kw if k.startswith("tune.")]:  # tune.rewy_bwd_leaf.rowgrid=false, ...
-        name, value = kernels.parse_tune(f"{key[5:]}={kw.pop(key)}")
-        kernels.TUNE[name] = value
+    from tools.profile_kernels import parse_setting
+
+    overrides = {}
+    for key in [k for k in kw if k.startswith("cfg.")]:  # cfg.leaf_rowgrid=false, ...
+        name, value = parse_setting(f"{key[4:]}={kw.pop(key)}")
+        if isinstance(value, dict):  # warps.<kernel> / stages.<pass>
+            value = {**overrides.get(name, {}), **value}
+        overrides[name] = value
+    if overrides:
+        kw["kernel_config"] = overrides
     if "gate_lower_bound" in kw:
         kw["gate_lower_bound"] = float(kw["gate_lower_bound"])
     dtype = jnp.dtype(kw.pop("dtype", "bfloat16"))  # dtype=float32: the fp32-input kernels
@@ -124,7 +136,7 @@ def plan(outdir, variants, shape="2x4096x16x128"):
     warnings.simplefilter("ignore")
     import jax.numpy as jnp
 
-    from pallas_kernels.gpu import profile_kernels, trace_op
+    from tools import profile_kernels, trace_op
 
     B, T, H, K = (int(x) for x in shape.split("x"))
     with _capturing(outdir) as prefix:
@@ -133,8 +145,8 @@ def plan(outdir, variants, shape="2x4096x16x128"):
                 prefix[0] = f"{op}__{var}"
                 kw = {"gate_lower_bound": -5.0} if op in ("kda", "gdn2") else {}
                 try:
-                    profile_kernels.with_variant(var, lambda op=op, kw=kw: _lower_op(
-                        op, B, T, H, K, jnp.bfloat16, **kw))
+                    _lower_op(op, B, T, H, K, jnp.bfloat16,
+                              kernel_config=profile_kernels.variant_overrides(var), **kw)
                     print(op, var, "lowered", flush=True)
                 except Exception as ex:  # noqa: BLE001 — report every variant
                     print(op, var, "LOWERING FAILED", type(ex).__name__, str(ex)[:300],

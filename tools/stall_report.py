@@ -2,9 +2,9 @@
 
     # on the GPU machine (ncu 2025.3 is installed there): profile one fwd+bwd of an op
     ncu --clock-control none --kernel-name regex:rewy_ --launch-count 12 --csv \\
-        --metrics $(python3 pallas_kernels/gpu/stall_report.py metrics) --log-file ncu.csv \\
-        python3 pallas_kernels/gpu/stall_report.py run deltanet 2x4096x16x128
-    python3 pallas_kernels/gpu/stall_report.py table ncu.csv
+        --metrics $(python3 -m tools.stall_report metrics) --log-file ncu.csv \\
+        python3 -m tools.stall_report run deltanet 2x4096x16x128
+    python3 -m tools.stall_report table ncu.csv
 
 ``run`` calls ``jax.grad`` of Σ o·dO through the public op once (bf16 inputs, ``backend=
 "pallas_gpu"``, as the benchmark calls it), so ncu sees each of our kernels (``rewy_*``) once.
