@@ -96,6 +96,23 @@ def causal_decay(g_row, g_col, *, strict: bool):
     return jnp.exp2(expo)
 
 
+def stream(issue, n_items: int, stages: int, in_free) -> None:
+    """The memory warpgroup's loop: ``issue(i, slot)`` TMA-loads item i into ``slot``; the first
+    ``stages`` items go at once, each later one when the consumers have freed its slot
+    (``in_free[slot]``); the last releases are observed before the warpgroup finishes."""
+    for i in range(min(stages, n_items)):
+        issue(i, i)
+
+    @pl.loop(stages, n_items)
+    def _refill(i):
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(in_free.at[slot])
+        issue(i, slot)
+
+    for i in range(max(n_items - stages, 0), n_items):
+        plgpu.barrier_wait(in_free.at[i % stages])
+
+
 def finish_together(done) -> None:
     """Every warpgroup arrives at ``done`` and waits for the others before the kernel ends.
 

@@ -14,10 +14,10 @@ SMEM_BUDGET = 220 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardConfig:
-    """The fused forward's tiling.
+class PassConfig:
+    """Tiling of a serial pass over chunks (the fused forward, the reverse state pass).
 
-    block_v: value columns per CTA (the state tile Sᵀ is ``[block_v, K]`` fp32 in registers).
+    block_v: value columns per CTA (the state tile ``[block_v, K]`` is fp32 in registers).
     stages: depth of the TMA input pipeline (chunks in flight).
     """
 
@@ -26,31 +26,17 @@ class ForwardConfig:
 
     def __post_init__(self):
         if self.block_v != 64:
-            raise ValueError(f"ForwardConfig.block_v must be 64 (one WGMMA M-tile), got {self.block_v}")
+            raise ValueError(f"PassConfig.block_v must be 64 (one WGMMA M-tile), got {self.block_v}")
         if not 2 <= self.stages <= 4:
-            raise ValueError(f"ForwardConfig.stages must be in [2, 4], got {self.stages}")
-
-
-@dataclasses.dataclass(frozen=True)
-class StateBackwardConfig:
-    """The reverse state pass's tiling (same fields and limits as :class:`ForwardConfig`)."""
-
-    block_v: int = 64
-    stages: int = 2
-
-    def __post_init__(self):
-        if self.block_v != 64:
-            raise ValueError(f"StateBackwardConfig.block_v must be 64, got {self.block_v}")
-        if not 2 <= self.stages <= 4:
-            raise ValueError(f"StateBackwardConfig.stages must be in [2, 4], got {self.stages}")
+            raise ValueError(f"PassConfig.stages must be in [2, 4], got {self.stages}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """All Mosaic GPU kernel settings of one call."""
 
-    forward: ForwardConfig = ForwardConfig()
-    state_backward: StateBackwardConfig = StateBackwardConfig()
+    forward: PassConfig = PassConfig()
+    state_backward: PassConfig = PassConfig()
 
 
 def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_state: bool) -> int:
@@ -80,5 +66,5 @@ def default_config(K: int, V: int, itemsize: int) -> Config:
     """The defaults: the deepest input pipeline that fits SMEM, per kernel."""
     fwd = _deepest(lambda s: forward_smem_bytes(K, 64, s, itemsize, True) <= SMEM_BUDGET)
     bwd = _deepest(lambda s: state_backward_smem_bytes(K, 64, s, itemsize) <= SMEM_BUDGET)
-    return Config(forward=ForwardConfig(block_v=64, stages=fwd),
-                  state_backward=StateBackwardConfig(block_v=64, stages=bwd))
+    return Config(forward=PassConfig(block_v=64, stages=fwd),
+                  state_backward=PassConfig(block_v=64, stages=bwd))

@@ -39,12 +39,12 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu.common import (
     C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, mma, rows_of, smem,
-    stage, vectors)
+    stage, stream, vectors)
 from pallas_kernels.mosaic_gpu import compat
-from pallas_kernels.mosaic_gpu.config import ForwardConfig
+from pallas_kernels.mosaic_gpu.config import PassConfig
 
 
-def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: ForwardConfig,
+def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                   out_final: bool, save_states: bool, meta=None, interpret=None):
     """``(o [B, Tp, H, V], final ᵀ [B, H, V, K] fp32 | None, states [B, H, N, V, K] | None)``.
 
@@ -116,17 +116,7 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: ForwardConfi
                 if packed:
                     plgpu.copy_gmem_to_smem(meta_ref.at[n], meta_s.at[slot], bar)
 
-            for n in range(min(stages, N)):
-                issue(n, n)
-
-            @pl.loop(stages, N)
-            def _refill(n):
-                slot = lax.rem(n, stages)
-                plgpu.barrier_wait(in_free.at[slot])
-                issue(n, slot)
-
-            for n in range(max(N - stages, 0), N):  # observe the last releases before exiting
-                plgpu.barrier_wait(in_free.at[n % stages])
+            stream(issue, N, stages, in_free)
 
         @pl.when(wg == 0)
         def _state_chain():

@@ -39,11 +39,11 @@ from jax import lax
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
     C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, mma, rows_of, smem,
-    stage, vectors)
-from pallas_kernels.mosaic_gpu.config import StateBackwardConfig
+    stage, stream, vectors)
+from pallas_kernels.mosaic_gpu.config import PassConfig
 
 
-def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: StateBackwardConfig,
+def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassConfig,
                    meta=None, n_slots: int = 0, interpret=None):
     """``(lam [B, Tp, H, V], dstates [B, H, N, V, K], dh0 ᵀ [B, H, V, K] fp32)``.
 
@@ -113,17 +113,7 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: State
                 if packed:
                     plgpu.copy_gmem_to_smem(meta_ref.at[N - 1 - i], meta_s.at[slot], bar)
 
-            for i in range(min(stages, N)):
-                issue(i, i)
-
-            @pl.loop(stages, N)
-            def _refill(i):
-                slot = lax.rem(i, stages)
-                plgpu.barrier_wait(in_free.at[slot])
-                issue(i, slot)
-
-            for i in range(max(N - stages, 0), N):
-                plgpu.barrier_wait(in_free.at[i % stages])
+            stream(issue, N, stages, in_free)
 
         @pl.when(wg == 1)
         def _chunk_local():
