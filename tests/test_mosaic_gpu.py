@@ -20,7 +20,6 @@ from pallas_kernels.mosaic_gpu.common import META
 from pallas_kernels.mosaic_gpu.forward import fused_forward
 from pallas_kernels.mosaic_gpu.state_backward import state_backward
 from rewy_jax import chunk_delta_rule, chunk_gated_delta_rule
-from rewy_jax.reference import reference_general
 from rewy_jax.testing import ratio, tolerance
 
 needs_interpreter = pytest.mark.skipif(not compat.has_interpreter(),
