@@ -39,7 +39,8 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, ROWS, WGMMA, causal_decay, cols_of, iota, mma, rows_of, smem, stage)
+    C, COLS, F32, ROWS, WGMMA, causal_decay, cols_of, iota, mma, mma_group, mma_sum, rows_of,
+    smem, stage)
 
 
 def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: float, interpret=None):
@@ -106,33 +107,39 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
         r = stage(r_st, mma(ag, w, (C, V)))
 
         # The three ReWY products (Λ = Aᵀ dR came from the reverse pass): Λ Rᵀ, Λ S0ᵀ, and dO Rᵀ.
-        # Signs are applied as a product with −1, never as a negated accumulator (which gave
-        # zeros on sm_90 with jax 0.11.2 in jla's kernels).
-        dt_d = stage(cc_a, jnp.where(strict, mma(lam_s, r.T, (C, C)) * -1.0, 0.0) * decay)  # dT ⊙ D
-        da_d = stage(cc_b, mma(do_s, r.T, (C, C)) * decay)  # dA ⊙ D (D is 0 above the diagonal)
+        # Products are grouped so that each group costs one tensor-core round trip (this kernel
+        # is latency-bound: one warpgroup per chunk). Signs ride on staged operands: the tiles
+        # below hold −dT ⊙ D and −β K, so that every sum shares one accumulator; a negated
+        # accumulator is never used (it gave zeros on sm_90 with jax 0.11.2 in jla's kernels).
+        lr, dor = mma_group(((((lam_s, r.T),), (C, C)), (((do_s, r.T),), (C, C))))
+        ndt_d = stage(cc_a, jnp.where(strict, lr, 0.0) * decay)  # −dT ⊙ D
+        da_d = stage(cc_b, dor * (decay * scale))  # scale·(dA ⊙ D) (D is 0 above the diagonal)
         k_f = plgpu.load(k_s, layout=WGMMA).astype(F32)
         q_f = plgpu.load(q_s, layout=WGMMA).astype(F32)
-        bk = stage(bk_st, k_f * rows_of(beta_r, (C, K)))
+        nbk = stage(bk_st, k_f * rows_of(beta_r * -1.0, (C, K)))  # −β K
 
-        # dq and its gate term ⟨q, dq⟩.
-        dq = mma(do_s, s0_s, (C, K))  # dO S0ᵀ
-        if gated:
-            dq = dq * rows_of(gam_r, (C, K))
-        dq = (dq + mma(da_d, k_s, (C, K))) * scale
+        # dq = scale·Γ dO S0ᵀ + scale·(dA ⊙ D) K, and its gate term ⟨q, dq⟩.
+        dos0, dak = mma_group(((((do_s, s0_s),), (C, K)), (((da_d, k_s),), (C, K))))
+        dq = dos0 * (rows_of(gam_r * scale, (C, K)) if gated else scale) + dak
         dg = jnp.sum(q_f * dq, axis=1)
         w_st[...] = dq.astype(dtype)  # w is consumed: its tile carries dq out (K == V)
         # The erase-side terms e_r = −γ_r (Λ S0ᵀ)_r + ((dT ⊙ D) K)_r: dk = β e + ..., dβ = ⟨k, e⟩ + ⟨v, Λ⟩.
-        e = mma(lam_s, s0_s, (C, K)) * (rows_of(gam_r * -1.0, (C, K)) if gated else -1.0)
-        e = e + mma(dt_d, k_s, (C, K))
+        if gated:
+            ls0, ndtk = mma_group(((((lam_s, s0_s),), (C, K)), (((ndt_d, k_s),), (C, K))))
+            e = (ls0 * rows_of(gam_r, (C, K)) + ndtk) * -1.0
+        else:
+            e = mma_sum(((lam_s, s0_s), (ndt_d, k_s)), (C, K)) * -1.0
         ke = jnp.sum(k_f * e, axis=1)
         lam_f = plgpu.load(lam_s, layout=WGMMA).astype(F32)
         db = ke + jnp.sum(plgpu.load(v_s, layout=WGMMA).astype(F32) * lam_f, axis=1)
         # The key-side terms dK̄/γ: (dT ⊙ D)ᵀ (β K) + scale·(dA ⊙ D)ᵀ Q + t ⊙ R dSᵀ.
-        kbar = mma(dt_d.T, bk, (C, K)) + mma(da_d.T, q_s, (C, K)) * scale
-        rds = mma(r, ds_s, (C, K))  # R dSᵀ
+        kbar_pairs = ((ndt_d.T, nbk), (da_d.T, q_s))
         if gated:
-            rds = rds * rows_of(tail_r, (C, K))
-        kbar = kbar + rds
+            kbar, rds = mma_group(((kbar_pairs, (C, K)), (((r, ds_s),), (C, K))))
+            rds = rds * rows_of(tail_r, (C, K))  # t ⊙ R dSᵀ
+            kbar = kbar + rds
+        else:
+            kbar = mma_sum(kbar_pairs + ((r, ds_s),), (C, K))
         dk = e * rows_of(beta_r, (C, K)) + kbar
         if gated:
             # dG_r = β_r ⟨k_r, e_r⟩ − ⟨k_r, kbar_r⟩ + ⟨q_r, dq_r⟩; the last row adds the state terms.

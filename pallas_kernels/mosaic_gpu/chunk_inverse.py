@@ -8,11 +8,13 @@ One CTA (one warpgroup) per ``(b, h, chunk)``:
     A  = diag(β) tril(K Kᵀ, −1)            (one WGMMA, fp32 accumulation)
     T0 = (I + A)⁻¹                          by recursive block inversion:
 
-starting from ``X = I`` (the inverse of the 1×1 diagonal blocks), each level doubles the block
-size s with ``X ← X − X A_s X``, where ``A_s`` keeps the entries of A in the sub-diagonal s-block
-of each 2s-block (``[[L11, 0], [A21, L22]]⁻¹ = [[X11, 0], [−X22 A21 X11, X22]]``). Six levels
-reach C = 64. The operands of every product are split into bf16 pairs (``x = hi + lo``) and
-multiplied as ``hi·hi + hi·lo + lo·hi``, about 16 mantissa bits: the inverse is the most
+each level doubles the block size s with ``X ← X − (X A)|_s X``, where ``(X A)|_s`` keeps the
+entries in the sub-diagonal s-block of each 2s-block (``[[L11, 0], [A21, L22]]⁻¹ =
+[[X11, 0], [−X22 A21 X11, X22]]``; X is block-diagonal at level s, so ``(X A)|_s = X A_s`` and A
+is staged once for every level). The first level needs no product (``X = I − A`` on the 2×2
+blocks); five levels with two products each reach C = 64. The operands of every product are
+split into bf16 pairs (``x = hi + lo``) and multiplied as ``hi·hi + hi·lo + lo·hi`` in one
+accumulator (one tensor-core round trip), about 16 mantissa bits: the inverse is the most
 precision-sensitive step (rewy-math §3), and only its final value is rounded to the input dtype.
 Every block entry stays an entry of a true inverse of a diagonal block, so nothing grows.
 
@@ -29,9 +31,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
-from pallas_kernels.mosaic_gpu.common import C, F32, ROWS, iota, mma, rows_of, smem, stage
+from pallas_kernels.mosaic_gpu.common import C, F32, ROWS, iota, mma, mma_sum, rows_of, smem, stage
 
-LEVELS = (1, 2, 4, 8, 16, 32)  # block sizes s merged into 2s
+LEVELS = (2, 4, 8, 16, 32)  # block sizes s merged into 2s (s = 1 needs no product)
 
 
 def _split(hi_ref, lo_ref, x):
@@ -44,8 +46,7 @@ def _split(hi_ref, lo_ref, x):
 
 def _mm3(a, b):
     """``a @ b`` for split pairs ``a = (hi, lo)``, ``b = (hi, lo)``: hi·hi + hi·lo + lo·hi."""
-    shape = (C, C)
-    return mma(a[0], b[0], shape) + mma(a[0], b[1], shape) + mma(a[1], b[0], shape)
+    return mma_sum(((a[0], b[0]), (a[0], b[1]), (a[1], b[0])), (C, C))
 
 
 def chunk_inverse(k, beta, *, interpret=None):
@@ -56,9 +57,10 @@ def chunk_inverse(k, beta, *, interpret=None):
     bf = jnp.bfloat16
     scratch = dict(k_s=smem((C, K), dtype), b_s=plgpu.SMEM((C,), F32),
                    xh=smem((C, C), bf), xl=smem((C, C), bf), ah=smem((C, C), bf), al=smem((C, C), bf),
+                   yh=smem((C, C), bf), yl=smem((C, C), bf),
                    out=smem((C, C), dtype), bar=plgpu.Barrier(num_arrivals=2))
 
-    def body(k_ref, b_ref, t_ref, k_s, b_s, xh, xl, ah, al, out, bar):
+    def body(k_ref, b_ref, t_ref, k_s, b_s, xh, xl, ah, al, yh, yl, out, bar):
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
         plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_s, bar)
@@ -67,13 +69,16 @@ def chunk_inverse(k, beta, *, interpret=None):
         r, c = iota((C, C), 0), iota((C, C), 1)
         gram = mma(k_s, k_s.T, (C, C))
         a = jnp.where(r > c, gram * rows_of(plgpu.load(b_s, layout=ROWS), (C, C)), 0.0)
-        x = jnp.where(r == c, 1.0, 0.0).astype(F32)
+        a_split = _split(ah, al, a)
+        # Level s = 1: the 2×2 diagonal blocks [[1, 0], [a, 1]] invert to [[1, 0], [−a, 1]].
+        pair = (r // 2 == c // 2) & (r > c)
+        x = jnp.where(r == c, 1.0, 0.0) - jnp.where(pair, a, 0.0)
         for s in LEVELS:
-            # A_s: row in the second half, column in the first half, of the same 2s-block.
+            # Row in the second half, column in the first half, of the same 2s-block.
             keep = (r // (2 * s) == c // (2 * s)) & ((r // s) % 2 == 1) & ((c // s) % 2 == 0)
             xs = _split(xh, xl, x)
-            y = _mm3(xs, _split(ah, al, jnp.where(keep, a, 0.0)))  # X A_s
-            x = x - _mm3(_split(ah, al, y), xs)  # X − (X A_s) X
+            y = jnp.where(keep, _mm3(xs, a_split), 0.0)  # X A_s
+            x = x - _mm3(_split(yh, yl, y), xs)  # X − (X A_s) X
         out[...] = x.astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out, t_ref.at[b, h, rows])

@@ -50,12 +50,35 @@ def mma(a, b, shape, acc=None):
     data dependence on the accumulator registers, and without the barrier LLVM may schedule
     arithmetic on the result before the wait (stale values).
     """
-    def scoped(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
+    return mma_sum(((a, b),), shape, acc)
 
-    out = lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, F32)))
+
+def mma_sum(pairs, shape, acc=None):
+    """``acc + Σ a @ b`` over ``pairs`` of SMEM refs, as :func:`mma` but in one accumulator.
+
+    The products are issued back to back into the same accumulator and waited for once, so a
+    sum of products costs one round trip to the tensor cores instead of one per term (the
+    latency that matters on a serial chain or in a chain of small products).
+    """
+    (out,) = mma_group(((pairs, shape),))
     return out if acc is None else out + acc
+
+
+def mma_group(specs):
+    """Independent sums of products, one accumulator each, issued together and waited for once.
+
+    ``specs``: a sequence of ``(pairs, shape)`` (``pairs`` as for :func:`mma_sum`); returns the
+    fp32 results in order. The tensor cores start the next product while the previous one
+    drains, and the warpgroup waits once for all of them.
+    """
+    def scoped(*acc_refs):
+        for acc_ref, (pairs, _) in zip(acc_refs, specs):
+            for a, b in pairs:
+                plgpu.wgmma(acc_ref, a, b)
+        return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+    accs = [plgpu.ACC(shape, F32) for _, shape in specs]
+    return lax.optimization_barrier(pl.run_scoped(scoped, *accs))
 
 
 def stage(ref, x):

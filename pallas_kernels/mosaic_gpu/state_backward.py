@@ -38,8 +38,8 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, mma, rows_of, smem,
-    stage, stream, vectors)
+    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, mma, mma_sum, rows_of,
+    smem, stage, stream, vectors)
 from pallas_kernels.mosaic_gpu.config import PassConfig
 
 
@@ -195,13 +195,15 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(lam_out, lam_ref.at[b, pl.ds(n * C, C), h, vcols])
                 beta_c = plgpu.load(b_s.at[slot], layout=COLS)
+                # −Λᵀ diag(β γ): the sign rides on the staged operand, so both terms of the
+                # update share one accumulator (one tensor-core round trip on the chain).
                 if gated:
-                    lam = lam * cols_of(beta_c * jnp.exp2(g_col), (bv, C))
+                    lam = lam * cols_of(beta_c * jnp.exp2(g_col) * -1.0, (bv, C))
                     ds_t = ds_t * jnp.exp2(g_last)
                 else:
-                    lam = lam * cols_of(beta_c, (bv, C))
-                ds_new = ds_t + mma(dog_pub.at[half].T, q_s.at[slot], (bv, K))
-                ds_new = ds_new - mma(stage(dr_stage, lam), k_s.at[slot], (bv, K))
+                    lam = lam * cols_of(beta_c * -1.0, (bv, C))
+                ds_new = mma_sum(((dog_pub.at[half].T, q_s.at[slot]),
+                                  (stage(dr_stage, lam), k_s.at[slot])), (bv, K), acc=ds_t)
                 if packed:  # a sequence starts here: its initial state's cotangent is done
                     reset, seq = meta_s[slot, 0], meta_s[slot, 1]
 
