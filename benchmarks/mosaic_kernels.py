@@ -1,6 +1,6 @@
 """The Mosaic GPU backend's kernels on a Hopper GPU, beside jla's Mosaic GPU op, in one process.
 
-    python -m benchmarks.mosaic_kernels [--shapes anchor|fla|all] [--out FILE.json]
+    python -m benchmarks.mosaic_kernels [--shapes anchor|fla|all] [--impls A,B] [--out FILE.json]
 
 1. Accuracy on the GPU: our Mosaic forward (and jla's, on the same inputs) against a float64
    token recurrence (numpy) at a small shape, per op, as rewy-math §8 ratios.
@@ -155,7 +155,10 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", action="store_true")
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--impls", default=",".join(IMPLS),
+                    help=f"comma list of implementations to time (default: all of {', '.join(IMPLS)})")
     a = ap.parse_args()
+    impls = {n: IMPLS[n] for n in a.impls.split(",")}
     rows = []
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     if a.parts:
@@ -184,7 +187,7 @@ def main():
             continue
         for op in OPS:
             x = make(op, s)
-            for name, mk in IMPLS.items():
+            for name, mk in impls.items():
                 for ph in ("fwd", "fwdbwd"):
                     try:
                         ms = time_ms(phase(*mk(op, x, s.D ** -0.5), ph))

@@ -96,6 +96,7 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
         else:
             decay = causal_decay(None, None, strict=False)
         strict = iota((C, C), 0) > iota((C, C), 1)
+        diag_mask = iota((C, C), 0) == iota((C, C), 1)
 
         # R = Ag (V − Γ K S0), recomputed from the saved chunk start state.
         ks0 = mma(k_s, s0_s.T, (C, V))
@@ -114,14 +115,15 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
         lr, dor = mma_group(((((lam_s, r.T),), (C, C)), (((do_s, r.T),), (C, C))))
         ndt_d = stage(cc_a, jnp.where(strict, lr, 0.0) * decay)  # −dT ⊙ D
         da_d = stage(cc_b, dor * (decay * scale))  # scale·(dA ⊙ D) (D is 0 above the diagonal)
-        k_f = plgpu.load(k_s, layout=WGMMA).astype(F32)
-        q_f = plgpu.load(q_s, layout=WGMMA).astype(F32)
-        nbk = stage(bk_st, k_f * rows_of(beta_r * -1.0, (C, K)))  # −β K
+        # K and Q are read from SMEM where each use needs them (not held in registers across
+        # the kernel: at K = 128 a [C, K] fp32 tile is 64 registers per thread).
+        k_f = lambda: plgpu.load(k_s, layout=WGMMA).astype(F32)  # noqa: E731
+        nbk = stage(bk_st, k_f() * rows_of(beta_r * -1.0, (C, K)))  # −β K
 
         # dq = scale·Γ dO S0ᵀ + scale·(dA ⊙ D) K, and its gate term ⟨q, dq⟩.
         dos0, dak = mma_group(((((do_s, s0_s),), (C, K)), (((da_d, k_s),), (C, K))))
         dq = dos0 * (rows_of(gam_r * scale, (C, K)) if gated else scale) + dak
-        dg = jnp.sum(q_f * dq, axis=1)
+        dg = jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * dq, axis=1)
         w_st[...] = dq.astype(dtype)  # w is consumed: its tile carries dq out (K == V)
         # The erase-side terms e_r = −γ_r (Λ S0ᵀ)_r + ((dT ⊙ D) K)_r: dk = β e + ..., dβ = ⟨k, e⟩ + ⟨v, Λ⟩.
         if gated:
@@ -129,7 +131,7 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
             e = (ls0 * rows_of(gam_r, (C, K)) + ndtk) * -1.0
         else:
             e = mma_sum(((lam_s, s0_s), (ndt_d, k_s)), (C, K)) * -1.0
-        ke = jnp.sum(k_f * e, axis=1)
+        ke = jnp.sum(k_f() * e, axis=1)
         lam_f = plgpu.load(lam_s, layout=WGMMA).astype(F32)
         db = ke + jnp.sum(plgpu.load(v_s, layout=WGMMA).astype(F32) * lam_f, axis=1)
         # The key-side terms dK̄/γ: (dT ⊙ D)ᵀ (β K) + scale·(dA ⊙ D)ᵀ Q + t ⊙ R dSᵀ.
@@ -143,10 +145,15 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
         dk = e * rows_of(beta_r, (C, K)) + kbar
         if gated:
             # dG_r = β_r ⟨k_r, e_r⟩ − ⟨k_r, kbar_r⟩ + ⟨q_r, dq_r⟩; the last row adds the state terms.
-            dg_s[...] = dg + beta_r * ke - jnp.sum(k_f * kbar, axis=1)
-            u_s[...] = jnp.sum(k_f * rds, axis=1)
-            s0_f = plgpu.load(s0_s, layout=WGMMA).astype(F32)
-            sds_s[...] = jnp.sum(s0_f * plgpu.load(ds_s, layout=WGMMA).astype(F32), axis=1)
+            k_now = k_f()
+            dg_s[...] = dg + beta_r * ke - jnp.sum(k_now * kbar, axis=1)
+            u_s[...] = jnp.sum(k_now * rds, axis=1)
+            # sds_v = Σ_k S0ᵀ_vk dSᵀ_vk: the diagonal of S0ᵀ dS per 64-row strip, on the tensor
+            # cores (two [V, K] fp32 tiles in registers would take 256 registers at K = 128).
+            strips = [pl.ds(v0, C) for v0 in range(0, V, C)]
+            diags = mma_group([(((s0_s.at[sl], ds_s.at[sl].T),), (C, C)) for sl in strips])
+            for sl, d in zip(strips, diags):
+                sds_s[sl] = jnp.sum(jnp.where(diag_mask, d, 0.0), axis=1)
         db_s[...] = db
         r_st[...] = dk.astype(dtype)
         v_s[...] = (lam_f * rows_of(beta_r, (C, V))).astype(dtype)  # dv = β Λ

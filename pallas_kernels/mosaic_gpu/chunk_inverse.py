@@ -55,12 +55,17 @@ def chunk_inverse(k, beta, *, interpret=None):
     N = Tp // C
     dtype = k.dtype
     bf = jnp.bfloat16
-    scratch = dict(k_s=smem((C, K), dtype), b_s=plgpu.SMEM((C,), F32),
-                   xh=smem((C, C), bf), xl=smem((C, C), bf), ah=smem((C, C), bf), al=smem((C, C), bf),
-                   yh=smem((C, C), bf), yl=smem((C, C), bf),
-                   out=smem((C, C), dtype), bar=plgpu.Barrier(num_arrivals=2))
+    tile = lambda: smem((C, C), bf)  # noqa: E731
+    # Buffers with disjoint lifetimes share SMEM, so four CTAs fit on an SM (48 KB each): k is
+    # dead once the Gram is formed and its bytes hold the split X and Y; the split A is dead
+    # after the last level and its bytes hold the result.
+    scratch = dict(k_or_xy=plgpu.RefUnion(smem((C, K), dtype), (tile(), tile(), tile(), tile())),
+                   a_or_out=plgpu.RefUnion((tile(), tile()), smem((C, C), dtype)),
+                   b_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=2))
 
-    def body(k_ref, b_ref, t_ref, k_s, b_s, xh, xl, ah, al, yh, yl, out, bar):
+    def body(k_ref, b_ref, t_ref, k_or_xy, a_or_out, b_s, bar):
+        k_s, (xh, xl, yh, yl) = k_or_xy
+        (ah, al), out = a_or_out
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
         plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_s, bar)

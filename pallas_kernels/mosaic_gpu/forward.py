@@ -38,8 +38,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, mma, rows_of, smem,
-    stage, stream, vectors)
+    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, mma, mma_group, mma_sum,
+    rows_of, smem, stage, stream, vectors)
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.config import PassConfig
 
@@ -211,10 +211,12 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                 plgpu.barrier_arrive(ag_ready.at[slot])
                 p = stage(p_stage, mma(q_s.at[slot], k_s.at[slot].T, (C, C)) * decay)
                 plgpu.barrier_wait(s_ready.at[half])
-                o = mma(q_s.at[slot], s_pub.at[half].T, (C, bv))  # Q S0
-                if gated:
-                    o = o * rows_of(jnp.exp2(g_row), (C, bv))
-                o = mma(p, r_pub.at[half], (C, bv), acc=o)
+                qs0 = ((q_s.at[slot], s_pub.at[half].T),)  # Q S0
+                if gated:  # Γ Q S0 + P R: two accumulators, one round trip
+                    o, pr = mma_group(((qs0, (C, bv)), (((p, r_pub.at[half]),), (C, bv))))
+                    o = o * rows_of(jnp.exp2(g_row), (C, bv)) + pr
+                else:
+                    o = mma_sum(qs0 + ((p, r_pub.at[half]),), (C, bv))
                 plgpu.barrier_arrive(s_free.at[half])
                 plgpu.barrier_arrive(in_free.at[slot])
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # o_out[half] of chunk n − 2 is sent
