@@ -41,8 +41,10 @@ class Config:
 
 def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_state: bool) -> int:
     """SMEM the fused forward needs (its scratch list, see forward.fused_forward)."""
-    per_stage = 2 * C * K * itemsize + C * block_v * itemsize + C * C * itemsize + 2 * C * 4
-    fixed = 2 * block_v * K * itemsize + 5 * C * block_v * itemsize + C * C * itemsize
+    # per stage: q, k, v, Ag_hi (T0's buffer), Ag_lo, β and g
+    per_stage = 2 * C * K * itemsize + C * block_v * itemsize + 2 * C * C * itemsize + 2 * C * 4
+    # the published state (2 halves), R (2), the output/P tile (2), the W stage; the fp32 state
+    fixed = 2 * block_v * K * itemsize + 5 * C * block_v * itemsize
     fixed += block_v * K * 4 if with_state else 0
     return stages * per_stage + fixed
 

@@ -71,9 +71,10 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
     scratch = dict(
         q_s=smem((stages, C, K), dtype), k_s=smem((stages, C, K), dtype),
         v_s=smem((stages, C, bv), dtype), t_s=smem((stages, C, C), dtype),
+        tl_s=smem((stages, C, C), dtype),
         b_s=vectors(stages), g_s=vectors(stages),
         s_pub=smem((2, bv, K), dtype), r_pub=smem((2, C, bv), dtype), o_out=smem((2, C, bv), dtype),
-        w_stage=smem((bv, C), dtype), p_stage=smem((C, C), dtype),
+        w_stage=smem((bv, C), dtype),
         in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         ag_ready=plgpu.Barrier(num_barriers=stages),
@@ -85,7 +86,7 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
     if packed:
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
-    def body(*refs, q_s, k_s, v_s, t_s, b_s, g_s, s_pub, r_pub, o_out, w_stage, p_stage, in_bar,
+    def body(*refs, q_s, k_s, v_s, t_s, tl_s, b_s, g_s, s_pub, r_pub, o_out, w_stage, in_bar,
              in_free, ag_ready, s_ready, s_free, state_bar, done, state_s=None, meta_s=None):
         refs = list(refs)
         q_ref, k_ref, v_ref, t_ref, b_ref = (refs.pop(0) for _ in range(5))
@@ -161,7 +162,8 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                 else:
                     w_t = v_t - pred
                 plgpu.barrier_wait(ag_ready.at[slot])
-                r_t = mma(stage(w_stage, w_t), t_s.at[slot].T, (bv, C))  # Rᵀ = Wᵀ Agᵀ
+                w_s = stage(w_stage, w_t)  # Rᵀ = Wᵀ (Ag_hi + Ag_lo)ᵀ
+                r_t = mma_sum(((w_s, t_s.at[slot].T), (w_s, tl_s.at[slot].T)), (bv, C))
                 r_pub.at[half].T[...] = r_t.astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(s_ready.at[half])
@@ -203,13 +205,19 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                     decay = causal_decay(g_row, plgpu.load(g_s.at[slot], layout=COLS), strict=False)
                 else:
                     decay = causal_decay(None, None, strict=False)
-                # Ag = T0 ⊙ exp2(G_i − G_j) ⊙ β_j (j ≤ i) replaces T0 in its buffer for WG0.
+                # Ag = T0 ⊙ exp2(G_i − G_j) ⊙ β_j (j ≤ i) replaces T0 in its buffer for WG0, as
+                # the pair Ag_hi + Ag_lo: a single rounding of Ag was the largest of the forward's
+                # bf16 error sources (docs/mosaic-gpu.md, accuracy).
                 beta_c = cols_of(plgpu.load(b_s.at[slot], layout=COLS), (C, C))
-                t0_t = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
-                t_s.at[slot][...] = (t0_t * decay * beta_c).astype(dtype)
+                ag = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32) * decay * beta_c
+                ag_hi = ag.astype(dtype)
+                t_s.at[slot][...] = ag_hi
+                tl_s.at[slot][...] = (ag - ag_hi.astype(F32)).astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ag_ready.at[slot])
-                p = stage(p_stage, mma(q_s.at[slot], k_s.at[slot].T, (C, C)) * decay)
+                # P is staged in o_out[half], which chunk n − 2's output store must have read.
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                p = stage(o_out.at[half], mma(q_s.at[slot], k_s.at[slot].T, (C, C)) * decay)
                 plgpu.barrier_wait(s_ready.at[half])
                 qs0 = ((q_s.at[slot], s_pub.at[half].T),)  # Q S0
                 if gated:  # Γ Q S0 + P R: two accumulators, one round trip
@@ -219,8 +227,7 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                     o = mma_sum(qs0 + ((p, r_pub.at[half]),), (C, bv))
                 plgpu.barrier_arrive(s_free.at[half])
                 plgpu.barrier_arrive(in_free.at[slot])
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # o_out[half] of chunk n − 2 is sent
-                o_out.at[half][...] = (o * scale).astype(dtype)
+                o_out.at[half][...] = (o * scale).astype(dtype)  # P was consumed by the product
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[b, pl.ds(n * C, C), h, vcols])
                 return carry
