@@ -1,8 +1,9 @@
 """Backend table and dispatch.
 
 A backend is a function ``impl(call, *, chunk_size, policy, backward, interpret) -> (o, final)``
-taking an :class:`rewy_jax.ops.GeneralCall`, plus a ``supports(call, chunk_size, interpret)``
-predicate that returns ``None`` when it can serve the call or a reason string when it cannot.
+taking an :class:`rewy_jax.ops.GeneralCall`, plus a predicate
+``supports(call, chunk_size, interpret, backward)`` that returns ``None`` when it can serve the
+call or a reason string when it cannot.
 ``backend=None`` walks the preference list of the current platform and takes the first backend
 that supports the call, logging why it skipped the others; an explicit ``backend=`` that cannot
 serve the call raises with the reason. Nothing falls back silently.
@@ -27,7 +28,7 @@ log = logging.getLogger("rewy_jax")
 class Backend(NamedTuple):
     name: str
     impl: Callable
-    supports: Callable  # (call, chunk_size, interpret) -> None | reason
+    supports: Callable  # (call, chunk_size, interpret, backward) -> None | reason
 
 
 # ----------------------------------------------------------------------------------------------
@@ -56,7 +57,7 @@ def xla_impl(call, *, chunk_size, policy, backward, interpret=False):
     return o, final
 
 
-def _always(call, chunk_size, interpret):
+def _always(call, chunk_size, interpret, backward):
     return None
 
 
@@ -71,7 +72,7 @@ def reference_impl(call, *, chunk_size, policy, backward, interpret=False):
     return o, final.astype(jnp.float32)
 
 
-def _reference_supports(call, chunk_size, interpret):
+def _reference_supports(call, chunk_size, interpret, backward):
     if call.cu_seqlens is not None and isinstance(call.cu_seqlens, jax.core.Tracer):
         return "the reference runs sequences one by one and needs concrete cu_seqlens (not traced)"
     return None
@@ -118,7 +119,7 @@ def pallas_tpu_impl(call, *, chunk_size, policy, backward, interpret=False):
     return layout.from_chunks(o, plan, T), final
 
 
-def _pallas_tpu_supports(call, chunk_size, interpret):
+def _pallas_tpu_supports(call, chunk_size, interpret, backward):
     from pallas_kernels.tpu import supports_reason
 
     return supports_reason(call.q.shape[-1], call.v.shape[-1], chunk_size, call.q.dtype,
@@ -140,7 +141,7 @@ def pallas_gpu_impl(call, *, chunk_size, policy, backward, interpret=False, kern
                                kernel_config=kernel_config)
 
 
-def _pallas_gpu_supports(call, chunk_size, interpret):
+def _pallas_gpu_supports(call, chunk_size, interpret, backward):
     from pallas_kernels.gpu import api
 
     return api.supports(call, chunk_size, interpret)
@@ -150,7 +151,7 @@ def _pallas_gpu_supports(call, chunk_size, interpret):
 # mosaic_gpu: the Hopper kernels in Pallas Mosaic GPU (pallas_kernels.mosaic_gpu), DeltaNet and
 # GDN; imported lazily
 # ----------------------------------------------------------------------------------------------
-def _mosaic_gpu_reason(call, chunk_size, interpret, backward="rewy"):
+def _mosaic_gpu_reason(call, chunk_size, interpret, backward):
     from pallas_kernels.mosaic_gpu import api
 
     scalar = ((call.g_in is None or call.g_in.ndim == 3) and call.b.ndim == 3 and call.w is call.b)
@@ -181,8 +182,8 @@ def mosaic_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
     return api.unpack(plan, o, final)
 
 
-def _mosaic_gpu_supports(call, chunk_size, interpret):
-    return _mosaic_gpu_reason(call, chunk_size, interpret)
+def _mosaic_gpu_supports(call, chunk_size, interpret, backward):
+    return _mosaic_gpu_reason(call, chunk_size, interpret, backward)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,8 +199,10 @@ _TABLE: dict[str, Backend] = {
     "mosaic_gpu": Backend("mosaic_gpu", wrap_if_multi_device(mosaic_gpu_impl), _mosaic_gpu_supports),
 }
 
-# Preference per platform for backend=None (kernels first once registered, xla always last).
-_PREFERENCE = {"gpu": ["pallas_gpu", "xla"], "tpu": ["pallas_tpu", "xla"], "cpu": ["xla"]}
+# Preference per platform for backend=None (kernels first once registered, xla always last). On a
+# GPU the Mosaic GPU kernels serve what they support on sm_90 (their supports() refuses other GPUs)
+# and the Triton-lowered Pallas kernels the rest.
+_PREFERENCE = {"gpu": ["mosaic_gpu", "pallas_gpu", "xla"], "tpu": ["pallas_tpu", "xla"], "cpu": ["xla"]}
 
 
 def register(backend: Backend):
@@ -211,7 +214,7 @@ def _platform():
     return jax.default_backend()
 
 
-def select(name, call, *, chunk_size, interpret):
+def select(name, call, *, chunk_size, interpret, backward="rewy"):
     """The backend implementation that serves this call (see module docstring)."""
     if name == "pallas":
         name = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(_platform())
@@ -227,7 +230,7 @@ def select(name, call, *, chunk_size, interpret):
             raise NotImplementedError(
                 f"backend={name!r} is not available in this build of rewy_jax "
                 f"(available: {sorted(_TABLE)}); use backend='xla' or backend=None")
-        reason = be.supports(call, chunk_size, interpret)
+        reason = be.supports(call, chunk_size, interpret, backward)
         if reason is not None:
             raise NotImplementedError(f"backend={name!r} cannot serve this call: {reason}")
         return be.impl
@@ -235,7 +238,7 @@ def select(name, call, *, chunk_size, interpret):
         be = _TABLE.get(cand)
         if be is None:
             continue
-        reason = be.supports(call, chunk_size, interpret)
+        reason = be.supports(call, chunk_size, interpret, backward)
         if reason is None:
             return be.impl
         log.info("rewy_jax: backend %r skipped: %s", cand, reason)

@@ -163,13 +163,17 @@ def _run_chunk(call: GeneralCall, *, chunk_size, policy, backward, backend, inte
             name = "xla"
 
         def impl_for(c):
-            return backends.select(name, c, chunk_size=chunk_size, interpret=interpret)
+            return backends.select(name, c, chunk_size=chunk_size, interpret=interpret,
+                                   backward=backward)
 
         o, final = context_parallel.run_chunk(call, context_axis, impl_for=impl_for,
                                               chunk_size=chunk_size, policy=policy,
                                               backward=backward, interpret=interpret)
         return o.astype(call.out_dtype), (final if output_final_state else None)
-    impl = backends.select(backend, call, chunk_size=chunk_size, interpret=interpret)
+    if kernel_config is not None and backend is None:
+        backend = "pallas_gpu"  # the only kernels it configures (refused below off a GPU)
+    impl = backends.select(backend, call, chunk_size=chunk_size, interpret=interpret,
+                           backward=backward)
     # kernel settings exist only for the Pallas GPU kernels: refused elsewhere, not ignored
     kw = {}
     if kernel_config is not None:
@@ -211,7 +215,8 @@ _COMMON_DOC = """
         cu_seqlens, as ``jax.experimental.checkify`` checks — wrap the caller in
         ``checkify.checkify``. Concrete inputs are always checked (ValueError naming the
         argument); see docs/input-contract.md.
-      kernel_config: backend "pallas_gpu" only — None (the measured defaults), a
+      kernel_config: backend "pallas_gpu" only (with backend=None it selects "pallas_gpu") —
+        None (the measured defaults), a
         ``pallas_kernels.gpu.config.KernelConfig`` or a dict of its field overrides, e.g.
         ``{{"block_v": 32}}`` (tiles, warps, stages, precision policy, algorithm choices).
 {extra}    Returns:

@@ -39,8 +39,10 @@ def _case(op, T, D, seed, decay, n_seq=None):
              v=r16(rng.standard_normal((B, T, H, D))), beta=rng.uniform(0, 2, (B, T, H)),
              h0=rng.standard_normal((lead, H, D, D)) * 0.3)
     if op == "gdn":
-        lo = {"mild": -0.1, "strong": -4.0}[decay]
+        lo = {"mild": -0.1, "strong": -4.0, "reset": -0.1}[decay]
         x["g"] = rng.uniform(lo, 0, (B, T, H))
+        if decay == "reset":  # near-resets (the state decays by e^-30) inside and at chunk starts
+            x["g"][:, [17, 64, 101]] = -30.0
     cts = dict(o=rng.standard_normal((B, T, H, D)), final=rng.standard_normal((lead, H, D, D)))
     cu = None
     if n_seq is not None:
@@ -69,6 +71,7 @@ def _grads(op, x, cts, **kw):
     ("gdn", "recompute", "mild", 150, 1, None),
     ("deltanet", "save", None, 130, 2, None),
     ("gdn", "save", "mild", 150, 3, 3),  # packed: sequences re-laid on chunk boundaries
+    ("gdn", "recompute", "reset", 140, 4, None),
 ])
 def test_interpret_matches_float64(op, policy, decay, T, seed, n_seq):
     x, cts, cu = _case(op, T, 64, seed, decay, n_seq)
@@ -163,3 +166,32 @@ def test_supports_says_why_not():
         reason = api.supports(**{**common, **change})
         assert reason is not None and words in reason, (change, reason)
     assert "sm_90" in api.supports(**{**common, "interpret": False})
+
+
+def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
+    """backend=None on an sm_90 GPU: the Mosaic GPU kernels where they serve the call, else the
+    Triton-lowered kernels (the preference list; the GPU is faked, nothing runs)."""
+    import rewy_jax
+    from pallas_kernels.mosaic_gpu import api
+    from rewy_jax import backends, testing
+
+    monkeypatch.setattr(backends, "_platform", lambda: "gpu")
+    monkeypatch.setattr(api, "is_hopper", lambda: True)
+
+    def picked(op, D, dtype=BF16, backward="rewy"):
+        inp = testing.make_inputs(op, 1, 64, 1, D, D, dtype=dtype)
+        g = inp.get("g")
+        call = rewy_jax.ops._prepare(
+            inp["q"], inp["k"], inp["v"], g, inp["beta"], inp["beta"],
+            g_kind=None if g is None else ("vector" if g.ndim == 4 else "scalar"), b_kind="scalar",
+            w_kind="scalar", scale=None, initial_state=None, use_qk_l2norm=False, cu_seqlens=None,
+            gate_names=("g", "beta", None))
+        impl = backends.select(None, call, chunk_size=64, interpret=False, backward=backward)
+        return getattr(impl, "__wrapped__", impl)
+
+    assert picked("deltanet", 128) is backends.mosaic_gpu_impl
+    assert picked("gdn", 64) is backends.mosaic_gpu_impl
+    # what it refuses goes down the list (to the Triton-lowered kernels on a real GPU)
+    for case in (dict(op="gdn", D=128, backward="wy"), dict(op="deltanet", D=128, dtype=jnp.float32),
+                 dict(op="kda", D=64)):
+        assert picked(**case) is not backends.mosaic_gpu_impl, case
