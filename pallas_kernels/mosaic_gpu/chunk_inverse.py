@@ -34,7 +34,7 @@ from pallas_kernels.mosaic_gpu.common import C, F32, ROWS, iota, mma, rows_of, s
 LEVELS = (1, 2, 4, 8, 16, 32)  # block sizes s merged into 2s
 
 
-def _split(hi_ref, lo_ref, x):
+def split_pair(hi_ref, lo_ref, x):
     """Stage ``x`` (fp32 registers) as the bf16 pair ``hi + lo ≈ x``; returns the two refs."""
     hi = x.astype(jnp.bfloat16)
     stage(hi_ref, hi)
@@ -46,6 +46,22 @@ def _mm3(a, b):
     """``a @ b`` for split pairs ``a = (hi, lo)``, ``b = (hi, lo)``: hi·hi + hi·lo + lo·hi."""
     shape = (C, C)
     return mma(a[0], b[0], shape) + mma(a[0], b[1], shape) + mma(a[1], b[0], shape)
+
+
+def invert_unit_lower(a, xh, xl, ah, al):
+    """``(I + a)⁻¹`` in fp32 registers ``[C, C]`` for a strictly lower-triangular fp32 tile ``a``
+    (WGMMA layout), by the module docstring's six levels of split-bf16 products. ``xh, xl, ah,
+    al``: four ``[C, C]`` bf16 SMEM staging buffers (free on return). Also used by the
+    vector-gate chunk kernel (vector_chunk.py), whose ``a`` carries the per-channel decays."""
+    r, c = iota((C, C), 0), iota((C, C), 1)
+    x = jnp.where(r == c, 1.0, 0.0).astype(F32)
+    for s in LEVELS:
+        # A_s: row in the second half, column in the first half, of the same 2s-block.
+        keep = (r // (2 * s) == c // (2 * s)) & ((r // s) % 2 == 1) & ((c // s) % 2 == 0)
+        xs = split_pair(xh, xl, x)
+        y = _mm3(xs, split_pair(ah, al, jnp.where(keep, a, 0.0)))  # X A_s
+        x = x - _mm3(split_pair(ah, al, y), xs)  # X − (X A_s) X
+    return x
 
 
 def chunk_inverse(k, beta, *, interpret=None):
@@ -67,14 +83,7 @@ def chunk_inverse(k, beta, *, interpret=None):
         r, c = iota((C, C), 0), iota((C, C), 1)
         gram = mma(k_s, k_s.T, (C, C))
         a = jnp.where(r > c, gram * rows_of(plgpu.load(b_s, layout=ROWS), (C, C)), 0.0)
-        x = jnp.where(r == c, 1.0, 0.0).astype(F32)
-        for s in LEVELS:
-            # A_s: row in the second half, column in the first half, of the same 2s-block.
-            keep = (r // (2 * s) == c // (2 * s)) & ((r // s) % 2 == 1) & ((c // s) % 2 == 0)
-            xs = _split(xh, xl, x)
-            y = _mm3(xs, _split(ah, al, jnp.where(keep, a, 0.0)))  # X A_s
-            x = x - _mm3(_split(ah, al, y), xs)  # X − (X A_s) X
-        out[...] = x.astype(dtype)
+        out[...] = invert_unit_lower(a, xh, xl, ah, al).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out, t_ref.at[b, h, rows])
         plgpu.wait_smem_to_gmem(0)
