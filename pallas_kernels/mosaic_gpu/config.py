@@ -99,12 +99,10 @@ class VectorConfig:
 
 def vector_chunk_smem_bytes(K: int, V: int, itemsize: int, channel_erase: bool) -> int:
     """SMEM of the vector-gate chunk kernel (its scratch list, see vector_chunk.vector_chunk):
-    inputs q, k, v|z, G (fp32), b (fp32, GDN2) or β; four [C, C] bf16 staging tiles; the
-    staged outputs W, K_tail, Qγ, U and P."""
-    inputs = 2 * C * K * itemsize + C * V * itemsize + C * K * 4 + (C * K * 4 if channel_erase else C * 4)
-    staging = 4 * C * C * 2
-    outputs = 3 * C * K * itemsize + C * V * itemsize + C * C * itemsize
-    return inputs + staging + outputs
+    inputs q, k, v|z, G twice (fp32, swizzled and plain), b (fp32, GDN2) or β; four [C, C] bf16
+    staging tiles and one output tile (the other outputs reuse the inputs' buffers)."""
+    inputs = 2 * C * K * itemsize + C * V * itemsize + 2 * C * K * 4 + (C * K * 4 if channel_erase else C * 4)
+    return inputs + 4 * C * C * 2 + C * C * itemsize
 
 
 def vector_state_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, out_buffers: int,

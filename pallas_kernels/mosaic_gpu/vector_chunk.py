@@ -40,10 +40,11 @@ hi + lo (two WGMMAs each): A is the precision-sensitive factor; KDA folds β int
 
 Warpgroup: one, holding in registers the T and P accumulators ``[C, C]`` fp32 and one 64-column
 piece of G and of the operands at a time.
-SMEM (vector_chunk_smem_bytes in config.py; 216 KiB at K = V = 128 for GDN2, 184 KiB for KDA):
-  inputs q, k [K/64, C, 64] and x [V/64, C, 64] (16-bit, swizzled), G [K/64, C, 64] fp32,
-  b [K/64, C, 64] fp32 (GDN2) or β [C]; four [C, C] bf16 staging tiles (Gram operands, the
-  inverse's split pairs, A's hi/lo, Ē); the outputs W, K_tail, Qγ, U, P staged for TMA.
+SMEM (vector_chunk_smem_bytes in config.py; 184 KiB at K = V = 128 for GDN2, 152 KiB for KDA):
+  inputs q, k [K/64, C, 64] and x [V/64, C, 64] (16-bit, swizzled), G [K/64, C, 64] fp32 twice
+  (swizzled for tiles, plain for the frame rows), b [K/64, C, 64] fp32 (GDN2) or β [C]; four
+  [C, C] bf16 staging tiles (Gram operands, the inverse's split pairs, A's hi/lo, Ē); one
+  output tile (P, then W). Qγ, K_tail and U are staged in place of q, k and x.
 
 Reads:  q, k [B, Tp, H, K]; x [B, Tp, H, V] (v for KDA, z for GDN2); g2 [B, H, Tp, K] fp32;
         erase: β [B, H, Tp] fp32 (KDA) or b [B, Tp, H, K] fp32 (GDN2).
@@ -94,18 +95,20 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, interpret=N
     nk, nv = K // PIECE, V // PIECE
     tile = lambda n: smem((n, C, PIECE), dtype)  # noqa: E731
     scratch = dict(
-        q_s=tile(nk), k_s=tile(nk), x_s=tile(nv), g_s=plgpu.SMEM((nk, C, PIECE), F32),
-        e_s=plgpu.SMEM((nk, C, PIECE), F32) if channel_erase else plgpu.SMEM((C,), F32),
-        st=smem((4, C, C), bf),
-        w_o=tile(nk), kt_o=tile(nk), qg_o=tile(nk), u_o=tile(nv), p_o=smem((C, C), dtype),
-        bar=plgpu.Barrier(num_arrivals=3 * nk + nv + (nk if channel_erase else 1)),
+        q_s=tile(nk), k_s=tile(nk), x_s=tile(nv), g_s=smem((nk, C, PIECE), F32),
+        # G again, untransformed: single rows (the frames) load from it; whole tiles load from
+        # the swizzled g_s (an untransformed fp32 tile has no bank-conflict-free WGMMA load)
+        g_rows=plgpu.SMEM((nk, C, PIECE), F32),
+        e_s=smem((nk, C, PIECE), F32) if channel_erase else plgpu.SMEM((C,), F32),
+        st=smem((4, C, C), bf), out_s=smem((C, C), dtype),
+        bar=plgpu.Barrier(num_arrivals=4 * nk + nv + (nk if channel_erase else 1)),
     )
     out_type = (jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, V), dtype),
                 jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, K), dtype),
                 jax.ShapeDtypeStruct((B, H, Tp, C), dtype))
 
     def body(q_ref, k_ref, x_ref, g_ref, e_ref, w_ref, u_ref, qg_ref, kt_ref, p_ref,
-             q_s, k_s, x_s, g_s, e_s, st, w_o, kt_o, qg_o, u_o, p_o, bar):
+             q_s, k_s, x_s, g_s, g_rows, e_s, st, out_s, bar):
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
         for j in range(nk):
@@ -113,6 +116,7 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, interpret=N
             plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, cols], q_s.at[j], bar)
             plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h, cols], k_s.at[j], bar)
             plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_s.at[j], bar)
+            plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_rows.at[j], bar)
             if channel_erase:
                 plgpu.copy_gmem_to_smem(e_ref.at[b, rows, h, cols], e_s.at[j], bar)
         for j in range(nv):
@@ -135,7 +139,7 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, interpret=N
             t_acc = p_acc = None
             up = (iota((C, PIECE), 0) % size) >= offset
             for j in range(nk):
-                d = load(g_s.at[j]) - _frame_tile(g_s.at[j], size, offset)  # G_r − G_f(r)
+                d = load(g_s.at[j]) - _frame_tile(g_rows.at[j], size, offset)  # G_r − G_f(r)
                 fx = jnp.exp2(jnp.where(up, d, -jnp.inf) if masked else d)
                 xe = stage(st.at[0], erase_piece(j) * fx)
                 xq = stage(st.at[1], load(q_s.at[j]) * fx)
@@ -162,9 +166,8 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, interpret=N
             for j in range(nk):
                 qk = mma(q_s.at[j], k_s.at[j].T, (C, C), acc=qk)
             p = p + jnp.where(r == c, qk, 0.0)
-        p_o[...] = (p * scale).astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(p_o, p_ref.at[b, h, rows])
+        stage(out_s, p * scale)
+        plgpu.copy_smem_to_gmem(out_s, p_ref.at[b, h, rows])
 
         if not channel_erase:
             t = t * rows_of(plgpu.load(e_s, layout=ROWS), (C, C))  # KDA: T = diag(β) tril(...)
@@ -173,24 +176,26 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, interpret=N
             a = a * cols_of(plgpu.load(e_s, layout=COLS), (C, C))  # A diag(β): W, U take β from here
         a_hi, a_lo = split_pair(st.at[2], st.at[3], a)
 
+        # Outputs are staged in place of inputs no longer needed (SMEM): Qγ over q, K_tail over k,
+        # U over x, each after its last read; W through out_s once the previous copy has read it.
         for j in range(nk):
             cols = pl.ds(j * PIECE, PIECE)
             g_t = load(g_s.at[j])
             gam = jnp.exp2(g_t)  # ≤ 1
             k_t = load(k_s.at[j])
-            qg_o.at[j][...] = (load(q_s.at[j]) * gam * scale).astype(dtype)
-            g_last = cols_of(plgpu.load(g_s.at[j, C - 1], layout=COLS), (C, PIECE))
-            kt_o.at[j][...] = (k_t * jnp.exp2(g_last - g_t)).astype(dtype)  # exponent ≤ 0
-            # (stage's fence also covers the two stores above, before their TMA copies below)
             e_bar = stage(st.at[0], (load(e_s.at[j]) * k_t if channel_erase else k_t) * gam)
+            g_last = cols_of(plgpu.load(g_rows.at[j, C - 1], layout=COLS), (C, PIECE))
+            q_s.at[j][...] = (load(q_s.at[j]) * gam * scale).astype(dtype)  # Qγ
+            k_s.at[j][...] = (k_t * jnp.exp2(g_last - g_t)).astype(dtype)  # K_tail (exponent ≤ 0)
             w_t = mma(a_lo, e_bar, (C, PIECE), acc=mma(a_hi, e_bar, (C, PIECE)))
-            stage(w_o.at[j], w_t)
-            for out, ref in ((qg_o, qg_ref), (kt_o, kt_ref), (w_o, w_ref)):
-                plgpu.copy_smem_to_gmem(out.at[j], ref.at[b, h, rows, cols])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_s (P, or W of piece j − 1) is sent
+            stage(out_s, w_t)  # (its fence also covers the Qγ and K_tail stores)
+            for src, ref in ((q_s.at[j], qg_ref), (k_s.at[j], kt_ref), (out_s, w_ref)):
+                plgpu.copy_smem_to_gmem(src, ref.at[b, h, rows, cols])
         for j in range(nv):
             u_t = mma(a_lo, x_s.at[j], (C, PIECE), acc=mma(a_hi, x_s.at[j], (C, PIECE)))
-            stage(u_o.at[j], u_t)
-            plgpu.copy_smem_to_gmem(u_o.at[j], u_ref.at[b, h, rows, pl.ds(j * PIECE, PIECE)])
+            stage(x_s.at[j], u_t)
+            plgpu.copy_smem_to_gmem(x_s.at[j], u_ref.at[b, h, rows, pl.ds(j * PIECE, PIECE)])
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
