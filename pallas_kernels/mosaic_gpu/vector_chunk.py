@@ -28,10 +28,11 @@ select keeps the pairs it is exact for:
 * centred (``centred=True``, gates declared ≥ −5, vector_prep.py): levels 32 and 16 as above
   for pairs in different 16-row sub-chunks; the four diagonal sub-chunk blocks in one product
   with frame = the sub-chunk's row 8 (factors ≤ e^40; cross-block products are discarded).
-* exact mode's diagonal of P (r = s, factor 1): one plain ``Q Kᵀ`` product.
+* the diagonal of P (r = s, factor 1): one plain ``Q Kᵀ`` product of the unscaled inputs.
 
-So a Gram costs 6 (exact) or 3 (centred) levels × K/64 pieces × two WGMMAs (T and P share the
-y-side operand) plus one ``[C, 64]`` exp2 per side, level and piece. Frame rows are read from
+So the two Grams cost 6 (exact) or 3 (centred) levels × K/64 pieces × two WGMMAs (T and P
+share the y-side operand), one ``[C, 64]`` exp2 per side, level and piece, and K/64 WGMMAs for
+P's diagonal. Frame rows are read from
 the fp32 G tile in SMEM and selected per row group (64/(2b) selects at level b).
 
 The inverse is chunk_inverse.invert_unit_lower (split-bf16 products). W and U take A split as
@@ -160,12 +161,14 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, interpret=N
             same = r // SUB == c // SUB
             t_l, p_l = level_products(SUB, MID, False)
             t = t + jnp.where(same & (c < r), t_l, 0.0)
-            p = p + jnp.where(same & (c <= r), p_l, 0.0)
-        else:  # the diagonal of P: decay factor 1
-            qk = None
-            for j in range(nk):
-                qk = mma(q_s.at[j], k_s.at[j].T, (C, C), acc=qk)
-            p = p + jnp.where(r == c, qk, 0.0)
+            p = p + jnp.where(same & (c < r), p_l, 0.0)
+        # The diagonal of P (decay factor 1) from the inputs as given: its operands are not
+        # rounded again after a frame scaling (taking it from the centred product instead raised
+        # o's error from 3.1e-3 to 4.0e-3 in tests/test_mosaic_gpu_vector.py's bounded KDA case).
+        qk = None
+        for j in range(nk):
+            qk = mma(q_s.at[j], k_s.at[j].T, (C, C), acc=qk)
+        p = p + jnp.where(r == c, qk, 0.0)
         stage(out_s, p * scale)
         plgpu.copy_smem_to_gmem(out_s, p_ref.at[b, h, rows])
 
