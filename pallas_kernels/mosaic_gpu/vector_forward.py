@@ -173,7 +173,7 @@ def vector_forward(q, k, v, g, beta=None, b=None, w=None, h0=None, *, scale: flo
                    cfg: VectorConfig | None = None, interpret: bool = False):
     """The KDA / GDN2 forward on the Mosaic GPU kernels: ``(o [B, T, H, V], final | None)``.
 
-    q, k: [B, T, H, K], v: [B, T, H, V] (bf16 or fp16, one dtype; q and k as the recurrence reads
+    q, k: [B, T, H, K], v: [B, T, H, V] (bf16; q and k as the recurrence reads
     them, e.g. already L2-normalised); g: [B, T, H, K] natural-log decays ≤ 0. KDA: ``beta``
     [B, T, H]; GDN2: ``b`` [B, T, H, K] (erase) and ``w`` [B, T, H, V] (write), all in [0, 2].
     h0: [B, H, K, V] fp32 or None; final: [B, H, K, V] fp32. ``scale`` defaults to K^−1/2.
@@ -186,8 +186,9 @@ def vector_forward(q, k, v, g, beta=None, b=None, w=None, h0=None, *, scale: flo
         raise ValueError("pass beta (KDA) or both b and w (GDN2)")
     if K not in HEAD_DIMS or V != K:
         raise ValueError(f"vector_forward takes K = V in {HEAD_DIMS}, got K={K}, V={V}")
-    if jnp.dtype(v.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"vector_forward takes bf16 or fp16 inputs, got {jnp.dtype(v.dtype).name}")
+    if jnp.dtype(v.dtype) != jnp.dtype(jnp.bfloat16):
+        # (fp16 would need fp16 staging tiles: U = A X pairs the bf16 hi/lo split of A with x)
+        raise ValueError(f"vector_forward takes bf16 inputs, got {jnp.dtype(v.dtype).name}")
     scale = K ** -0.5 if scale is None else float(scale)
     if cfg is None:
         cfg = default_vector_config(K, V, jnp.dtype(v.dtype).itemsize, centred_ok(gate_lower_bound))
