@@ -81,7 +81,8 @@ def test_vector_forward_matches_float64(op, D, T, H, gates, seed):
                             h0=jnp.asarray(x["h0"], jnp.float32), gate_lower_bound=bound, interpret=True,
                             **_gate_kwargs(x, jnp.float32))
     erase, write = (x["beta"], x["beta"]) if op == "kda" else (x["b"], x["w"])
-    ro, rfin = reference_general(*(jnp.asarray(a, jnp.float64) for a in (x["q"], x["k"], x["v"], x["g"], erase, write)),
+    ref_args = (x["q"], x["k"], x["v"], x["g"], erase, write)
+    ro, rfin = reference_general(*(jnp.asarray(a, jnp.float64) for a in ref_args),
                                  scale=D ** -0.5, initial_state=jnp.asarray(x["h0"]), dtype=jnp.float64)
     bad = {}
     for name, val, ref in (("o", o, ro), ("final_state", fin, rfin)):
@@ -144,7 +145,8 @@ def test_vector_config_fits_smem():
     for K in (64, 128):
         cfg = config.default_vector_config(K, K, 2, False)
         assert config.vector_chunk_smem_bytes(K, K, 2, True) <= config.SMEM_BUDGET
-        assert config.vector_state_smem_bytes(K, 64, cfg.state.stages, 2, cfg.out_buffers, True) <= config.SMEM_BUDGET
+        state = config.vector_state_smem_bytes(K, 64, cfg.state.stages, 2, cfg.out_buffers, True)
+        assert state <= config.SMEM_BUDGET
     assert config.default_vector_config(64, 64, 2, False).out_buffers == 2
     assert config.default_vector_config(128, 128, 2, False).out_buffers == 1
 

@@ -62,7 +62,8 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.chunk_inverse import invert_unit_lower, split_pair
-from pallas_kernels.mosaic_gpu.common import C, COLS, F32, ROWS, WGMMA, cols_of, iota, mma, rows_of, smem, stage
+from pallas_kernels.mosaic_gpu.common import (
+    C, COLS, F32, ROWS, WGMMA, cols_of, iota, mma, rows_of, smem, stage)
 from pallas_kernels.mosaic_gpu.config import PIECE
 
 EXACT_LEVELS = (32, 16, 8, 4, 2, 1)

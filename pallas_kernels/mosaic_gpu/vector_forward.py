@@ -35,7 +35,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
-from pallas_kernels.mosaic_gpu.common import C, COLS, F32, WGMMA, cols_of, finish_together, mma, smem, stage, stream
+from pallas_kernels.mosaic_gpu.common import (
+    C, COLS, F32, WGMMA, cols_of, finish_together, mma, smem, stage, stream)
 from pallas_kernels.mosaic_gpu.config import VectorConfig, default_vector_config
 from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
 from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, prepare_vector
@@ -197,7 +198,8 @@ def vector_forward(q, k, v, g, beta=None, b=None, w=None, h0=None, *, scale: flo
     ip = compat.interpret_params(interpret)
     with compat.x32():
         qp, kp, xp, g2, erase = prepare_vector(q, k, v, g, beta, b, w, gate_lower_bound=gate_lower_bound)
-        w_, u_, qg, kt, p = vector_chunk(qp, kp, xp, g2, erase, scale=scale, centred=cfg.centred, interpret=ip)
+        w_, u_, qg, kt, p = vector_chunk(qp, kp, xp, g2, erase, scale=scale, centred=cfg.centred,
+                                         interpret=ip)
         h0t = None if h0 is None else jnp.swapaxes(h0.astype(F32), -1, -2)
         o, final_t = vector_state_output(w_, u_, qg, kt, p, g2, h0t, cfg=cfg, out_final=output_final_state,
                                          interpret=ip)
