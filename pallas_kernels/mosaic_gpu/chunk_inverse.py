@@ -36,7 +36,7 @@ from pallas_kernels.mosaic_gpu.common import C, F32, ROWS, iota, mma, mma_sum, r
 LEVELS = (2, 4, 8, 16, 32)  # block sizes s merged into 2s (s = 1 needs no product)
 
 
-def _split(hi_ref, lo_ref, x):
+def split_pair(hi_ref, lo_ref, x):
     """Stage ``x`` (fp32 registers) as the bf16 pair ``hi + lo ≈ x``; returns the two refs."""
     hi = x.astype(jnp.bfloat16)
     stage(hi_ref, hi)
@@ -47,6 +47,26 @@ def _split(hi_ref, lo_ref, x):
 def _mm3(a, b):
     """``a @ b`` for split pairs ``a = (hi, lo)``, ``b = (hi, lo)``: hi·hi + hi·lo + lo·hi."""
     return mma_sum(((a[0], b[0]), (a[0], b[1]), (a[1], b[0])), (C, C))
+
+
+def invert_unit_lower(a, x_pair, a_pair, y_pair):
+    """``(I + a)⁻¹`` in fp32 registers ``[C, C]`` for a strictly lower-triangular fp32 tile ``a``
+    (WGMMA layout), by the module docstring's recursive block inversion with split-bf16
+    products. ``x_pair``, ``a_pair``, ``y_pair``: (hi, lo) pairs of ``[C, C]`` bf16 SMEM staging
+    buffers (free on return). Also used by the vector-gate chunk kernel (vector_chunk.py), whose
+    ``a`` carries the per-channel decays."""
+    r, c = iota((C, C), 0), iota((C, C), 1)
+    a_split = split_pair(*a_pair, a)
+    # Level s = 1: the 2×2 diagonal blocks [[1, 0], [a, 1]] invert to [[1, 0], [−a, 1]].
+    pair = (r // 2 == c // 2) & (r > c)
+    x = jnp.where(r == c, 1.0, 0.0) - jnp.where(pair, a, 0.0)
+    for s in LEVELS:
+        # Row in the second half, column in the first half, of the same 2s-block.
+        keep = (r // (2 * s) == c // (2 * s)) & ((r // s) % 2 == 1) & ((c // s) % 2 == 0)
+        xs = split_pair(*x_pair, x)
+        y = jnp.where(keep, _mm3(xs, a_split), 0.0)  # X A_s
+        x = x - _mm3(split_pair(*y_pair, y), xs)  # X − (X A_s) X
+    return x
 
 
 def chunk_inverse(k, beta, *, interpret=None):
@@ -74,16 +94,7 @@ def chunk_inverse(k, beta, *, interpret=None):
         r, c = iota((C, C), 0), iota((C, C), 1)
         gram = mma(k_s, k_s.T, (C, C))
         a = jnp.where(r > c, gram * rows_of(plgpu.load(b_s, layout=ROWS), (C, C)), 0.0)
-        a_split = _split(ah, al, a)
-        # Level s = 1: the 2×2 diagonal blocks [[1, 0], [a, 1]] invert to [[1, 0], [−a, 1]].
-        pair = (r // 2 == c // 2) & (r > c)
-        x = jnp.where(r == c, 1.0, 0.0) - jnp.where(pair, a, 0.0)
-        for s in LEVELS:
-            # Row in the second half, column in the first half, of the same 2s-block.
-            keep = (r // (2 * s) == c // (2 * s)) & ((r // s) % 2 == 1) & ((c // s) % 2 == 0)
-            xs = _split(xh, xl, x)
-            y = jnp.where(keep, _mm3(xs, a_split), 0.0)  # X A_s
-            x = x - _mm3(_split(yh, yl, y), xs)  # X − (X A_s) X
+        x = invert_unit_lower(a, (xh, xl), (ah, al), (yh, yl))
         out[...] = x.astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out, t_ref.at[b, h, rows])

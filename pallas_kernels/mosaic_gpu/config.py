@@ -70,3 +70,61 @@ def default_config(K: int, V: int, itemsize: int) -> Config:
     bwd = _deepest(lambda s: state_backward_smem_bytes(K, 64, s, itemsize) <= SMEM_BUDGET)
     return Config(forward=PassConfig(block_v=64, stages=fwd),
                   state_backward=PassConfig(block_v=64, stages=bwd))
+
+
+# ---------------------------------------------------------------------------------------------
+# Vector gates (KDA, GDN2): vector_chunk.py + vector_forward.py
+# ---------------------------------------------------------------------------------------------
+PIECE = 64  # key/value columns per tile of the vector-gate chunk kernel (one [C, 64] tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class VectorConfig:
+    """Settings of the vector-gate forward (vector_chunk.py, vector_forward.py).
+
+    centred: the diagonal 16-row sub-chunk blocks of the chunk Grams as one centred product
+        (frame = the sub-chunk's row 8), valid only for gates declared ≥ ``CENTRED_MIN_GATE``
+        (vector_prep.py says why); otherwise exact bit-level frames.
+    state: tiling of the fused state + output pass.
+    out_buffers: SMEM buffers of the output tile (2 overlaps the TMA store of chunk n − 1 with
+        chunk n; 1 where two do not fit beside the input pipeline, K = 128).
+    """
+
+    centred: bool = False
+    state: PassConfig = PassConfig()
+    out_buffers: int = 2
+
+    def __post_init__(self):
+        if self.out_buffers not in (1, 2):
+            raise ValueError(f"VectorConfig.out_buffers must be 1 or 2, got {self.out_buffers}")
+
+
+def vector_chunk_smem_bytes(K: int, V: int, itemsize: int, channel_erase: bool) -> int:
+    """SMEM of the vector-gate chunk kernel (its scratch list, see vector_chunk.vector_chunk):
+    inputs q, k, v|z, G twice (fp32, swizzled and plain), b (fp32, GDN2) or β; six [C, C] bf16
+    staging tiles and one output tile (the other outputs reuse the inputs' buffers)."""
+    inputs = 2 * C * K * itemsize + C * V * itemsize + 2 * C * K * 4 + (C * K * 4 if channel_erase else C * 4)
+    return inputs + 6 * C * C * 2 + C * C * itemsize
+
+
+def vector_state_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, out_buffers: int,
+                            with_state: bool) -> int:
+    """SMEM of the vector-gate state + output pass (its scratch list, see
+    vector_forward.vector_state_output)."""
+    per_stage = 3 * C * K * itemsize + C * block_v * itemsize + C * C * itemsize + K * 4
+    fixed = 2 * block_v * K * itemsize + 2 * C * block_v * itemsize + out_buffers * C * block_v * itemsize
+    fixed += block_v * K * 4 if with_state else 0
+    return stages * per_stage + fixed
+
+
+def default_vector_config(K: int, V: int, itemsize: int, centred: bool) -> VectorConfig:
+    """The deepest state-pass pipeline that fits SMEM with a double-buffered output tile, else
+    the deepest with a single one (K = 128: 2 stages, one output tile)."""
+    if vector_chunk_smem_bytes(K, V, itemsize, True) > SMEM_BUDGET:
+        raise ValueError(f"the vector-gate chunk kernel does not fit SMEM at K={K}, V={V}")
+    for out_buffers in (2, 1):
+        for stages in (4, 3, 2):
+            if vector_state_smem_bytes(K, 64, stages, itemsize, out_buffers, True) <= SMEM_BUDGET:
+                return VectorConfig(centred=centred, state=PassConfig(block_v=64, stages=stages),
+                                    out_buffers=out_buffers)
+    raise ValueError(f"no vector-gate state-pass tiling fits SMEM at K={K}")

@@ -1,0 +1,208 @@
+"""Per-chunk kernel of the vector-gate forward (KDA, GDN2): gated Grams, inverse, W and U.
+
+Pipeline position:  vector_prep.py (XLA)  ->  **this kernel**  ->  vector_forward.py (state pass
++ output). Parallel over chunks: one CTA, one warpgroup (128 threads), per ``(b, h, chunk)``.
+
+With G the chunk's log2 cumulative gates ``[C, K]``, e_r the erase vector (β_r k_r or b_r ⊙ k_r)
+and z_r the write vector (β_r v_r or w_r ⊙ v_r), it forms (rewy-math §3, FLA's names):
+
+    T  = tril(Σ_c e_rc k_sc 2^{G_rc − G_sc}, −1)        A = (I + T)⁻¹
+    P  = scale · tril(Σ_c q_rc k_sc 2^{G_rc − G_sc})     (diagonal included)
+    W  = A Ē,  Ē = 2^G ⊙ E        U = A Z
+    Qγ = scale · 2^G ⊙ Q          K_tail = 2^{G_C − G} ⊙ K
+
+so that the state pass needs only ``R = U − W S0``, ``O = Qγ S0 + P R`` and
+``S ← 2^{G_C} ⊙ S0 + K_tailᵀ R`` (two products on its serial chain).
+
+**The Grams on the tensor cores, in reference frames.** 2^{−G} is never formed. A pair s ≤ r is
+evaluated as ``(x_r 2^{G_r − F_r}) · (y_s 2^{F_s − G_s})`` where the frames agree on the pairs a
+product keeps (F_r = F_s). Frames are per row, so each product below is one WGMMA over all 64 rows
+(its operands staged as bf16 ``[C, 64]`` tiles, contracted over K in 64-column pieces), and a
+select keeps the pairs it is exact for:
+
+* bit levels (exact for any g ≤ 0): a pair s < r first differs at one bit b ∈ {32, 16, 8, 4, 2,
+  1} of its row indices, r in the upper and s in the lower half of one 2b-row group. The frame of
+  every row of that group is the group's row f = start + b: x-side factors ``2^{G_r − G_f}`` on
+  upper rows (r ≥ f), y-side ``2^{G_f − G_s}`` on lower rows (s < f), zero elsewhere (masked
+  before exp2). Every factor is ≤ 1, so no product overflows, even across groups.
+* centred (``centred=True``, gates declared ≥ −5, vector_prep.py): levels 32 and 16 as above
+  for pairs in different 16-row sub-chunks; the four diagonal sub-chunk blocks in one product
+  with frame = the sub-chunk's row 8 (factors ≤ e^40; cross-block products are discarded).
+* the diagonal of P (r = s, factor 1): one plain ``Q Kᵀ`` product of the unscaled inputs.
+
+So the two Grams cost 6 (exact) or 3 (centred) levels × K/64 pieces × two WGMMAs (T and P
+share the y-side operand), one ``[C, 64]`` exp2 per side, level and piece, and K/64 WGMMAs for
+P's diagonal. Frame rows are read from
+the fp32 G tile in SMEM and selected per row group (64/(2b) selects at level b).
+
+The inverse is chunk_inverse.invert_unit_lower (split-bf16 products). W and U take A split as
+hi + lo (two WGMMAs each): A is the precision-sensitive factor; KDA folds β into A's columns
+(A diag(β) Ē' with Ē' = 2^G ⊙ K, and A diag(β) V), GDN2 reads Z = w ⊙ v from vector_prep.
+
+Warpgroup: one, holding in registers the T and P accumulators ``[C, C]`` fp32 and one 64-column
+piece of G and of the operands at a time.
+SMEM (vector_chunk_smem_bytes in config.py; 184 KiB at K = V = 128 for GDN2, 152 KiB for KDA):
+  inputs q, k [K/64, C, 64] and x [V/64, C, 64] (16-bit, swizzled), G [K/64, C, 64] fp32 twice
+  (swizzled for tiles, plain for the frame rows), b [K/64, C, 64] fp32 (GDN2) or β [C]; six
+  [C, C] bf16 staging tiles (Gram operands, the inverse's split pairs, A's hi/lo, Ē); one
+  output tile (P, then W). Qγ, K_tail and U are staged in place of q, k and x.
+
+Reads:  q, k [B, Tp, H, K]; x [B, Tp, H, V] (v for KDA, z for GDN2); g2 [B, H, Tp, K] fp32;
+        erase: β [B, H, Tp] fp32 (KDA) or b [B, Tp, H, K] fp32 (GDN2).
+Writes: w, qg, kt [B, H, Tp, K]; u [B, H, Tp, V]; p [B, H, Tp, C] (input dtype, head-major).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax import lax
+
+from pallas_kernels.mosaic_gpu import compat
+from pallas_kernels.mosaic_gpu.chunk_inverse import invert_unit_lower, split_pair
+from pallas_kernels.mosaic_gpu.common import (
+    C, COLS, F32, ROWS, WGMMA, cols_of, iota, mma, rows_of, smem, stage)
+from pallas_kernels.mosaic_gpu.config import PIECE
+
+EXACT_LEVELS = (32, 16, 8, 4, 2, 1)
+CENTRED_LEVELS = (32, 16)  # pairs in different 16-row sub-chunks; the diagonal blocks centred
+SUB = 16  # rows per sub-chunk of the centred diagonal blocks
+MID = 8  # the centred frame's row within its sub-chunk
+
+
+def _frame_tile(g_piece, size: int, offset: int):
+    """``[C, 64]`` fp32 tile whose row r holds G at row ``(r // size)·size + offset``: the frame
+    of r's group, one row read from SMEM per group and selected into its rows."""
+    r = iota((C, PIECE), 0)
+    tile = None
+    for grp in range(C // size):
+        row = cols_of(plgpu.load(g_piece.at[grp * size + offset], layout=COLS), (C, PIECE))
+        tile = row if tile is None else jnp.where(r // size == grp, row, tile)
+    return tile
+
+
+def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, interpret=None):
+    """``(w, u, qg, kt, p)``; see the module docstring. KDA when ``erase`` is β ``[B, H, Tp]``,
+    GDN2 when it is b ``[B, Tp, H, K]``."""
+    B, Tp, H, K = k.shape
+    V = x.shape[-1]
+    N = Tp // C
+    dtype = k.dtype
+    bf = jnp.bfloat16
+    channel_erase = erase.ndim == 4
+    if K % PIECE or V % PIECE:
+        raise ValueError(f"vector_chunk needs K and V multiples of {PIECE}, got K={K}, V={V}")
+    nk, nv = K // PIECE, V // PIECE
+    tile = lambda n: smem((n, C, PIECE), dtype)  # noqa: E731
+    scratch = dict(
+        q_s=tile(nk), k_s=tile(nk), x_s=tile(nv), g_s=smem((nk, C, PIECE), F32),
+        # G again, untransformed: single rows (the frames) load from it; whole tiles load from
+        # the swizzled g_s (an untransformed fp32 tile has no bank-conflict-free WGMMA load)
+        g_rows=plgpu.SMEM((nk, C, PIECE), F32),
+        e_s=smem((nk, C, PIECE), F32) if channel_erase else plgpu.SMEM((C,), F32),
+        st=smem((6, C, C), bf), out_s=smem((C, C), dtype),
+        bar=plgpu.Barrier(num_arrivals=4 * nk + nv + (nk if channel_erase else 1)),
+    )
+    out_type = (jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, V), dtype),
+                jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, K), dtype),
+                jax.ShapeDtypeStruct((B, H, Tp, C), dtype))
+
+    def body(q_ref, k_ref, x_ref, g_ref, e_ref, w_ref, u_ref, qg_ref, kt_ref, p_ref,
+             q_s, k_s, x_s, g_s, g_rows, e_s, st, out_s, bar):
+        b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+        rows = pl.ds(n * C, C)
+        for j in range(nk):
+            cols = pl.ds(j * PIECE, PIECE)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, cols], q_s.at[j], bar)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h, cols], k_s.at[j], bar)
+            plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_s.at[j], bar)
+            plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_rows.at[j], bar)
+            if channel_erase:
+                plgpu.copy_gmem_to_smem(e_ref.at[b, rows, h, cols], e_s.at[j], bar)
+        for j in range(nv):
+            plgpu.copy_gmem_to_smem(x_ref.at[b, rows, h, pl.ds(j * PIECE, PIECE)], x_s.at[j], bar)
+        if not channel_erase:
+            plgpu.copy_gmem_to_smem(e_ref.at[b, h, rows], e_s, bar)
+        plgpu.barrier_wait(bar)
+
+        r, c = iota((C, C), 0), iota((C, C), 1)
+        load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)  # noqa: E731
+
+        def erase_piece(j):  # the x side of T: b ⊙ k (GDN2), or k (KDA: β scales T's rows after)
+            return load(e_s.at[j]) * load(k_s.at[j]) if channel_erase else load(k_s.at[j])
+
+        def level_products(size, offset, masked):
+            """Σ over key pieces of the (T, P) products in the frames of row groups of ``size``
+            rows, frame row ``offset`` in each. ``masked``: bit-level frames (x side only on
+            rows ≥ the frame, y side only on rows below it: every factor ≤ 1); else centred
+            (both sides on every row)."""
+            t_acc = p_acc = None
+            up = (iota((C, PIECE), 0) % size) >= offset
+            for j in range(nk):
+                d = load(g_s.at[j]) - _frame_tile(g_rows.at[j], size, offset)  # G_r − G_f(r)
+                fx = jnp.exp2(jnp.where(up, d, -jnp.inf) if masked else d)
+                xe = stage(st.at[0], erase_piece(j) * fx)
+                xq = stage(st.at[1], load(q_s.at[j]) * fx)
+                fy = jnp.exp2(jnp.where(up, -jnp.inf, -d) if masked else -d)
+                y = stage(st.at[2], load(k_s.at[j]) * fy)
+                t_acc = mma(xe, y.T, (C, C), acc=t_acc)
+                p_acc = mma(xq, y.T, (C, C), acc=p_acc)
+            return t_acc, p_acc
+
+        t = p = jnp.zeros((C, C), F32)
+        for lev in (CENTRED_LEVELS if centred else EXACT_LEVELS):
+            # the pairs whose row indices first differ at bit `lev`: r upper, s lower half of a group
+            pair = (r // (2 * lev) == c // (2 * lev)) & (r % (2 * lev) >= lev) & (c % (2 * lev) < lev)
+            t_l, p_l = level_products(2 * lev, lev, True)
+            t = t + jnp.where(pair, t_l, 0.0)
+            p = p + jnp.where(pair, p_l, 0.0)
+        if centred:  # the diagonal sub-chunk blocks (select, not multiply: cross-block entries may be inf)
+            same = r // SUB == c // SUB
+            t_l, p_l = level_products(SUB, MID, False)
+            t = t + jnp.where(same & (c < r), t_l, 0.0)
+            p = p + jnp.where(same & (c < r), p_l, 0.0)
+        # The diagonal of P (decay factor 1) from the inputs as given: its operands are not
+        # rounded again after a frame scaling (taking it from the centred product instead raised
+        # o's error from 3.1e-3 to 4.0e-3 in tests/test_mosaic_gpu_vector.py's bounded KDA case).
+        qk = None
+        for j in range(nk):
+            qk = mma(q_s.at[j], k_s.at[j].T, (C, C), acc=qk)
+        p = p + jnp.where(r == c, qk, 0.0)
+        stage(out_s, p * scale)
+        plgpu.copy_smem_to_gmem(out_s, p_ref.at[b, h, rows])
+
+        if not channel_erase:
+            t = t * rows_of(plgpu.load(e_s, layout=ROWS), (C, C))  # KDA: T = diag(β) tril(...)
+        a = invert_unit_lower(t, (st.at[0], st.at[1]), (st.at[2], st.at[3]), (st.at[4], st.at[5]))
+        if not channel_erase:
+            a = a * cols_of(plgpu.load(e_s, layout=COLS), (C, C))  # A diag(β): W, U take β from here
+        a_hi, a_lo = split_pair(st.at[2], st.at[3], a)
+
+        # Outputs are staged in place of inputs no longer needed (SMEM): Qγ over q, K_tail over k,
+        # U over x, each after its last read; W through out_s once the previous copy has read it.
+        for j in range(nk):
+            cols = pl.ds(j * PIECE, PIECE)
+            g_t = load(g_s.at[j])
+            gam = jnp.exp2(g_t)  # ≤ 1
+            k_t = load(k_s.at[j])
+            e_bar = stage(st.at[0], (load(e_s.at[j]) * k_t if channel_erase else k_t) * gam)
+            g_last = cols_of(plgpu.load(g_rows.at[j, C - 1], layout=COLS), (C, PIECE))
+            q_s.at[j][...] = (load(q_s.at[j]) * gam * scale).astype(dtype)  # Qγ
+            k_s.at[j][...] = (k_t * jnp.exp2(g_last - g_t)).astype(dtype)  # K_tail (exponent ≤ 0)
+            w_t = mma(a_lo, e_bar, (C, PIECE), acc=mma(a_hi, e_bar, (C, PIECE)))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_s (P, or W of piece j − 1) is sent
+            stage(out_s, w_t)  # (its fence also covers the Qγ and K_tail stores)
+            for src, ref in ((q_s.at[j], qg_ref), (k_s.at[j], kt_ref), (out_s, w_ref)):
+                plgpu.copy_smem_to_gmem(src, ref.at[b, h, rows, cols])
+        for j in range(nv):
+            u_t = mma(a_lo, x_s.at[j], (C, PIECE), acc=mma(a_hi, x_s.at[j], (C, PIECE)))
+            stage(x_s.at[j], u_t)
+            plgpu.copy_smem_to_gmem(x_s.at[j], u_ref.at[b, h, rows, pl.ds(j * PIECE, PIECE)])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
+        compiler_params=compat.compiler_params(), interpret=interpret,
+    )(q, k, x, g2, erase)

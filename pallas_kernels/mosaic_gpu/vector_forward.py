@@ -1,0 +1,206 @@
+"""Fused state pass + output of the vector-gate forward (KDA, GDN2), and the forward's entry.
+
+Pipeline:  vector_prep.py (XLA)  ->  vector_chunk.py (per chunk: W, U, Qγ, K_tail, P)  ->
+**vector_state_output** (this kernel). :func:`vector_forward` runs the three.
+
+One CTA per ``(b, h, 64 value columns)`` walks its chunks in order with three warpgroups:
+
+* WG0 (state chain, 232 registers) keeps ``Sᵀ [BV, K]`` fp32 in registers. Per chunk:
+      Rᵀ = Uᵀ − Sᵀ Wᵀ                                  (one WGMMA)
+      Sᵀ ← Sᵀ Diag(2^{G_C}) + Rᵀ K_tail                 (one WGMMA; the decay per key column)
+  and publishes ``Sᵀ`` (the chunk start state) and ``R`` in the input dtype through
+  double-buffered SMEM. The gates were folded into W, K_tail by vector_chunk, so the serial chain
+  is two products per chunk (the scalar-gate forward.py has three: it builds R from the inverse).
+* WG1 (output, 232 registers): ``O = Qγ S0 + P R`` (two WGMMAs; scale is folded into Qγ and P)
+  from the published tiles, stored with TMA.
+* WG2 (memory, 40 registers) streams W, K_tail, Qγ ``[C, K]``, U ``[C, 64]``, P ``[C, C]`` and
+  the chunk's last row of G ``[K]`` fp32 into ``stages`` buffers.
+
+Neither R nor the chunk states reach HBM.
+SMEM (config.vector_state_smem_bytes): per stage 3·C·K + C·64 + C·C 16-bit values and K fp32;
+fixed: published Sᵀ and R (two each), ``out_buffers`` output tiles, the fp32 state tile for h0 and
+the final state. K = 128: 2 stages, one output tile, 217 KiB; K = 64: 3 stages, two, 185 KiB.
+
+Reads:  w, kt, qg [B, H, Tp, K]; u [B, H, Tp, V]; p [B, H, Tp, C]; g2 [B, H, Tp, K] fp32 (row
+        C − 1 of each chunk); h0t [B, H, V, K] fp32 (optional).
+Writes: o [B, Tp, H, V]; final state ᵀ [B, H, V, K] fp32 (optional).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax import lax
+
+from pallas_kernels.mosaic_gpu import compat
+from pallas_kernels.mosaic_gpu.common import (
+    C, COLS, F32, WGMMA, cols_of, finish_together, mma, smem, stage, stream)
+from pallas_kernels.mosaic_gpu.config import VectorConfig, default_vector_config
+from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
+from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, prepare_vector
+
+HEAD_DIMS = (64, 128)
+
+
+def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_final: bool, interpret=None):
+    """``(o [B, Tp, H, V], final ᵀ [B, H, V, K] fp32 | None)``; see the module docstring.
+    ``h0t`` is ``None`` for a zero initial state."""
+    B, H, Tp, K = w.shape
+    V = u.shape[-1]
+    N = Tp // C
+    bv = cfg.state.block_v
+    stages = cfg.state.stages
+    n_out = cfg.out_buffers
+    dtype = w.dtype
+    has_h0 = h0t is not None
+
+    out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dtype)]
+    if out_final:
+        out_type.append(jax.ShapeDtypeStruct((B, H, V, K), F32))
+    scratch = dict(
+        w_s=smem((stages, C, K), dtype), kt_s=smem((stages, C, K), dtype), qg_s=smem((stages, C, K), dtype),
+        u_s=smem((stages, C, bv), dtype), p_s=smem((stages, C, C), dtype),
+        gl_s=plgpu.SMEM((stages, K), F32),
+        s_pub=smem((2, bv, K), dtype), r_pub=smem((2, C, bv), dtype), o_out=smem((n_out, C, bv), dtype),
+        in_bar=plgpu.Barrier(num_arrivals=6, num_barriers=stages),
+        in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2),
+        state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
+    )
+    if has_h0 or out_final:
+        scratch["state_s"] = smem((bv, K), F32)
+
+    def body(*refs, w_s, kt_s, qg_s, u_s, p_s, gl_s, s_pub, r_pub, o_out, in_bar, in_free,
+             s_ready, s_free, state_bar, done, state_s=None):
+        refs = list(refs)
+        w_ref, u_ref, qg_ref, kt_ref, p_ref, g_ref = (refs.pop(0) for _ in range(6))
+        h0_ref = refs.pop(0) if has_h0 else None
+        o_ref = refs.pop(0)
+        fin_ref = refs.pop(0) if out_final else None
+        b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        vcols = pl.ds(iv * bv, bv)
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def issue(n, slot):
+                rows = pl.ds(n * C, C)
+                bar = in_bar.at[slot]
+                plgpu.copy_gmem_to_smem(w_ref.at[b, h, rows], w_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(kt_ref.at[b, h, rows], kt_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(qg_ref.at[b, h, rows], qg_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(u_ref.at[b, h, rows, vcols], u_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(p_ref.at[b, h, rows], p_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(g_ref.at[b, h, n * C + C - 1], gl_s.at[slot], bar)
+
+            stream(issue, N, stages, in_free)
+
+        @pl.when(wg == 0)
+        def _state_chain():
+            plgpu.set_max_registers(232, action="increase")
+            if has_h0:
+                plgpu.copy_gmem_to_smem(h0_ref.at[b, h, vcols], state_s, state_bar)
+                plgpu.barrier_wait(state_bar)
+                s0 = plgpu.load(state_s, layout=WGMMA)
+            else:
+                s0 = plgpu.layout_cast(jnp.zeros((bv, K), F32), WGMMA)
+
+            def step(n, s_t):
+                slot, half = lax.rem(n, stages), lax.rem(n, 2)
+                plgpu.barrier_wait(in_bar.at[slot])
+
+                @pl.when(n >= 2)
+                def _():  # WG1 is done with the tiles published two chunks ago
+                    plgpu.barrier_wait(s_free.at[half])
+
+                s_lo = stage(s_pub.at[half], s_t)  # the chunk start state, for WG1 and the chain
+                pred = mma(s_lo, w_s.at[slot].T, (bv, C))  # Sᵀ Wᵀ = (W S)ᵀ
+                r_t = plgpu.load(u_s.at[slot].T, layout=WGMMA).astype(F32) - pred  # Rᵀ
+                r_pub.at[half].T[...] = r_t.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(s_ready.at[half])
+                decay = cols_of(jnp.exp2(plgpu.load(gl_s.at[slot], layout=COLS)), (bv, K))  # 2^{G_C} per key
+                s_new = mma(r_pub.at[half].T, kt_s.at[slot], (bv, K), acc=s_t * decay)
+                plgpu.barrier_arrive(in_free.at[slot])
+                return s_new
+
+            s_t = lax.fori_loop(0, N, step, s0)
+            for n in range(max(N - 2, 0), N):  # observe WG1's last releases of the published tiles
+                plgpu.barrier_wait(s_free.at[n % 2])
+            if out_final:
+                state_s[...] = s_t
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(state_s, fin_ref.at[b, h, vcols])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 1)
+        def _output():
+            plgpu.set_max_registers(232, action="increase")
+
+            def step(n, carry):
+                slot, half, ob = lax.rem(n, stages), lax.rem(n, 2), lax.rem(n, n_out)
+                plgpu.barrier_wait(in_bar.at[slot])
+                plgpu.barrier_wait(s_ready.at[half])
+                o = mma(qg_s.at[slot], s_pub.at[half].T, (C, bv))  # Qγ S0 (scale inside Qγ)
+                o = mma(p_s.at[slot], r_pub.at[half], (C, bv), acc=o)  # + P R
+                plgpu.barrier_arrive(s_free.at[half])
+                plgpu.barrier_arrive(in_free.at[slot])
+                plgpu.wait_smem_to_gmem(n_out - 1, wait_read_only=True)  # o_out[ob] has been sent
+                o_out.at[ob][...] = o.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_out.at[ob], o_ref.at[b, pl.ds(n * C, C), h, vcols])
+                return carry
+
+            lax.fori_loop(0, N, step, None)
+            plgpu.wait_smem_to_gmem(0)
+
+        finish_together(done)
+
+    args = [w, u, qg, kt, p, g2] + ([h0t] if has_h0 else [])
+    outs = plgpu.kernel(
+        body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
+        grid_names=("b", "h", "v"), num_threads=3, thread_name="wg",
+        compiler_params=compat.compiler_params(), interpret=interpret,
+    )(*args)
+    return outs[0], (outs[1] if out_final else None)
+
+
+def vector_forward(q, k, v, g, beta=None, b=None, w=None, h0=None, *, scale: float | None = None,
+                   gate_lower_bound: float | None = None, output_final_state: bool = True,
+                   cfg: VectorConfig | None = None, interpret: bool = False):
+    """The KDA / GDN2 forward on the Mosaic GPU kernels: ``(o [B, T, H, V], final | None)``.
+
+    q, k: [B, T, H, K], v: [B, T, H, V] (bf16; q and k as the recurrence reads
+    them, e.g. already L2-normalised); g: [B, T, H, K] natural-log decays ≤ 0. KDA: ``beta``
+    [B, T, H]; GDN2: ``b`` [B, T, H, K] (erase) and ``w`` [B, T, H, V] (write), all in [0, 2].
+    h0: [B, H, K, V] fp32 or None; final: [B, H, K, V] fp32. ``scale`` defaults to K^−1/2.
+    ``gate_lower_bound``: a declared bound on g (g is clamped to it); ≥ −5 takes the centred
+    diagonal blocks (vector_prep.py). K = V ∈ {64, 128}. Forward only (no VJP yet).
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    if (beta is None) == (b is None or w is None):
+        raise ValueError("pass beta (KDA) or both b and w (GDN2)")
+    if K not in HEAD_DIMS or V != K:
+        raise ValueError(f"vector_forward takes K = V in {HEAD_DIMS}, got K={K}, V={V}")
+    if jnp.dtype(v.dtype) != jnp.dtype(jnp.bfloat16):
+        # (fp16 would need fp16 staging tiles: U = A X pairs the bf16 hi/lo split of A with x)
+        raise ValueError(f"vector_forward takes bf16 inputs, got {jnp.dtype(v.dtype).name}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    if cfg is None:
+        cfg = default_vector_config(K, V, jnp.dtype(v.dtype).itemsize, centred_ok(gate_lower_bound))
+    elif cfg.centred and not centred_ok(gate_lower_bound):
+        raise ValueError("VectorConfig.centred needs a declared gate_lower_bound >= -5")
+    ip = compat.interpret_params(interpret)
+    with compat.x32():
+        qp, kp, xp, g2, erase = prepare_vector(q, k, v, g, beta, b, w, gate_lower_bound=gate_lower_bound)
+        w_, u_, qg, kt, p = vector_chunk(qp, kp, xp, g2, erase, scale=scale, centred=cfg.centred,
+                                         interpret=ip)
+        h0t = None if h0 is None else jnp.swapaxes(h0.astype(F32), -1, -2)
+        o, final_t = vector_state_output(w_, u_, qg, kt, p, g2, h0t, cfg=cfg, out_final=output_final_state,
+                                         interpret=ip)
+    return o[:, :T], (None if final_t is None else jnp.swapaxes(final_t, -1, -2))

@@ -1,0 +1,167 @@
+"""The vector-gate (KDA, GDN2) Mosaic GPU forward: GPU-interpreter runs against float64, and
+lowering of both kernels for CUDA, on CPU.
+
+Each interpreted case redraws its inputs: T not a multiple of the chunk, an initial state, β / b
+and w in [0, 2], and per-channel gates that are either strong (most channels mild so the state
+matters, some down to −10, a few −50 and −inf: the exact frames) or declared-bounded (g in
+[−5, 0], a tenth exactly −5: the centred diagonal blocks). o and the final state must meet
+rewy-math §8's bf16 bound (ratio ≤ 5e-3).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import chunk_algebra as ca
+from pallas_kernels.mosaic_gpu import compat, config
+from pallas_kernels.mosaic_gpu.prep import LOG2E
+from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
+from pallas_kernels.mosaic_gpu.vector_forward import vector_forward, vector_state_output
+from pallas_kernels.mosaic_gpu.vector_prep import prepare_vector
+from rewy_jax.reference import reference_general
+from rewy_jax.testing import ratio, tolerance
+
+needs_interpreter = pytest.mark.skipif(not compat.has_interpreter(),
+                                       reason="the Mosaic GPU interpreter needs jax >= 0.12")
+
+BF16 = jnp.bfloat16
+
+
+def _gates(rng, shape, kind):
+    if kind == "bounded":
+        g = -rng.uniform(0, 5, shape)
+        g[rng.uniform(size=shape) < 0.1] = -5.0
+        return g
+    g = -rng.uniform(0, 0.5, shape)
+    u = rng.uniform(size=shape)
+    g[u < 0.2] = -rng.uniform(0, 10, int((u < 0.2).sum()))
+    g[(u >= 0.2) & (u < 0.22)] = -50.0
+    g[(u >= 0.22) & (u < 0.23)] = -np.inf
+    return g
+
+
+def _case(op, T, H, D, seed, gates):
+    """float64 arrays (q, k, v bf16-representable; q, k unit rows as the layers feed them)."""
+    rng = np.random.default_rng(seed)
+    r16 = lambda x: np.asarray(jnp.asarray(x, BF16).astype(jnp.float64))  # noqa: E731
+    nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    B = 1
+    x = dict(q=r16(nrm(rng.standard_normal((B, T, H, D)))), k=r16(nrm(rng.standard_normal((B, T, H, D)))),
+             v=r16(rng.standard_normal((B, T, H, D))), g=_gates(rng, (B, T, H, D), gates),
+             h0=rng.standard_normal((B, H, D, D)) * 0.3)
+    if op == "kda":
+        x["beta"] = rng.uniform(0, 2, (B, T, H))
+    else:
+        x["b"] = rng.uniform(0, 2, (B, T, H, D))
+        x["w"] = rng.uniform(0, 2, (B, T, H, D))
+    return x
+
+
+def _gate_kwargs(x, dtype):
+    names = ("beta",) if "beta" in x else ("b", "w")
+    return {n: jnp.asarray(x[n], dtype) for n in names}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op,D,T,H,gates,seed", [
+    ("kda", 64, 100, 2, "strong", 0),
+    ("gdn2", 64, 130, 1, "strong", 1),
+    ("kda", 64, 70, 2, "bounded", 2),
+    ("gdn2", 64, 150, 1, "bounded", 3),
+    ("kda", 128, 70, 1, "strong", 4),
+    ("gdn2", 128, 100, 1, "bounded", 5),
+])
+def test_vector_forward_matches_float64(op, D, T, H, gates, seed):
+    x = _case(op, T, H, D, seed, gates)
+    bound = -5.0 if gates == "bounded" else None
+    o, fin = vector_forward(*(jnp.asarray(x[n], BF16) for n in "qkv"), jnp.asarray(x["g"], jnp.float32),
+                            h0=jnp.asarray(x["h0"], jnp.float32), gate_lower_bound=bound, interpret=True,
+                            **_gate_kwargs(x, jnp.float32))
+    erase, write = (x["beta"], x["beta"]) if op == "kda" else (x["b"], x["w"])
+    ref_args = (x["q"], x["k"], x["v"], x["g"], erase, write)
+    ro, rfin = reference_general(*(jnp.asarray(a, jnp.float64) for a in ref_args),
+                                 scale=D ** -0.5, initial_state=jnp.asarray(x["h0"]), dtype=jnp.float64)
+    bad = {}
+    for name, val, ref in (("o", o, ro), ("final_state", fin, rfin)):
+        val = np.asarray(jnp.asarray(val, jnp.float32), np.float64)
+        assert np.all(np.isfinite(val)), name
+        r = ratio(val, np.asarray(ref))
+        if r > tolerance(name, BF16):
+            bad[name] = r
+    assert not bad, f"ratios over rewy-math §8 bf16 bounds: {bad}"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op,centred", [("kda", False), ("gdn2", True)])
+def test_vector_chunk_matches_chunk_algebra(op, centred):
+    """The chunk kernel's W, U, Qγ, K_tail and P against chunk_algebra.chunk_local in float64.
+    Rounding one value to bf16 alone gives a ratio of ~1.6e-3 (Qγ measured 1.3e-3 to 1.9e-3), W
+    and P ~3e-3 (their operands are rounded too); a wrong frame or block is O(1)."""
+    D, T, H = 64, 128, 1
+    x = _case(op, T, H, D, 7, "bounded" if centred else "strong")
+    scale = D ** -0.5
+    args = prepare_vector(*(jnp.asarray(x[n], BF16) for n in "qkv"), jnp.asarray(x["g"], jnp.float32),
+                          gate_lower_bound=-5.0 if centred else None, **_gate_kwargs(x, jnp.float32))
+    with compat.x32():
+        got = vector_chunk(*args, scale=scale, centred=centred, interpret=compat.interpret_params(True))
+    got = [np.asarray(jnp.asarray(a, jnp.float32), np.float64)[0, 0].reshape(T // 64, 64, -1) for a in got]
+    erase = x["beta"][..., None] * x["k"] if op == "kda" else x["b"] * x["k"]
+    write = x["beta"][..., None] * x["v"] if op == "kda" else x["w"] * x["v"]
+    G = np.asarray(args[3], np.float64)[0, 0].reshape(T // 64, 64, D) / LOG2E  # the kernel's own G
+    chunk = lambda a: a[0, :, 0].reshape(T // 64, 64, -1)  # noqa: E731
+    for n in range(T // 64):
+        loc = ca.chunk_local(*(jnp.asarray(chunk(a)[n]) for a in (x["q"] * scale, x["k"], erase, write)),
+                             ca.make_decay(jnp.asarray(G[n]), 64))
+        for name, val, ref in zip(("W", "U", "Qγ", "K_tail", "P"), got,
+                                  (loc.W, loc.U, loc.Qg, loc.Kt, loc.P)):
+            r = ratio(val[n], np.asarray(ref))
+            assert r < 5e-3, (name, n, r)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("op,centred", [("kda", False), ("kda", True), ("gdn2", False), ("gdn2", True)])
+def test_vector_kernels_lower_for_cuda(D, op, centred):
+    """Both kernels lower to Mosaic GPU for sm_90 on this CPU (layouts, transfers, barriers)."""
+    S = jax.ShapeDtypeStruct
+    B, T, H = 2, 256, 2
+    tok, g2 = S((B, T, H, D), BF16), S((B, H, T, D), jnp.float32)
+    erase = S((B, T, H, D), jnp.float32) if op == "gdn2" else S((B, H, T), jnp.float32)
+    cfg = config.default_vector_config(D, D, 2, centred)
+    head = S((B, H, T, D), BF16)
+    for f, args in ((lambda q, k, x, g, e: vector_chunk(q, k, x, g, e, scale=0.1, centred=centred),
+                     (tok, tok, tok, g2, erase)),
+                    (lambda w, u, qg, kt, p, g, h0: vector_state_output(w, u, qg, kt, p, g, h0, cfg=cfg,
+                                                                         out_final=True),
+                     (head, head, head, head, S((B, H, T, 64), BF16), g2, S((B, H, D, D), jnp.float32)))):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+def test_vector_config_fits_smem():
+    """The chosen tilings fit SMEM; K = 128 needs the single output tile."""
+    for K in (64, 128):
+        cfg = config.default_vector_config(K, K, 2, False)
+        assert config.vector_chunk_smem_bytes(K, K, 2, True) <= config.SMEM_BUDGET
+        state = config.vector_state_smem_bytes(K, 64, cfg.state.stages, 2, cfg.out_buffers, True)
+        assert state <= config.SMEM_BUDGET
+    assert config.default_vector_config(64, 64, 2, False).out_buffers == 2
+    assert config.default_vector_config(128, 128, 2, False).out_buffers == 1
+
+
+def test_vector_forward_refuses():
+    q = jnp.zeros((1, 64, 1, 64), BF16)
+    g = jnp.zeros((1, 64, 1, 64), jnp.float32)
+    beta = jnp.zeros((1, 64, 1), jnp.float32)
+    with pytest.raises(ValueError, match="beta"):
+        vector_forward(q, q, q, g)
+    with pytest.raises(ValueError, match="K = V"):
+        big = jnp.zeros((1, 64, 1, 256), BF16)
+        vector_forward(big, big, big, jnp.zeros((1, 64, 1, 256), jnp.float32), beta)
+    with pytest.raises(ValueError, match="bf16 inputs"):
+        f = jnp.zeros((1, 64, 1, 64), jnp.float32)
+        vector_forward(f, f, f, g, beta)
+    with pytest.raises(ValueError, match="gate_lower_bound"):
+        vector_forward(q, q, q, g, beta, cfg=config.VectorConfig(centred=True), gate_lower_bound=-10.0)
