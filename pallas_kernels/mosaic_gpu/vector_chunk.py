@@ -83,9 +83,12 @@ def _frame_tile(g_piece, size: int, offset: int):
     return tile
 
 
-def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, interpret=None):
-    """``(w, u, qg, kt, p)``; see the module docstring. KDA when ``erase`` is β ``[B, H, Tp]``,
-    GDN2 when it is b ``[B, Tp, H, K]``."""
+def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse: bool = False,
+                 interpret=None):
+    """``(w, u, qg, kt, p)``, and with ``out_inverse`` also ``(a_hi, a_lo)`` [B, H, Tp, C]: the
+    chunk inverse A = (I + T)⁻¹ as a bf16 split pair (β not folded in; the backward's
+    Λ = Aᵀ dR reads it). See the module docstring. KDA when ``erase`` is β ``[B, H, Tp]``, GDN2
+    when it is b ``[B, Tp, H, K]``."""
     B, Tp, H, K = k.shape
     V = x.shape[-1]
     N = Tp // C
@@ -108,8 +111,10 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, interpret=N
     out_type = (jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, V), dtype),
                 jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, K), dtype),
                 jax.ShapeDtypeStruct((B, H, Tp, C), dtype))
+    if out_inverse:
+        out_type += (jax.ShapeDtypeStruct((B, H, Tp, C), bf), jax.ShapeDtypeStruct((B, H, Tp, C), bf))
 
-    def body(q_ref, k_ref, x_ref, g_ref, e_ref, w_ref, u_ref, qg_ref, kt_ref, p_ref,
+    def body(q_ref, k_ref, x_ref, g_ref, e_ref, w_ref, u_ref, qg_ref, kt_ref, p_ref, *inv_refs,
              q_s, k_s, x_s, g_s, g_rows, e_s, st, out_s, bar):
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
@@ -176,6 +181,9 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, interpret=N
         if not channel_erase:
             t = t * rows_of(plgpu.load(e_s, layout=ROWS), (C, C))  # KDA: T = diag(β) tril(...)
         a = invert_unit_lower(t, (st.at[0], st.at[1]), (st.at[2], st.at[3]), (st.at[4], st.at[5]))
+        if out_inverse:  # A for the backward, before β is folded in (st 4 and 5 are not reused)
+            for ref, out in zip(split_pair(st.at[4], st.at[5], a), inv_refs):
+                plgpu.copy_smem_to_gmem(ref, out.at[b, h, rows])
         if not channel_erase:
             a = a * cols_of(plgpu.load(e_s, layout=COLS), (C, C))  # A diag(β): W, U take β from here
         a_hi, a_lo = split_pair(st.at[2], st.at[3], a)
