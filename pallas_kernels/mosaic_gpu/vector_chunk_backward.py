@@ -87,7 +87,7 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *
              lam_ref, dq_ref, dk_ref, de_ref, pairs_ref, yk_ref,
              do_s, dr_s, r_s, s0_s, ds_s, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar):
         b, h, nj = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("nj")
-        n, j = lax.div(nj, nk), lax.rem(nj, nk)
+        n, j = lax.div(nj, jnp.int32(nk)), lax.rem(nj, jnp.int32(nk))
         rows = pl.ds(n * C, C)
         cols = pl.ds(j * PIECE, PIECE)  # this CTA's key channels (and Λ's value columns)
         for i in range(nv):
