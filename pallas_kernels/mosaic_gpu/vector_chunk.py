@@ -49,7 +49,9 @@ SMEM (vector_chunk_smem_bytes in config.py; 184 KiB at K = V = 128 for GDN2, 152
 
 Reads:  q, k [B, Tp, H, K]; x [B, Tp, H, V] (v for KDA, z for GDN2); g2 [B, H, Tp, K] fp32;
         erase: β [B, H, Tp] fp32 (KDA) or b [B, Tp, H, K] fp32 (GDN2).
-Writes: w, qg, kt [B, H, Tp, K]; u [B, H, Tp, V]; p [B, H, Tp, C] (input dtype, head-major).
+Writes: w, qg, kt [B, H, Tp, K]; u [B, H, Tp, V]; p [B, H, Tp, C] (input dtype, head-major);
+        with ``out_inverse`` (the backward's policy "save", or its recompute) A as a bf16 pair
+        a_hi, a_lo [B, H, Tp, C], β not folded in.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ SMEM (config.vector_chunk_backward_smem_bytes): dO, dR, R ``[V/64, C, 64]``, S0á
 ``[V/64, 64, 64]`` (the piece's key columns), A hi/lo, q, k, e ``[C, 64]`` (16-bit); G twice
 (swizzled for tiles, plain for the frame rows) and three fp32 output tiles. The level loop's five
 staging tiles reuse the dO, R, S0, dS buffers (spent by then); Î› is staged over dR, dT and dA
-over A. 184 KiB at K = V = 128, 144 KiB at 64.
+over A. 200 KiB at K = V = 128, 160 KiB at 64.
 
 Reads:  q, k, e [B, Tp, H, K]; g2 [B, H, Tp, K] fp32; do, dr, r [B, Tp, H, V];
         states, dstates [B, H, N, V, K]; a_hi, a_lo [B, H, Tp, C] (per piece: all of dO, dR, R, A,

@@ -23,7 +23,9 @@ the final state. K = 128: 2 stages, one output tile, 217 KiB; K = 64: 3 stages, 
 
 Reads:  w, kt, qg [B, H, Tp, K]; u [B, H, Tp, V]; p [B, H, Tp, C]; g2 [B, H, Tp, K] fp32 (row
         C − 1 of each chunk); h0t [B, H, V, K] fp32 (optional).
-Writes: o [B, Tp, H, V]; final state ᵀ [B, H, V, K] fp32 (optional).
+Writes: o [B, Tp, H, V]; final state ᵀ [B, H, V, K] fp32 (optional); with ``save_states`` (for the
+        backward) WG0 also stores each chunk's start state ᵀ [B, H, N, V, K] and R [B, Tp, H, V]
+        (input dtype) from the tiles it publishes anyway.
 """
 
 from __future__ import annotations
