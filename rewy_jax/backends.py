@@ -179,8 +179,8 @@ def _mosaic_gpu_reason(call, chunk_size, interpret, backward):
                                    chunk_size=chunk_size, static_scale=static_scale, backward=backward,
                                    packed=call.cu_seqlens is not None, interpret=interpret)
     return api.supports(K=call.q.shape[-1], V=call.v.shape[-1], dtype=call.out_dtype,
-                        chunk_size=chunk_size, scalar_gates=scalar, static_scale=static_scale, backward=backward,
-                        interpret=interpret)
+                        chunk_size=chunk_size, scalar_gates=scalar, static_scale=static_scale,
+                        backward=backward, interpret=interpret)
 
 
 def mosaic_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):

@@ -248,7 +248,7 @@ def test_vector_backward_kernels_lower_for_cuda(D, centred):
         (lambda w, u, qg, kt, p, g, h0: vector_state_output(w, u, qg, kt, p, g, h0, cfg=cfg, out_final=False,
                                                              save_states=True),
          (head, head, head, head, cc, g2, st32)),
-        (lambda kt, w, qg, p, do, g, df: vector_state_backward(kt, w, qg, p, do, g, df, cfg=cfg.state_backward),
+        (lambda *a: vector_state_backward(*a, cfg=cfg.state_backward),
          (head, head, head, cc, tok, g2, st32)),
         (lambda *a: vector_chunk_backward(*a, scale=0.1, centred=centred),
          (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc)),
@@ -261,7 +261,8 @@ def test_vector_backward_kernels_lower_for_cuda(D, centred):
 def test_vector_backward_config_fits_smem():
     for K in (64, 128):
         cfg = config.default_vector_config(K, K, 2, False)
-        assert config.vector_state_backward_smem_bytes(K, 64, cfg.state_backward.stages, 2) <= config.SMEM_BUDGET
+        stages = cfg.state_backward.stages
+        assert config.vector_state_backward_smem_bytes(K, 64, stages, 2) <= config.SMEM_BUDGET
         assert config.vector_chunk_backward_smem_bytes(K, K, 2) <= config.SMEM_BUDGET
     assert config.default_vector_config(128, 128, 2, False).state_backward.stages == 2
     assert config.default_vector_config(64, 64, 2, False).state_backward.stages == 4
