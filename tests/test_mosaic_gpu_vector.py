@@ -1,11 +1,13 @@
-"""The vector-gate (KDA, GDN2) Mosaic GPU forward: GPU-interpreter runs against float64, and
-lowering of both kernels for CUDA, on CPU.
+"""The vector-gate (KDA, GDN2) Mosaic GPU kernels: the forward and the ReWY backward in the GPU
+interpreter against float64, lowering of every kernel for CUDA, the SMEM budget, supports()'s
+reasons and dispatch, all on CPU.
 
 Each interpreted case redraws its inputs: T not a multiple of the chunk, an initial state, β / b
 and w in [0, 2], and per-channel gates that are either strong (most channels mild so the state
 matters, some down to −10, a few −50 and −inf: the exact frames) or declared-bounded (g in
 [−5, 0], a tenth exactly −5: the centred diagonal blocks). o and the final state must meet
-rewy-math §8's bf16 bound (ratio ≤ 5e-3).
+rewy-math §8's bf16 bound (ratio ≤ 5e-3); the backward cases (through ``chunk_kda`` /
+``chunk_gdn2``, both policies, a final-state cotangent) check every gradient against §8's bounds.
 """
 
 from __future__ import annotations
