@@ -149,15 +149,38 @@ def _pallas_gpu_supports(call, chunk_size, interpret, backward):
 
 # ----------------------------------------------------------------------------------------------
 # mosaic_gpu: the Hopper kernels in Pallas Mosaic GPU (pallas_kernels.mosaic_gpu), DeltaNet and
-# GDN; imported lazily
+# GDN (api.py), KDA and GDN2 (vector_api.py); imported lazily
 # ----------------------------------------------------------------------------------------------
+def _mosaic_gpu_vector_kind(call):
+    """"kda" (per-channel g, shared scalar β), "gdn2" (per-channel g, b, w) or None (another
+    mix of gate shapes) for a call with a non-scalar gate."""
+    if call.g_in is None or call.g_in.ndim != 4:
+        return None
+    if call.w is call.b and call.b.ndim == 3:
+        return "kda"
+    if call.b.ndim == 4 and call.w.ndim == 4:
+        return "gdn2"
+    return None
+
+
 def _mosaic_gpu_reason(call, chunk_size, interpret, backward):
     from pallas_kernels.mosaic_gpu import api
 
     scalar = ((call.g_in is None or call.g_in.ndim == 3) and call.b.ndim == 3 and call.w is call.b)
+    static_scale = isinstance(call.scale, (int, float))
+    if not scalar:
+        # KDA and GDN2: the vector-gate kernels (vector_api.py), with their own limits.
+        from pallas_kernels.mosaic_gpu import vector_api
+
+        if _mosaic_gpu_vector_kind(call) is None:
+            return ("the Mosaic GPU kernels serve DeltaNet, GDN, KDA and GDN2 (this mix of gate "
+                    "shapes is none of them)")
+        return vector_api.supports(K=call.q.shape[-1], V=call.v.shape[-1], dtype=call.out_dtype,
+                                   chunk_size=chunk_size, static_scale=static_scale, backward=backward,
+                                   packed=call.cu_seqlens is not None, interpret=interpret)
     return api.supports(K=call.q.shape[-1], V=call.v.shape[-1], dtype=call.out_dtype,
-                        chunk_size=chunk_size, scalar_gates=scalar, static_scale=isinstance(call.scale, (int, float)), backward=backward,
-                        interpret=interpret)
+                        chunk_size=chunk_size, scalar_gates=scalar, static_scale=static_scale,
+                        backward=backward, interpret=interpret)
 
 
 def mosaic_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
@@ -167,6 +190,15 @@ def mosaic_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
     if reason is not None:
         raise NotImplementedError(f"backend='mosaic_gpu' cannot serve this call: {reason}")
     dtype = call.out_dtype
+    if _mosaic_gpu_vector_kind(call) is not None:  # KDA, GDN2
+        from pallas_kernels.mosaic_gpu import vector_api
+
+        K, V = call.q.shape[-1], call.v.shape[-1]
+        w = None if call.w is call.b else call.w.astype(jnp.float32)
+        return vector_api.vector_delta_rule(
+            call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), call.g,
+            call.b.astype(jnp.float32), w, call.h0, float(call.scale), policy, call.g_bound,
+            vector_api.default_config(K, V, call.g_bound), bool(interpret))
     cfg = config.default_config(call.q.shape[-1], call.v.shape[-1], jnp.dtype(dtype).itemsize)
     g = None if call.g_in is None else call.g
     xs = [call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), g,

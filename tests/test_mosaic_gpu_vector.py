@@ -1,11 +1,13 @@
-"""The vector-gate (KDA, GDN2) Mosaic GPU forward: GPU-interpreter runs against float64, and
-lowering of both kernels for CUDA, on CPU.
+"""The vector-gate (KDA, GDN2) Mosaic GPU kernels: the forward and the ReWY backward in the GPU
+interpreter against float64, lowering of every kernel for CUDA, the SMEM budget, supports()'s
+reasons and dispatch, all on CPU.
 
 Each interpreted case redraws its inputs: T not a multiple of the chunk, an initial state, β / b
 and w in [0, 2], and per-channel gates that are either strong (most channels mild so the state
 matters, some down to −10, a few −50 and −inf: the exact frames) or declared-bounded (g in
 [−5, 0], a tenth exactly −5: the centred diagonal blocks). o and the final state must meet
-rewy-math §8's bf16 bound (ratio ≤ 5e-3).
+rewy-math §8's bf16 bound (ratio ≤ 5e-3); the backward cases (through ``chunk_kda`` /
+``chunk_gdn2``, both policies, a final-state cotangent) check every gradient against §8's bounds.
 """
 
 from __future__ import annotations
@@ -165,3 +167,160 @@ def test_vector_forward_refuses():
         vector_forward(f, f, f, g, beta)
     with pytest.raises(ValueError, match="gate_lower_bound"):
         vector_forward(q, q, q, g, beta, cfg=config.VectorConfig(centred=True), gate_lower_bound=-10.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward (ReWY) and dispatch: chunk_kda / chunk_gdn2 with backend="mosaic_gpu"
+# ---------------------------------------------------------------------------------------------
+def _op_grads(op, x, bound, **kw):
+    """(names, f) with f(*args) -> (o, final) through the public op."""
+    from rewy_jax import chunk_gdn2, chunk_kda
+
+    names = ["q", "k", "v", "g"] + (["beta"] if op == "kda" else ["b", "w"]) + ["h0"]
+
+    def f(*a):
+        d = dict(zip(names, a))
+        common = dict(initial_state=d["h0"], output_final_state=True, gate_lower_bound=bound, **kw)
+        if op == "kda":
+            return chunk_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], **common)
+        return chunk_gdn2(d["q"], d["k"], d["v"], d["g"], d["b"], d["w"], **common)
+
+    return names, f
+
+
+def _check_backward(op, D, T, H, gates, seed, policy):
+    """Every output and gradient of the Mosaic GPU op (interpreter) against the float64
+    reference; returns the ratios."""
+    x = _case(op, T, H, D, seed, gates)
+    bound = -5.0 if gates == "bounded" else None
+    rng = np.random.default_rng(seed + 100)
+    cts = dict(o=rng.standard_normal((1, T, H, D)), final=rng.standard_normal((1, H, D, D)))
+    names, f = _op_grads(op, x, bound, backend="mosaic_gpu", interpret=True, policy=policy)
+    cast = {"q": BF16, "k": BF16, "v": BF16}
+    args = [jnp.asarray(x[n], cast.get(n, jnp.float32)) for n in names]
+    (o, fin), vjp = jax.vjp(f, *args)
+    grads = vjp((jnp.asarray(cts["o"], BF16), jnp.asarray(cts["final"], jnp.float32)))
+    _, fref = _op_grads(op, x, bound, backend="reference")
+    (ro, rfin), rvjp = jax.vjp(fref, *[jnp.asarray(x[n], jnp.float64) for n in names])
+    rgrads = rvjp((jnp.asarray(cts["o"]), jnp.asarray(cts["final"], rfin.dtype)))
+    key = lambda n: "dinitial_state" if n == "h0" else f"d{n}"  # noqa: E731
+    got = dict(o=o, final_state=fin, **{key(n): gr for n, gr in zip(names, grads)})
+    ref = dict(o=ro, final_state=rfin, **{key(n): gr for n, gr in zip(names, rgrads)})
+    ratios = {}
+    for name, val in got.items():
+        val = np.asarray(jnp.asarray(val, jnp.float32), np.float64)
+        assert np.all(np.isfinite(val)), name
+        ratios[name] = ratio(val, np.asarray(ref[name]))
+    return ratios
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op,D,T,H,gates,seed,policy", [
+    ("kda", 64, 100, 2, "strong", 10, "save"),
+    ("gdn2", 64, 130, 1, "strong", 11, "recompute"),
+    ("kda", 64, 70, 1, "bounded", 12, "recompute"),
+    ("gdn2", 64, 90, 1, "bounded", 13, "save"),
+    ("kda", 128, 70, 1, "strong", 14, "recompute"),
+    ("gdn2", 128, 100, 1, "bounded", 15, "save"),
+])
+def test_vector_backward_matches_float64(op, D, T, H, gates, seed, policy):
+    ratios = _check_backward(op, D, T, H, gates, seed, policy)
+    bad = {n: r for n, r in ratios.items() if r > tolerance(n, BF16)}
+    assert not bad, f"ratios over rewy-math §8 bf16 bounds: {bad} (all: {ratios})"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("centred", [False, True])
+def test_vector_backward_kernels_lower_for_cuda(D, centred):
+    """The backward's kernels (and the forward's variants that save A, the chunk states and R)
+    lower to Mosaic GPU for sm_90 on this CPU."""
+    from pallas_kernels.mosaic_gpu.vector_chunk_backward import vector_chunk_backward
+    from pallas_kernels.mosaic_gpu.vector_state_backward import vector_state_backward
+
+    S = jax.ShapeDtypeStruct
+    B, T, H = 2, 256, 2
+    N = T // 64
+    f32 = jnp.float32
+    tok, g2, head = S((B, T, H, D), BF16), S((B, H, T, D), f32), S((B, H, T, D), BF16)
+    cc, st, st32 = S((B, H, T, 64), BF16), S((B, H, N, D, D), BF16), S((B, H, D, D), f32)
+    cfg = config.default_vector_config(D, D, 2, centred)
+    cases = (
+        (lambda q, k, x, g, e: vector_chunk(q, k, x, g, e, scale=0.1, centred=centred, out_inverse=True),
+         (tok, tok, tok, g2, S((B, H, T), f32))),
+        (lambda w, u, qg, kt, p, g, h0: vector_state_output(w, u, qg, kt, p, g, h0, cfg=cfg, out_final=False,
+                                                             save_states=True),
+         (head, head, head, head, cc, g2, st32)),
+        (lambda *a: vector_state_backward(*a, cfg=cfg.state_backward),
+         (head, head, head, cc, tok, g2, st32)),
+        (lambda *a: vector_chunk_backward(*a, scale=0.1, centred=centred),
+         (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc)),
+    )
+    for f, args in cases:
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+def test_vector_backward_config_fits_smem():
+    for K in (64, 128):
+        cfg = config.default_vector_config(K, K, 2, False)
+        stages = cfg.state_backward.stages
+        assert config.vector_state_backward_smem_bytes(K, 64, stages, 2) <= config.SMEM_BUDGET
+        assert config.vector_chunk_backward_smem_bytes(K, K, 2) <= config.SMEM_BUDGET
+    assert config.default_vector_config(128, 128, 2, False).state_backward.stages == 2
+    assert config.default_vector_config(64, 64, 2, False).state_backward.stages == 4
+
+
+def test_vector_supports_says_why_not():
+    from pallas_kernels.mosaic_gpu import vector_api
+
+    common = dict(K=128, V=128, dtype=BF16, chunk_size=64, static_scale=True, backward="rewy",
+                  packed=False, interpret=True)
+    if compat.has_interpreter():
+        assert vector_api.supports(**common) is None
+        assert vector_api.supports(**{**common, "K": 64, "V": 64}) is None
+    for change, words in ((dict(dtype=jnp.float16), "bf16"), (dict(dtype=jnp.float32), "bf16"),
+                          (dict(K=256, V=256), "K = V"), (dict(K=128, V=64), "K = V"),
+                          (dict(chunk_size=32), "chunk_size"), (dict(backward="wy"), "ReWY"),
+                          (dict(static_scale=False), "scale"), (dict(packed=True), "cu_seqlens")):
+        reason = vector_api.supports(**{**common, **change})
+        assert reason is not None and words in reason, (change, reason)
+    assert "sm_90" in vector_api.supports(**{**common, "interpret": False})
+
+
+def test_vector_dispatch_on_hopper(monkeypatch):
+    """backend=None on an sm_90 GPU picks the Mosaic GPU kernels for bf16 KDA and GDN2 at K = V in
+    {64, 128}, and passes fp32, K = 256 and packed calls down the list; backend="mosaic_gpu" says
+    why it refuses (the GPU is faked, nothing runs)."""
+    import rewy_jax
+    from pallas_kernels.mosaic_gpu import api
+    from rewy_jax import backends
+
+    monkeypatch.setattr(backends, "_platform", lambda: "gpu")
+    monkeypatch.setattr(api, "is_hopper", lambda: True)
+
+    def call(op, D, dtype=BF16, cu=None):
+        z = jnp.zeros((1, 64, 1, D), dtype)
+        g = jnp.zeros((1, 64, 1, D), jnp.float32)
+        if op == "kda":
+            beta = jnp.ones((1, 64, 1), jnp.float32)
+            b = w = beta
+            kinds, names = ("vector", "scalar", "scalar"), ("g", "beta", None)
+        else:
+            b, w = jnp.ones((1, 64, 1, D), jnp.float32), jnp.ones((1, 64, 1, D), jnp.float32)
+            kinds, names = ("vector", "vector", "vector"), ("g", "b", "w")
+        return rewy_jax.ops._prepare(z, z, z, g, b, w, g_kind=kinds[0], b_kind=kinds[1], w_kind=kinds[2],
+                                     scale=None, initial_state=None, use_qk_l2norm=False, cu_seqlens=cu,
+                                     gate_names=names)
+
+    def picked(*a, **kw):
+        impl = backends.select(None, call(*a, **kw), chunk_size=64, interpret=False)
+        return getattr(impl, "__wrapped__", impl)
+
+    for op in ("kda", "gdn2"):
+        for D in (64, 128):
+            assert picked(op, D) is backends.mosaic_gpu_impl, (op, D)
+        assert picked(op, 128, dtype=jnp.float32) is not backends.mosaic_gpu_impl
+        assert picked(op, 256) is not backends.mosaic_gpu_impl
+        assert picked(op, 64, cu=jnp.asarray([0, 30, 64], jnp.int32)) is not backends.mosaic_gpu_impl
+        with pytest.raises(NotImplementedError, match="fp16 would need"):
+            backends.select("mosaic_gpu", call(op, 64, dtype=jnp.float16), chunk_size=64, interpret=False)

@@ -88,11 +88,13 @@ class VectorConfig:
     state: tiling of the fused state + output pass.
     out_buffers: SMEM buffers of the output tile (2 overlaps the TMA store of chunk n − 1 with
         chunk n; 1 where two do not fit beside the input pipeline, K = 128).
+    state_backward: tiling of the reverse state pass (vector_state_backward.py).
     """
 
     centred: bool = False
     state: PassConfig = PassConfig()
     out_buffers: int = 2
+    state_backward: PassConfig = PassConfig()
 
     def __post_init__(self):
         if self.out_buffers not in (1, 2):
@@ -125,6 +127,28 @@ def default_vector_config(K: int, V: int, itemsize: int, centred: bool) -> Vecto
     for out_buffers in (2, 1):
         for stages in (4, 3, 2):
             if vector_state_smem_bytes(K, 64, stages, itemsize, out_buffers, True) <= SMEM_BUDGET:
+                bwd = default_vector_backward_stages(K, itemsize)
                 return VectorConfig(centred=centred, state=PassConfig(block_v=64, stages=stages),
-                                    out_buffers=out_buffers)
+                                    out_buffers=out_buffers,
+                                    state_backward=PassConfig(block_v=64, stages=bwd))
     raise ValueError(f"no vector-gate state-pass tiling fits SMEM at K={K}")
+
+
+def vector_state_backward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int) -> int:
+    """SMEM of the vector-gate reverse state pass (its scratch list, see
+    vector_state_backward.vector_state_backward)."""
+    per_stage = 3 * C * K * itemsize + C * C * itemsize + C * block_v * itemsize + K * 4
+    fixed = block_v * K * itemsize + 2 * block_v * C * itemsize + block_v * K * 4
+    return stages * per_stage + fixed
+
+
+def vector_chunk_backward_smem_bytes(K: int, V: int, itemsize: int) -> int:
+    """SMEM of the vector-gate per-chunk gradient kernel (its scratch list, see
+    vector_chunk_backward.vector_chunk_backward): dO, dR, R ``[C, V]``, S0ᵀ and dSᵀ
+    ``[V, 64]``, A hi/lo, q, k, e ``[C, 64]``; G twice and three output tiles (fp32)."""
+    return 5 * C * V * itemsize + 2 * C * C * 2 + 3 * C * PIECE * itemsize + 5 * C * PIECE * 4
+
+
+def default_vector_backward_stages(K: int, itemsize: int) -> int:
+    """The deepest reverse-state-pass pipeline that fits SMEM (K = 128: 2, K = 64: 4)."""
+    return _deepest(lambda s: vector_state_backward_smem_bytes(K, 64, s, itemsize) <= SMEM_BUDGET)

@@ -49,7 +49,9 @@ SMEM (vector_chunk_smem_bytes in config.py; 184 KiB at K = V = 128 for GDN2, 152
 
 Reads:  q, k [B, Tp, H, K]; x [B, Tp, H, V] (v for KDA, z for GDN2); g2 [B, H, Tp, K] fp32;
         erase: β [B, H, Tp] fp32 (KDA) or b [B, Tp, H, K] fp32 (GDN2).
-Writes: w, qg, kt [B, H, Tp, K]; u [B, H, Tp, V]; p [B, H, Tp, C] (input dtype, head-major).
+Writes: w, qg, kt [B, H, Tp, K]; u [B, H, Tp, V]; p [B, H, Tp, C] (input dtype, head-major);
+        with ``out_inverse`` (the backward's policy "save", or its recompute) A as a bf16 pair
+        a_hi, a_lo [B, H, Tp, C], β not folded in.
 """
 
 from __future__ import annotations
@@ -83,9 +85,12 @@ def _frame_tile(g_piece, size: int, offset: int):
     return tile
 
 
-def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, interpret=None):
-    """``(w, u, qg, kt, p)``; see the module docstring. KDA when ``erase`` is β ``[B, H, Tp]``,
-    GDN2 when it is b ``[B, Tp, H, K]``."""
+def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse: bool = False,
+                 interpret=None):
+    """``(w, u, qg, kt, p)``, and with ``out_inverse`` also ``(a_hi, a_lo)`` [B, H, Tp, C]: the
+    chunk inverse A = (I + T)⁻¹ as a bf16 split pair (β not folded in; the backward's
+    Λ = Aᵀ dR reads it). See the module docstring. KDA when ``erase`` is β ``[B, H, Tp]``, GDN2
+    when it is b ``[B, Tp, H, K]``."""
     B, Tp, H, K = k.shape
     V = x.shape[-1]
     N = Tp // C
@@ -108,8 +113,10 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, interpret=N
     out_type = (jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, V), dtype),
                 jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, K), dtype),
                 jax.ShapeDtypeStruct((B, H, Tp, C), dtype))
+    if out_inverse:
+        out_type += (jax.ShapeDtypeStruct((B, H, Tp, C), bf), jax.ShapeDtypeStruct((B, H, Tp, C), bf))
 
-    def body(q_ref, k_ref, x_ref, g_ref, e_ref, w_ref, u_ref, qg_ref, kt_ref, p_ref,
+    def body(q_ref, k_ref, x_ref, g_ref, e_ref, w_ref, u_ref, qg_ref, kt_ref, p_ref, *inv_refs,
              q_s, k_s, x_s, g_s, g_rows, e_s, st, out_s, bar):
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
@@ -176,6 +183,9 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, interpret=N
         if not channel_erase:
             t = t * rows_of(plgpu.load(e_s, layout=ROWS), (C, C))  # KDA: T = diag(β) tril(...)
         a = invert_unit_lower(t, (st.at[0], st.at[1]), (st.at[2], st.at[3]), (st.at[4], st.at[5]))
+        if out_inverse:  # A for the backward, before β is folded in (st 4 and 5 are not reused)
+            for ref, out in zip(split_pair(st.at[4], st.at[5], a), inv_refs):
+                plgpu.copy_smem_to_gmem(ref, out.at[b, h, rows])
         if not channel_erase:
             a = a * cols_of(plgpu.load(e_s, layout=COLS), (C, C))  # A diag(β): W, U take β from here
         a_hi, a_lo = split_pair(st.at[2], st.at[3], a)

@@ -23,7 +23,9 @@ the final state. K = 128: 2 stages, one output tile, 217 KiB; K = 64: 3 stages, 
 
 Reads:  w, kt, qg [B, H, Tp, K]; u [B, H, Tp, V]; p [B, H, Tp, C]; g2 [B, H, Tp, K] fp32 (row
         C − 1 of each chunk); h0t [B, H, V, K] fp32 (optional).
-Writes: o [B, Tp, H, V]; final state ᵀ [B, H, V, K] fp32 (optional).
+Writes: o [B, Tp, H, V]; final state ᵀ [B, H, V, K] fp32 (optional); with ``save_states`` (for the
+        backward) WG0 also stores each chunk's start state ᵀ [B, H, N, V, K] and R [B, Tp, H, V]
+        (input dtype) from the tiles it publishes anyway.
 """
 
 from __future__ import annotations
@@ -44,9 +46,13 @@ from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, prepare_vector
 HEAD_DIMS = (64, 128)
 
 
-def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_final: bool, interpret=None):
-    """``(o [B, Tp, H, V], final ᵀ [B, H, V, K] fp32 | None)``; see the module docstring.
-    ``h0t`` is ``None`` for a zero initial state."""
+def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_final: bool,
+                        save_states: bool = False, interpret=None):
+    """``(o [B, Tp, H, V], final ᵀ [B, H, V, K] fp32 | None)``, and with ``save_states`` also
+    ``(states [B, H, N, V, K], r [B, Tp, H, V])`` in the input dtype: each chunk's start state
+    (transposed, as published for the output warpgroup) and its residual R, which the backward
+    reads (vector_chunk_backward.py). See the module docstring. ``h0t`` is ``None`` for a zero
+    initial state."""
     B, H, Tp, K = w.shape
     V = u.shape[-1]
     N = Tp // C
@@ -59,6 +65,8 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dtype)]
     if out_final:
         out_type.append(jax.ShapeDtypeStruct((B, H, V, K), F32))
+    if save_states:
+        out_type += [jax.ShapeDtypeStruct((B, H, N, V, K), dtype), jax.ShapeDtypeStruct((B, Tp, H, V), dtype)]
     scratch = dict(
         w_s=smem((stages, C, K), dtype), kt_s=smem((stages, C, K), dtype), qg_s=smem((stages, C, K), dtype),
         u_s=smem((stages, C, bv), dtype), p_s=smem((stages, C, C), dtype),
@@ -79,6 +87,7 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
         h0_ref = refs.pop(0) if has_h0 else None
         o_ref = refs.pop(0)
         fin_ref = refs.pop(0) if out_final else None
+        st_ref, r_ref = (refs.pop(0), refs.pop(0)) if save_states else (None, None)
         b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
         vcols = pl.ds(iv * bv, bv)
         wg = lax.axis_index("wg")
@@ -117,12 +126,18 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
                 def _():  # WG1 is done with the tiles published two chunks ago
                     plgpu.barrier_wait(s_free.at[half])
 
+                if save_states:  # the stores from this half, two chunks ago, have read it
+                    plgpu.wait_smem_to_gmem(2, wait_read_only=True)
                 s_lo = stage(s_pub.at[half], s_t)  # the chunk start state, for WG1 and the chain
+                if save_states:
+                    plgpu.copy_smem_to_gmem(s_lo, st_ref.at[b, h, n, vcols])
                 pred = mma(s_lo, w_s.at[slot].T, (bv, C))  # Sᵀ Wᵀ = (W S)ᵀ
                 r_t = plgpu.load(u_s.at[slot].T, layout=WGMMA).astype(F32) - pred  # Rᵀ
                 r_pub.at[half].T[...] = r_t.astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(s_ready.at[half])
+                if save_states:
+                    plgpu.copy_smem_to_gmem(r_pub.at[half], r_ref.at[b, pl.ds(n * C, C), h, vcols])
                 decay = cols_of(jnp.exp2(plgpu.load(gl_s.at[slot], layout=COLS)), (bv, K))  # 2^{G_C} per key
                 s_new = mma(r_pub.at[half].T, kt_s.at[slot], (bv, K), acc=s_t * decay)
                 plgpu.barrier_arrive(in_free.at[slot])
@@ -166,6 +181,8 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
         grid_names=("b", "h", "v"), num_threads=3, thread_name="wg",
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(*args)
+    if save_states:
+        return outs[0], (outs[1] if out_final else None), outs[-2], outs[-1]
     return outs[0], (outs[1] if out_final else None)
 
 

@@ -1,0 +1,172 @@
+"""The Mosaic GPU backend of the vector-gate delta rule: KDA and GDN2, differentiable (ReWY).
+
+Pipeline (each stage's module docstring gives its shapes):
+
+    vector_prep.py            XLA: pad T, clamp g, log2 per-channel gate cumsum, GDN2's z = w ⊙ v
+    vector_chunk.py           per chunk: gated Grams in reference frames, A, W, U, Qγ, K_tail, P
+                              (+ A as a split pair for the backward)
+    vector_forward.py         fused state pass + output; saves chunk start states and R
+                              (policy "save"; "recompute" reruns both kernels in the backward)
+    vector_state_backward.py  reverse state pass: dR per chunk, each chunk's end cotangent, dh0
+    vector_chunk_backward.py  per (chunk, 64 key channels): Λ = Aᵀ dR, dq, the raw-frame dk, de,
+                              and the per-row parts of dg
+    XLA (here)                leaf maps (dk += B ⊙ de, dv, dβ or db, dw) and dg (sums along
+                              each chunk, ⟨dS, S0⟩ per channel)
+
+:func:`supports` says which calls it serves (``None``) or why not; :func:`vector_delta_rule` is
+the differentiable op.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.chunk_algebra import exclusive_cumsum, reverse_cumsum
+from pallas_kernels.mosaic_gpu import compat, config
+from pallas_kernels.mosaic_gpu import api
+from pallas_kernels.mosaic_gpu.common import C
+from pallas_kernels.mosaic_gpu.prep import pad_time
+from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
+from pallas_kernels.mosaic_gpu.vector_chunk_backward import vector_chunk_backward
+from pallas_kernels.mosaic_gpu.vector_forward import HEAD_DIMS, vector_state_output
+from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, prepare_vector
+from pallas_kernels.mosaic_gpu.vector_state_backward import vector_state_backward
+
+F32 = jnp.float32
+
+
+def supports(*, K: int, V: int, dtype, chunk_size: int, static_scale: bool, backward: str,
+             packed: bool, interpret: bool) -> str | None:
+    """``None`` when the vector-gate kernels serve such a call (KDA: g [B,T,H,K], β [B,T,H];
+    GDN2: g, b [B,T,H,K], w [B,T,H,V]), else the reason they do not."""
+    if interpret:
+        if not compat.has_interpreter():
+            return f"the Mosaic GPU interpreter needs jax >= 0.12 (this is jax {jax.__version__})"
+    elif not api.is_hopper():  # (looked up on api, so one patch fakes a GPU for both)
+        return "the Mosaic GPU kernels need an sm_90 GPU (H100/H200)"
+    if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+        return (f"the Mosaic GPU KDA/GDN2 kernels take bf16 inputs, got {jnp.dtype(dtype).name} "
+                "(fp16 would need fp16 staging tiles beside the bf16 split of A)")
+    if K not in HEAD_DIMS or V != K:
+        return f"the Mosaic GPU KDA/GDN2 kernels take K = V in {HEAD_DIMS}, got K={K}, V={V}"
+    if backward != "rewy":
+        return "the Mosaic GPU kernels implement the ReWY backward only (backward='rewy')"
+    if chunk_size != C:
+        return f"the Mosaic GPU kernels use chunk_size={C}, got {chunk_size}"
+    if not static_scale:
+        return "the Mosaic GPU kernels need a Python float scale (not traced)"
+    if packed:
+        return "the Mosaic GPU KDA/GDN2 kernels do not take packed sequences (cu_seqlens) yet"
+    return None
+
+
+def _erase_tokens(erase, k):
+    """e = β k or b ⊙ k in the input dtype, token layout ``[B, Tp, H, K]`` (the backward kernel's
+    operand; β arrives head-major ``[B, H, Tp]`` from vector_prep)."""
+    if erase.ndim == 3:
+        erase = jnp.swapaxes(erase, 1, 2)[..., None]
+    return (erase * k.astype(F32)).astype(k.dtype)
+
+
+def _chunk_products(q, k, v, g, b, w, scale, bound, cfg, interpret, save):
+    """The forward's kernels: ``(prep, chunk outputs, o, final ᵀ, states, r)``."""
+    kda = w is None
+    ip = compat.interpret_params(interpret)
+    prep = prepare_vector(q, k, v, g, beta=b if kda else None, b=None if kda else b, w=w,
+                          gate_lower_bound=bound)
+    chunk = vector_chunk(*prep, scale=scale, centred=cfg.centred, out_inverse=True, interpret=ip) if save \
+        else vector_chunk(*prep, scale=scale, centred=cfg.centred, interpret=ip)
+    return prep, chunk
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def vector_delta_rule(q, k, v, g, b, w, h0, scale: float, policy: str, gate_lower_bound,
+                      cfg: config.VectorConfig, interpret: bool):
+    """KDA (``w`` None, ``b`` = β [B, T, H]) or GDN2 (``b`` [B, T, H, K], ``w`` [B, T, H, V]) on
+    the Mosaic GPU kernels, differentiable with the ReWY backward.
+
+    q, k: [B, T, H, K], v: [B, T, H, V] bf16; g: [B, T, H, K] fp32 (≤ 0, already clamped to the
+    floor or ``gate_lower_bound``); b, w fp32; h0: [B, H, K, V] fp32. ``scale`` multiplies q.
+    ``policy``: "save" keeps A, the chunk start states and R for the backward, "recompute" reruns
+    the forward's kernels there. Returns ``(o [B, T, H, V], final [B, H, K, V] fp32)``.
+    """
+    return _forward(q, k, v, g, b, w, h0, scale, policy, gate_lower_bound, cfg, interpret)[0]
+
+
+def _forward(q, k, v, g, b, w, h0, scale, policy, bound, cfg, interpret):
+    T = q.shape[1]
+    save = policy == "save"
+    with compat.x32():
+        prep, chunk = _chunk_products(q, k, v, g, b, w, scale, bound, cfg, interpret, save)
+        h0t = jnp.swapaxes(h0.astype(F32), -1, -2)
+        outs = vector_state_output(*chunk[:5], prep[3], h0t, cfg=cfg, out_final=True, save_states=save,
+                                   interpret=compat.interpret_params(interpret))
+    saved = (prep, chunk, outs[2], outs[3]) if save else None
+    res = (q, k, v, g, b, w, h0, saved)
+    return (outs[0][:, :T], jnp.swapaxes(outs[1], -1, -2)), res
+
+
+def _backward(scale, policy, bound, cfg, interpret, res, cts):
+    with compat.x32():
+        return _backward_x32(scale, bound, cfg, interpret, res, cts)
+
+
+def _backward_x32(scale, bound, cfg, interpret, res, cts):
+    q, k, v, g, b, w, h0, saved = res
+    do, dfinal = cts
+    B, T, H, K = k.shape
+    ip = compat.interpret_params(interpret)
+    if saved is None:  # policy "recompute": the forward's kernels again, keeping what the backward reads
+        prep, chunk = _chunk_products(q, k, v, g, b, w, scale, bound, cfg, interpret, True)
+        h0t = jnp.swapaxes(h0.astype(F32), -1, -2)
+        _, _, states, r = vector_state_output(*chunk[:5], prep[3], h0t, cfg=cfg, out_final=False,
+                                              save_states=True, interpret=ip)
+    else:
+        prep, chunk, states, r = saved
+    qp, kp, _, g2, erase = prep
+    w_, _, qg, kt, p, a_hi, a_lo = chunk
+    Tp = kp.shape[1]
+    N = Tp // C
+    dop = pad_time(do.astype(kp.dtype), Tp)
+    dfinal_t = jnp.swapaxes(dfinal.astype(F32), -1, -2)
+    dr, dstates, dh0t = vector_state_backward(kt, w_, qg, p, dop, g2, dfinal_t, cfg=cfg.state_backward,
+                                              interpret=ip)
+    lam, dq, dk_raw, de, pairs, yk = vector_chunk_backward(
+        qp, kp, _erase_tokens(erase, kp), g2, dop, dr, r, states, dstates, a_hi, a_lo, scale=scale,
+        centred=cfg.centred, interpret=ip)
+
+    # dg: dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} yk_s + 2^{G_C} ⊙ Σ_v dS ⊙ S0, per key channel and
+    # chunk (the start state's decay crosses every token of the chunk).
+    chunked = lambda x: x.reshape(B, N, C, H, K)  # noqa: E731
+    sds = jnp.einsum("bhnvk,bhnvk->bnhk", states.astype(F32), dstates.astype(F32))
+    gam_c = jnp.exp2(jnp.swapaxes(g2.reshape(B, H, N, C, K)[:, :, :, -1], 1, 2))  # [B, N, H, K]
+    dg = reverse_cumsum(chunked(pairs), axis=2) + exclusive_cumsum(chunked(yk), axis=2)
+    dg = (dg + (gam_c * sds)[:, :, None]).reshape(B, Tp, H, K)[:, :T]
+
+    # Leaf maps: e = B ⊙ k (dk += B ⊙ de, dB from ⟨de, k⟩), z = W ⊙ v (dv = W ⊙ Λ, dW = v ⊙ Λ).
+    de, lam, dk_raw = de[:, :T], lam[:, :T], dk_raw[:, :T]
+    kf, vf = k.astype(F32), v.astype(F32)
+    if w is None:  # KDA: β erases and writes
+        beta = b[..., None]
+        dk = dk_raw + beta * de
+        dv = beta * lam
+        db = jnp.sum(de * kf, -1) + jnp.sum(lam * vf, -1)
+        dw = None
+    else:
+        dk = dk_raw + b * de
+        dv = w * lam
+        db = de * kf
+        dw = lam * vf
+    dh0 = jnp.swapaxes(dh0t, -1, -2)
+    return (dq[:, :T], dk.astype(k.dtype), dv.astype(v.dtype), dg, db, dw, dh0)
+
+
+vector_delta_rule.defvjp(_forward, _backward)
+
+
+def default_config(K: int, V: int, gate_lower_bound) -> config.VectorConfig:
+    """The kernels' settings for these head dims and gate bound (bf16)."""
+    return config.default_vector_config(K, V, 2, centred_ok(gate_lower_bound))

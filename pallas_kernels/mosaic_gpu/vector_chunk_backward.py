@@ -1,0 +1,202 @@
+"""Per-chunk gradients of the vector-gate (KDA, GDN2) ReWY backward, in raw frames.
+
+Pipeline position:  vector_state_backward.py (dR per chunk, each chunk's end cotangent dS)  ->
+**this kernel**  ->  XLA (vector_api.py: the leaf maps to dk, dv, dβ / db, dw and dg).
+
+One CTA, one warpgroup, per ``(b, h, chunk, 64-column key piece j)``. Every chunk is independent;
+the K/64 pieces of a chunk repeat the small [C, C] part (Λ, dT, dA) and each forms the per-channel
+terms of its own 64 key channels, so one piece's tiles fit registers and SMEM at K = 128.
+
+With q̃ = scale·q, e the erase vectors (β k or b ⊙ k, rounded to the input dtype), G the chunk's
+log2 cumulative gates, A the chunk inverse (split pair from vector_chunk), S0 / dS the chunk's start
+state and end cotangent, R its residual (saved by the forward's state pass), and decay factors
+``D_rs = 2^{G_r − G_s}`` per key channel (rewy-math §4–§5, chunk_algebra._leaf_grads):
+
+    Λ   = Aᵀ dR                          (ReWY's one adjoint solve; A as hi + lo: two WGMMAs)
+    dT  = −(Λ Rᵀ)_{s<r}     dA = (dO Rᵀ)_{s<r}     dA_diag = diag(dO Rᵀ)
+    de  = −2^G ⊙ (Λ S0ᵀ) + Σ_s dT_rs k_s D_rs                 (the cotangent of e)
+    dq̃  = 2^G ⊙ (dO S0ᵀ) + Σ_s dA_rs k_s D_rs  [+ dA_diag k]
+    dk  = Σ_r dT_rs e_r D_rs + Σ_r dA_rs q̃_r D_rs  [+ y + dA_diag q̃],  y = 2^{G_C − G} ⊙ (R dSᵀ)
+    pairs = de ⊙ e − dk ⊙ k + dq̃ ⊙ q̃    (each without its bracketed terms)
+
+The four decayed contractions are evaluated in the forward's reference frames
+(vector_chunk.py): per bit level (exact: 32…1; centred: 32, 16, then the 16-row diagonal blocks
+around row 8) the kept pairs (r upper, s lower half of a row group) share the frame row f, so
+``Σ_s dT_rs k_s D_rs = 2^{G_r − G_f} Σ_s dT_rs (k_s 2^{G_f − G_s})``: the masked [C, C] tile
+times a frame-scaled [C, 64] tile, one WGMMA, then a per-row factor ≤ 1 (≤ e^40 centred). Per
+level: dT_l K_y and dA_l K_y in one round trip, dT_lᵀ E_x + dA_lᵀ Q_x in one accumulator.
+
+The gate gradient is left as per-row parts for XLA (the sums along the chunk do not fit the
+per-row register layout): dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} (y ⊙ k)_s + 2^{G_C} ⊙ Σ_v (dS ⊙ S0).
+The terms with decay factor 1 (the diagonal query-key pairs, each row's own path into the end
+state) are kept out of ``pairs``: they would enter with both signs and cancel (chunk_algebra).
+
+Registers: the accumulators de, dq̃, dk [C, 64] fp32 (96 per thread), one level's frame factors
+and products (≤ 96); the [C, C] tiles dT and dA wait in SMEM (bf16) between levels.
+SMEM (config.vector_chunk_backward_smem_bytes): dO, dR, R ``[V/64, C, 64]``, S0ᵀ and dSᵀ
+``[V/64, 64, 64]`` (the piece's key columns), A hi/lo, q, k, e ``[C, 64]`` (16-bit); G twice
+(swizzled for tiles, plain for the frame rows) and three fp32 output tiles. The level loop's five
+staging tiles reuse the dO, R, S0, dS buffers (spent by then); Λ is staged over dR, dT and dA
+over A. 200 KiB at K = V = 128, 160 KiB at 64.
+
+Reads:  q, k, e [B, Tp, H, K]; g2 [B, H, Tp, K] fp32; do, dr, r [B, Tp, H, V];
+        states, dstates [B, H, N, V, K]; a_hi, a_lo [B, H, Tp, C] (per piece: all of dO, dR, R, A,
+        and the piece's columns of the others).
+Writes: lam [B, Tp, H, V] fp32 (piece j writes value columns j); dq [B, Tp, H, K] (scale applied,
+        input dtype); dk_raw, de, pairs, yk [B, Tp, H, K] fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax import lax
+
+from pallas_kernels.mosaic_gpu import compat
+from pallas_kernels.mosaic_gpu.common import (
+    C, COLS, F32, WGMMA, cols_of, iota, mma_group, mma_sum, rows_of, smem, stage)
+from pallas_kernels.mosaic_gpu.config import PIECE
+from pallas_kernels.mosaic_gpu.vector_chunk import CENTRED_LEVELS, EXACT_LEVELS, MID, SUB, _frame_tile
+
+
+def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *, scale: float,
+                          centred: bool, interpret=None):
+    """``(lam, dq, dk_raw, de, pairs, yk)``; see the module docstring."""
+    B, Tp, H, K = k.shape
+    V = do.shape[-1]
+    N = Tp // C
+    dtype = k.dtype
+    if K != V or K % PIECE:
+        raise ValueError(f"vector_chunk_backward needs K == V, a multiple of {PIECE}; got K={K}, V={V}")
+    nk = nv = K // PIECE
+    piece = lambda n: smem((n, C, PIECE), dtype)  # noqa: E731
+    scratch = dict(
+        do_s=piece(nv), dr_s=piece(nv), r_s=piece(nv), s0_s=piece(nv), ds_s=piece(nv),
+        a_s=smem((2, C, C), jnp.bfloat16), q_s=smem((C, PIECE), dtype), k_s=smem((C, PIECE), dtype),
+        e_s=smem((C, PIECE), dtype), g_s=smem((C, PIECE), F32), g_rows=plgpu.SMEM((C, PIECE), F32),
+        o32=smem((3, C, PIECE), F32),
+        bar=plgpu.Barrier(num_arrivals=5 * nv + 7),
+    )
+    tok32 = jax.ShapeDtypeStruct((B, Tp, H, K), F32)
+    out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), F32), jax.ShapeDtypeStruct((B, Tp, H, K), dtype),
+                tok32, tok32, tok32, tok32)
+
+    def body(q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref,
+             lam_ref, dq_ref, dk_ref, de_ref, pairs_ref, yk_ref,
+             do_s, dr_s, r_s, s0_s, ds_s, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar):
+        b, h, nj = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("nj")
+        n, j = lax.div(nj, jnp.int32(nk)), lax.rem(nj, jnp.int32(nk))
+        rows = pl.ds(n * C, C)
+        cols = pl.ds(j * PIECE, PIECE)  # this CTA's key channels (and Λ's value columns)
+        for i in range(nv):
+            vc = pl.ds(i * PIECE, PIECE)
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, vc], do_s.at[i], bar)
+            plgpu.copy_gmem_to_smem(dr_ref.at[b, rows, h, vc], dr_s.at[i], bar)
+            plgpu.copy_gmem_to_smem(r_ref.at[b, rows, h, vc], r_s.at[i], bar)
+            plgpu.copy_gmem_to_smem(st_ref.at[b, h, n, vc, cols], s0_s.at[i], bar)
+            plgpu.copy_gmem_to_smem(dst_ref.at[b, h, n, vc, cols], ds_s.at[i], bar)
+        plgpu.copy_gmem_to_smem(ahi_ref.at[b, h, rows], a_s.at[0], bar)
+        plgpu.copy_gmem_to_smem(alo_ref.at[b, h, rows], a_s.at[1], bar)
+        for src, dst in ((q_ref, q_s), (k_ref, k_s), (e_ref, e_s)):
+            plgpu.copy_gmem_to_smem(src.at[b, rows, h, cols], dst, bar)
+        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_s, bar)
+        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_rows, bar)
+        plgpu.barrier_wait(bar)
+
+        load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)  # noqa: E731
+        rr, cc = iota((C, C), 0), iota((C, C), 1)
+        tile = (C, PIECE)
+
+        # Λ = Aᵀ dR, all value pieces (Λ Rᵀ and Λ S0ᵀ contract over V); piece j goes to HBM.
+        lam = mma_group([(((a_s.at[0].T, dr_s.at[i]), (a_s.at[1].T, dr_s.at[i])), tile) for i in range(nv)])
+        if nv == 1:
+            lam_j = lam[0]
+        else:  # select piece j by arithmetic (exact for a 0/1 weight): no scalar-predicate select
+            jf = j.astype(F32)
+            lam_j = lam[0] * (1.0 - jf) + lam[1] * jf
+        stage(o32.at[0], lam_j)
+        plgpu.copy_smem_to_gmem(o32.at[0], lam_ref.at[b, rows, h, cols])
+        for i in range(nv):
+            stage(dr_s.at[i], lam[i])  # Λ over dR (spent), as the operand of the products below
+        lam_s = dr_s
+        lr, dor = mma_group(((tuple((lam_s.at[i], r_s.at[i].T) for i in range(nv)), (C, C)),
+                             (tuple((do_s.at[i], r_s.at[i].T) for i in range(nv)), (C, C))))
+        strict = rr > cc
+        da_diag = jnp.sum(jnp.where(rr == cc, dor, 0.0), axis=1)  # decay factor 1: kept apart
+        stage(a_s.at[0], jnp.where(strict, lr, 0.0) * -1.0)  # dT over A (spent)
+        stage(a_s.at[1], jnp.where(strict, dor, 0.0))  # dA without its diagonal
+
+        # The terms outside the Gram products: Λ S0ᵀ, dO S0ᵀ, R dSᵀ (this piece's key columns).
+        ls0, dos0, rds = mma_group((
+            (tuple((lam_s.at[i], s0_s.at[i]) for i in range(nv)), tile),
+            (tuple((do_s.at[i], s0_s.at[i]) for i in range(nv)), tile),
+            (tuple((r_s.at[i], ds_s.at[i]) for i in range(nv)), tile)))
+        g_last = cols_of(plgpu.load(g_rows.at[C - 1], layout=COLS), tile)
+        gam = jnp.exp2(load(g_s))  # ≤ 1
+        de = ls0 * gam * -1.0
+        dq = dos0 * gam
+        y = rds * jnp.exp2(g_last - load(g_s))  # each row's path into the end state (≤ 1)
+        stage(o32.at[2], y)  # kept for dk (not summed into the accumulator: see pairs)
+        stage(o32.at[1], y * load(k_s))
+        plgpu.copy_smem_to_gmem(o32.at[1], yk_ref.at[b, rows, h, cols])
+        dk = plgpu.layout_cast(jnp.zeros(tile, F32), WGMMA)
+
+        # The decayed Gram terms, level by level; the staging tiles reuse spent buffers.
+        spent = [x.at[i] for x in (do_s, r_s, s0_s, ds_s, dr_s) for i in range(nv)]
+        dtl_s, dal_s, xe_s, xq_s, ky_s = spent[:5]
+        up_rows = iota(tile, 0)
+
+        def level(pair, size, offset, masked, acc):
+            de, dq, dk = acc
+            stage(dtl_s, jnp.where(pair, load(a_s.at[0]), 0.0))
+            stage(dal_s, jnp.where(pair, load(a_s.at[1]), 0.0))
+            up = (up_rows % size) >= offset
+
+            def factor(x_side: bool):
+                d = load(g_s) - _frame_tile(g_rows, size, offset)  # G_r − G_f(r)
+                if not masked:
+                    return jnp.exp2(d if x_side else -d)
+                # bit levels: x side on rows ≥ the frame, y side below it (every factor ≤ 1)
+                return jnp.exp2(jnp.where(up, d, -jnp.inf) if x_side else jnp.where(up, -jnp.inf, -d))
+
+            fx = factor(True)
+            stage(xe_s, load(e_s) * fx)
+            stage(xq_s, load(q_s) * (fx * scale))
+            fy = factor(False)
+            stage(ky_s, load(k_s) * fy)
+            m34 = mma_sum(((dtl_s.T, xe_s), (dal_s.T, xq_s)), tile)
+            dk = dk + m34 * fy
+            m1, m2 = mma_group(((((dtl_s, ky_s),), tile), (((dal_s, ky_s),), tile)))
+            return de + m1 * fx, dq + m2 * fx, dk
+
+        acc = (de, dq, dk)
+        for lev in (CENTRED_LEVELS if centred else EXACT_LEVELS):
+            pair = (rr // (2 * lev) == cc // (2 * lev)) & (rr % (2 * lev) >= lev) & (cc % (2 * lev) < lev)
+            acc = level(pair, 2 * lev, lev, True, acc)
+        if centred:  # the diagonal sub-chunk blocks, frame = row 8 (operands ≤ e^40, finite)
+            acc = level((rr // SUB == cc // SUB) & strict, SUB, MID, False, acc)
+        de, dq, dk = acc
+
+        # Outputs: dq (scale applied) over q; de, pairs, dk_raw through the fp32 tiles.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # Λ and yk have been read
+        stage(o32.at[0], de)
+        plgpu.copy_smem_to_gmem(o32.at[0], de_ref.at[b, rows, h, cols])
+        diag = rows_of(da_diag, tile)
+        qs = load(q_s) * scale
+        pairs = dq * qs
+        k_t = load(k_s)
+        q_s[...] = ((dq + diag * k_t) * scale).astype(dtype)
+        pairs = pairs - dk * k_t
+        stage(o32.at[2], dk + load(o32.at[2]) + diag * qs)  # dk_raw = pairs' dk + y + dA_diag q̃
+        plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, rows, h, cols])
+        plgpu.copy_smem_to_gmem(o32.at[2], dk_ref.at[b, rows, h, cols])
+        stage(o32.at[1], pairs + load(o32.at[0]) * load(e_s))
+        plgpu.copy_smem_to_gmem(o32.at[1], pairs_ref.at[b, rows, h, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=(B, H, N * nk), grid_names=("b", "h", "nj"),
+        compiler_params=compat.compiler_params(), interpret=interpret,
+    )(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo)

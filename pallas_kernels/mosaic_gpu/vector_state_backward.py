@@ -1,0 +1,144 @@
+"""Reverse state pass of the vector-gate (KDA, GDN2) ReWY backward: dR per chunk, each chunk's end
+cotangent, dh0.
+
+Pipeline position:  vector_chunk.py + vector_forward.py (W, K_tail, Qγ, P; chunk start states and
+R saved or recomputed)  ->  **this kernel**  ->  vector_chunk_backward.py (per chunk, parallel:
+Λ = Aᵀ dR and every gradient)  ->  XLA (leaf maps, dg).
+
+One CTA per ``(b, h, 64 value columns)`` walks the chunks last to first. Per chunk, with the
+chunk's forward products (vector_chunk.py: W = A Ē, K_tail, Qγ, P; scale inside Qγ and P):
+
+    dRᵀ = dSᵀ K_tailᵀ + dOᵀ P                          (dR = Pᵀ dO + K_tail dS: one accumulator)
+    dSᵀ ← dSᵀ Diag(2^{G_C}) + dOᵀ Qγ − dRᵀ W           (the previous chunk's end cotangent)
+
+The second line is rewy-math §4's ``dS0 = Qγᵀ dO + Diag(γ_C) dS − Ēᵀ Λ`` with
+``Ēᵀ Λ = Ēᵀ Aᵀ dR = Wᵀ dR``: the serial chain needs neither Λ nor the inverse (Λ = Aᵀ dR, ReWY's
+one adjoint solve, is parallel over chunks and done in vector_chunk_backward.py). So the chain is
+two tensor-core round trips per chunk and no warpgroup is needed for chunk-local work.
+
+Warpgroups:
+* WG0 (chain, 232 registers) keeps ``dSᵀ [BV, K]`` fp32 in registers (64 registers at K = 128);
+  stores dS (input dtype, for the per-chunk gradients) and dR (input dtype, token layout).
+* WG1 (memory, 40 registers) streams K_tail, W, Qγ ``[C, K]``, P ``[C, C]``, dO ``[C, 64]`` and
+  the chunk's last row of G ``[K]`` fp32 into ``stages`` buffers, last chunk first.
+
+SMEM (config.vector_state_backward_smem_bytes): per stage 3·C·K + C·C + C·64 16-bit values and K
+fp32; fixed: dSᵀ (16-bit) for the chain and its store, −dRᵀ (WGMMA operand), dR (store tile),
+the fp32 tile for d(final) and dh0. K = 128: 2 stages, 193 KiB; K = 64: 4 stages, 201 KiB.
+
+Reads:  kt, w, qg [B, H, Tp, K]; p [B, H, Tp, C]; do [B, Tp, H, V]; g2 [B, H, Tp, K] fp32 (row
+        C − 1 of each chunk); dfinal ᵀ [B, H, V, K] fp32 (optional).
+Writes: dr [B, Tp, H, V]; dstates [B, H, N, V, K] (each chunk's end cotangent, transposed; input
+        dtype); dh0 ᵀ [B, H, V, K] fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax import lax
+
+from pallas_kernels.mosaic_gpu import compat
+from pallas_kernels.mosaic_gpu.common import (
+    C, COLS, F32, WGMMA, cols_of, finish_together, mma_sum, smem, stage, stream)
+from pallas_kernels.mosaic_gpu.config import PassConfig
+
+
+def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, interpret=None):
+    """``(dr [B, Tp, H, V], dstates [B, H, N, V, K], dh0 ᵀ [B, H, V, K] fp32)``; see the module
+    docstring. ``dfinal_t`` is ``None`` when the final state has no cotangent."""
+    B, H, Tp, K = w.shape
+    V = do.shape[-1]
+    N = Tp // C
+    bv = cfg.block_v
+    stages = cfg.stages
+    dtype = w.dtype
+    has_df = dfinal_t is not None
+
+    out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), dtype),
+                jax.ShapeDtypeStruct((B, H, N, V, K), dtype),
+                jax.ShapeDtypeStruct((B, H, V, K), F32))
+    scratch = dict(
+        kt_s=smem((stages, C, K), dtype), w_s=smem((stages, C, K), dtype), qg_s=smem((stages, C, K), dtype),
+        p_s=smem((stages, C, C), dtype), do_s=smem((stages, C, bv), dtype), gl_s=plgpu.SMEM((stages, K), F32),
+        # Single-buffered: only this warpgroup's TMA stores read ds_pub and dr_out, and each store
+        # has the next chunk's first product to finish before the tile is rewritten.
+        ds_pub=smem((bv, K), dtype), ndr_s=smem((bv, C), dtype), dr_out=smem((C, bv), dtype),
+        state_s=smem((bv, K), F32),
+        in_bar=plgpu.Barrier(num_arrivals=6, num_barriers=stages),
+        in_free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=2),
+    )
+
+    def body(*refs, kt_s, w_s, qg_s, p_s, do_s, gl_s, ds_pub, ndr_s, dr_out, state_s, in_bar, in_free,
+             state_bar, done):
+        refs = list(refs)
+        kt_ref, w_ref, qg_ref, p_ref, do_ref, g_ref = (refs.pop(0) for _ in range(6))
+        df_ref = refs.pop(0) if has_df else None
+        dr_ref, dst_ref, dh0_ref = refs
+        b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        vcols = pl.ds(iv * bv, bv)
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 1)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def issue(i, slot):  # i-th chunk from the end
+                n = N - 1 - i
+                rows = pl.ds(n * C, C)
+                bar = in_bar.at[slot]
+                plgpu.copy_gmem_to_smem(kt_ref.at[b, h, rows], kt_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(w_ref.at[b, h, rows], w_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(qg_ref.at[b, h, rows], qg_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(p_ref.at[b, h, rows], p_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, vcols], do_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(g_ref.at[b, h, n * C + C - 1], gl_s.at[slot], bar)
+
+            stream(issue, N, stages, in_free)
+
+        @pl.when(wg == 0)
+        def _chain():
+            plgpu.set_max_registers(232, action="increase")
+            if has_df:
+                plgpu.copy_gmem_to_smem(df_ref.at[b, h, vcols], state_s, state_bar)
+                plgpu.barrier_wait(state_bar)
+                ds0 = plgpu.load(state_s, layout=WGMMA)
+            else:
+                ds0 = plgpu.layout_cast(jnp.zeros((bv, K), F32), WGMMA)
+
+            def step(i, ds_t):
+                slot = lax.rem(i, stages)
+                n = N - 1 - i
+                plgpu.barrier_wait(in_bar.at[slot])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk i − 1's stores have read
+                ds_lo = stage(ds_pub, ds_t)  # the chunk's end cotangent: operand and output
+                plgpu.copy_smem_to_gmem(ds_pub, dst_ref.at[b, h, n, vcols])
+                dr_t = mma_sum(((ds_lo, kt_s.at[slot].T), (do_s.at[slot].T, p_s.at[slot])), (bv, C))
+                dr_out.T[...] = dr_t.astype(dtype)
+                # −dRᵀ: the sign rides on the staged operand, so the update is one accumulator
+                ndr = stage(ndr_s, dr_t * -1.0)  # (its fence also covers the dr_out store)
+                plgpu.copy_smem_to_gmem(dr_out, dr_ref.at[b, pl.ds(n * C, C), h, vcols])
+                decay = cols_of(jnp.exp2(plgpu.load(gl_s.at[slot], layout=COLS)), (bv, K))  # 2^{G_C}
+                ds_new = mma_sum(((do_s.at[slot].T, qg_s.at[slot]), (ndr, w_s.at[slot])), (bv, K),
+                                 acc=ds_t * decay)
+                plgpu.barrier_arrive(in_free.at[slot])
+                return ds_new
+
+            ds_t = lax.fori_loop(0, N, step, ds0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            state_s[...] = ds_t
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(state_s, dh0_ref.at[b, h, vcols])
+            plgpu.wait_smem_to_gmem(0)
+
+        finish_together(done)
+
+    args = [kt, w, qg, p, do, g2] + ([dfinal_t] if has_df else [])
+    return plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // bv),
+        grid_names=("b", "h", "v"), num_threads=2, thread_name="wg",
+        compiler_params=compat.compiler_params(), interpret=interpret,
+    )(*args)
