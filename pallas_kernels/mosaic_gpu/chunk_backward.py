@@ -120,53 +120,47 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
         k_f = lambda: plgpu.load(k_s, layout=WGMMA).astype(F32)  # noqa: E731
         nbk = stage(bk_st, k_f() * rows_of(beta_r * -1.0, (C, K)))  # −β K
 
-        # dv = β Λ and dβ's ⟨v, Λ⟩ first, so that Λ's registers are free before the [C, K] groups
-        # below (the order is what keeps this kernel under 255 registers per thread with a gate).
-        lam_f = plgpu.load(lam_s, layout=WGMMA).astype(F32)
-        v_lam = jnp.sum(plgpu.load(v_s, layout=WGMMA).astype(F32) * lam_f, axis=1)
-        v_s[...] = (lam_f * rows_of(beta_r, (C, V))).astype(dtype)  # v is consumed: dv leaves here
-
         # dq = scale·Γ dO S0ᵀ + scale·(dA ⊙ D) K, and its gate term ⟨q, dq⟩.
         dos0, dak = mma_group(((((do_s, s0_s),), (C, K)), (((da_d, k_s),), (C, K))))
         dq = dos0 * (rows_of(gam_r * scale, (C, K)) if gated else scale) + dak
         dg = jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * dq, axis=1)
         w_st[...] = dq.astype(dtype)  # w is consumed: its tile carries dq out (K == V)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(w_st, dq_ref.at[b, rows, h])  # in flight during the rest
-        plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, h])
-
-        # The key-side terms dK̄/γ: (dT ⊙ D)ᵀ (β K) + scale·(dA ⊙ D)ᵀ Q + t ⊙ R dSᵀ.
-        kbar_pairs = ((ndt_d.T, nbk), (da_d.T, q_s))
-        if gated:
-            kbar, rds = mma_group(((kbar_pairs, (C, K)), (((r, ds_s),), (C, K))))
-            rds = rds * rows_of(tail_r, (C, K))  # t ⊙ R dSᵀ
-            kbar = kbar + rds
-            k_now = k_f()
-            u_s[...] = jnp.sum(k_now * rds, axis=1)
-            dg = dg - jnp.sum(k_now * kbar, axis=1)
-        else:
-            kbar = mma_sum(kbar_pairs + ((r, ds_s),), (C, K))
-        # The erase-side terms e_r = −γ_r (Λ S0ᵀ)_r + ((dT ⊙ D) K)_r: dk = β e + kbar,
-        # dβ = ⟨k, e⟩ + ⟨v, Λ⟩.
+        # The erase-side terms e_r = −γ_r (Λ S0ᵀ)_r + ((dT ⊙ D) K)_r: dk = β e + ..., dβ = ⟨k, e⟩ + ⟨v, Λ⟩.
         if gated:
             ls0, ndtk = mma_group(((((lam_s, s0_s),), (C, K)), (((ndt_d, k_s),), (C, K))))
             e = (ls0 * rows_of(gam_r, (C, K)) + ndtk) * -1.0
         else:
             e = mma_sum(((lam_s, s0_s), (ndt_d, k_s)), (C, K)) * -1.0
         ke = jnp.sum(k_f() * e, axis=1)
-        r_st[...] = (e * rows_of(beta_r, (C, K)) + kbar).astype(dtype)  # dk (R is consumed)
-        db_s[...] = ke + v_lam
+        lam_f = plgpu.load(lam_s, layout=WGMMA).astype(F32)
+        db = ke + jnp.sum(plgpu.load(v_s, layout=WGMMA).astype(F32) * lam_f, axis=1)
+        # The key-side terms dK̄/γ: (dT ⊙ D)ᵀ (β K) + scale·(dA ⊙ D)ᵀ Q + t ⊙ R dSᵀ.
+        kbar_pairs = ((ndt_d.T, nbk), (da_d.T, q_s))
+        if gated:
+            kbar, rds = mma_group(((kbar_pairs, (C, K)), (((r, ds_s),), (C, K))))
+            rds = rds * rows_of(tail_r, (C, K))  # t ⊙ R dSᵀ
+            kbar = kbar + rds
+        else:
+            kbar = mma_sum(kbar_pairs + ((r, ds_s),), (C, K))
+        dk = e * rows_of(beta_r, (C, K)) + kbar
         if gated:
             # dG_r = β_r ⟨k_r, e_r⟩ − ⟨k_r, kbar_r⟩ + ⟨q_r, dq_r⟩; the last row adds the state terms.
-            dg_s[...] = dg + beta_r * ke
+            k_now = k_f()
+            dg_s[...] = dg + beta_r * ke - jnp.sum(k_now * kbar, axis=1)
+            u_s[...] = jnp.sum(k_now * rds, axis=1)
             # sds_v = Σ_k S0ᵀ_vk dSᵀ_vk: the diagonal of S0ᵀ dS per 64-row strip, on the tensor
             # cores (two [V, K] fp32 tiles in registers would take 256 registers at K = 128).
             strips = [pl.ds(v0, C) for v0 in range(0, V, C)]
             diags = mma_group([(((s0_s.at[sl], ds_s.at[sl].T),), (C, C)) for sl in strips])
             for sl, d in zip(strips, diags):
                 sds_s[sl] = jnp.sum(jnp.where(diag_mask, d, 0.0), axis=1)
+        db_s[...] = db
+        r_st[...] = dk.astype(dtype)
+        v_s[...] = (lam_f * rows_of(beta_r, (C, V))).astype(dtype)  # dv = β Λ
         plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(w_st, dq_ref.at[b, rows, h])
         plgpu.copy_smem_to_gmem(r_st, dk_ref.at[b, rows, h])
+        plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, h])
         plgpu.copy_smem_to_gmem(db_s, db_ref.at[b, h, rows])
         if gated:
             plgpu.copy_smem_to_gmem(dg_s, dg_ref.at[b, h, rows])
