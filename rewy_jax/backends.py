@@ -29,6 +29,9 @@ class Backend(NamedTuple):
     name: str
     impl: Callable
     supports: Callable  # (call, chunk_size, interpret, backward) -> None | reason
+    # backend=None asks this one instead, when given: a backend may serve more calls explicitly
+    # than it is chosen for automatically (same signature)
+    auto_supports: Callable | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,6 +221,16 @@ def _mosaic_gpu_supports(call, chunk_size, interpret, backward):
     return _mosaic_gpu_reason(call, chunk_size, interpret, backward)
 
 
+def _mosaic_gpu_auto_supports(call, chunk_size, interpret, backward):
+    """What backend=None takes the Mosaic GPU kernels for: DeltaNet and GDN. Their KDA/GDN2
+    kernels are slower than pallas_gpu so far (docs/mosaic-gpu.md), so those run only when asked
+    for by name."""
+    if _mosaic_gpu_vector_kind(call) is not None:
+        return ("its KDA/GDN2 kernels are chosen only by name (backend='mosaic_gpu'): slower than "
+                "pallas_gpu so far")
+    return _mosaic_gpu_reason(call, chunk_size, interpret, backward)
+
+
 # ----------------------------------------------------------------------------------------------
 # Table and selection
 # ----------------------------------------------------------------------------------------------
@@ -228,7 +241,8 @@ _TABLE: dict[str, Backend] = {
     "pallas_tpu": Backend("pallas_tpu", wrap_if_multi_device(pallas_tpu_impl, unless_interpret=True),
                           _pallas_tpu_supports),
     "pallas_gpu": Backend("pallas_gpu", wrap_if_multi_device(pallas_gpu_impl), _pallas_gpu_supports),
-    "mosaic_gpu": Backend("mosaic_gpu", wrap_if_multi_device(mosaic_gpu_impl), _mosaic_gpu_supports),
+    "mosaic_gpu": Backend("mosaic_gpu", wrap_if_multi_device(mosaic_gpu_impl), _mosaic_gpu_supports,
+                          _mosaic_gpu_auto_supports),
 }
 
 # Preference per platform for backend=None (kernels first once registered, xla always last). On a
@@ -270,7 +284,7 @@ def select(name, call, *, chunk_size, interpret, backward="rewy"):
         be = _TABLE.get(cand)
         if be is None:
             continue
-        reason = be.supports(call, chunk_size, interpret, backward)
+        reason = (be.auto_supports or be.supports)(call, chunk_size, interpret, backward)
         if reason is None:
             return be.impl
         log.info("rewy_jax: backend %r skipped: %s", cand, reason)

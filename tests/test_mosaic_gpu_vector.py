@@ -288,9 +288,9 @@ def test_vector_supports_says_why_not():
 
 
 def test_vector_dispatch_on_hopper(monkeypatch):
-    """backend=None on an sm_90 GPU picks the Mosaic GPU kernels for bf16 KDA and GDN2 at K = V in
-    {64, 128}, and passes fp32, K = 256 and packed calls down the list; backend="mosaic_gpu" says
-    why it refuses (the GPU is faked, nothing runs)."""
+    """On an sm_90 GPU, backend="mosaic_gpu" serves bf16 KDA and GDN2 at K = V in {64, 128} and
+    says why it refuses fp32, K = 256, packed and fp16 calls; backend=None does not take these
+    kernels for vector gates (slower than pallas_gpu so far) (the GPU is faked, nothing runs)."""
     import rewy_jax
     from pallas_kernels.mosaic_gpu import api
     from rewy_jax import backends
@@ -312,15 +312,17 @@ def test_vector_dispatch_on_hopper(monkeypatch):
                                      scale=None, initial_state=None, use_qk_l2norm=False, cu_seqlens=cu,
                                      gate_names=names)
 
-    def picked(*a, **kw):
-        impl = backends.select(None, call(*a, **kw), chunk_size=64, interpret=False)
+    def picked(*a, name=None, **kw):
+        impl = backends.select(name, call(*a, **kw), chunk_size=64, interpret=False)
         return getattr(impl, "__wrapped__", impl)
 
     for op in ("kda", "gdn2"):
         for D in (64, 128):
-            assert picked(op, D) is backends.mosaic_gpu_impl, (op, D)
-        assert picked(op, 128, dtype=jnp.float32) is not backends.mosaic_gpu_impl
-        assert picked(op, 256) is not backends.mosaic_gpu_impl
-        assert picked(op, 64, cu=jnp.asarray([0, 30, 64], jnp.int32)) is not backends.mosaic_gpu_impl
+            assert picked(op, D, name="mosaic_gpu") is backends.mosaic_gpu_impl, (op, D)
+            assert picked(op, D) is not backends.mosaic_gpu_impl, (op, D)
+        for kw, words in ((dict(dtype=jnp.float32), "bf16"), (dict(D=256), "K"),
+                          (dict(cu=jnp.asarray([0, 30, 64], jnp.int32)), "cu_seqlens")):
+            with pytest.raises(NotImplementedError, match=words):
+                picked(op, **{"D": 128, **kw}, name="mosaic_gpu")
         with pytest.raises(NotImplementedError, match="fp16 would need"):
             backends.select("mosaic_gpu", call(op, 64, dtype=jnp.float16), chunk_size=64, interpret=False)
