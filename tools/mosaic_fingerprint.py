@@ -1,0 +1,81 @@
+"""The Mosaic GPU kernels as traced programs, as text: one file per (kernel, D, variant) case.
+
+    JAX_PLATFORMS=cpu python -m tools.mosaic_fingerprint /tmp/before   # on the old commit
+    JAX_PLATFORMS=cpu python -m tools.mosaic_fingerprint /tmp/after    # on the new one
+    diff -r /tmp/before /tmp/after                                     # empty: same kernels
+
+Each case is the jaxpr of the kernel call (the kernel body, grid, scratch and compiler parameters
+included; no source locations, unlike the lowered module), traced on the CPU, not run: how a
+change to the shared kernel code shows that it leaves the kernels the GPU has timed and checked
+unchanged (the scalar-gate pipeline at K = V in {64, 128}: T0, fused forward, reverse state
+pass, per-chunk gradients; gated and not, packed and not, both policies' forward).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.mosaic_gpu import compat, config
+from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
+from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
+from pallas_kernels.mosaic_gpu.common import META
+from pallas_kernels.mosaic_gpu.forward import fused_forward
+from pallas_kernels.mosaic_gpu.state_backward import state_backward
+
+BF16 = jnp.bfloat16
+
+
+def cases():
+    """(name, function, argument structs) for every kernel variant at D in {64, 128}."""
+    S = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    out = []
+    for D in (64, 128):
+        cfg = config.default_config(D, D, 2)
+        for gated in (False, True):
+            for packed in (False, True):
+                B, T, H = (1 if packed else 2), 256, 2
+                N = T // 64
+                tok, t0, vec = S((B, T, H, D), BF16), S((B, H, T, 64), BF16), S((B, H, T), f32)
+                st = S((3, H, D, D) if packed else (B, H, D, D), f32)
+                states = S((B, H, N, D, D), BF16)
+                meta = jnp.zeros((N, META), jnp.int32) if packed else None
+                slots = dict(n_slots=3) if packed else {}
+                pick = (lambda g: g) if gated else (lambda g: None)
+                tag = f"D{D}-{'gated' if gated else 'plain'}-{'packed' if packed else 'batch'}"
+                for save in (False, True):
+                    def fwd(q, k, v, t, g, b, h0, save=save, pick=pick, meta=meta):
+                        return fused_forward(q, k, v, t, pick(g), b, h0, scale=0.1, cfg=cfg.forward,
+                                             out_final=True, save_states=save, meta=meta)
+                    out.append((f"forward-{tag}-save{int(save)}", fwd, [tok] * 3 + [t0, vec, vec, st]))
+
+                def sbwd(q, k, do, t, g, b, df, pick=pick, meta=meta, slots=slots):
+                    return state_backward(q, k, do, t, pick(g), b, df, scale=0.1,
+                                          cfg=cfg.state_backward, meta=meta, **slots)
+                out.append((f"state_backward-{tag}", sbwd, [tok] * 3 + [t0, vec, vec, st]))
+                if not packed:
+                    def cbwd(q, k, v, do, lam, s0, ds, t, g, b, pick=pick):
+                        return chunk_backward(q, k, v, do, lam, s0, ds, t, pick(g), b, scale=0.1)
+                    out.append((f"chunk_backward-{tag}", cbwd,
+                                [tok] * 5 + [states] * 2 + [t0, vec, vec]))
+        out.append((f"chunk_inverse-D{D}", lambda k, b: chunk_inverse(k, b),
+                    [S((2, 256, 2, D), BF16), S((2, 2, 256), f32)]))
+    return out
+
+
+def main(out_dir: str):
+    os.makedirs(out_dir, exist_ok=True)
+    with compat.x32():
+        for name, f, args in cases():
+            text = str(jax.make_jaxpr(f)(*args))
+            with open(os.path.join(out_dir, name + ".jaxpr"), "w") as fh:
+                fh.write(text)
+            print(name, len(text), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
