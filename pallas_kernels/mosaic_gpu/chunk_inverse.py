@@ -31,7 +31,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
-from pallas_kernels.mosaic_gpu.common import C, F32, ROWS, iota, mma, mma_sum, rows_of, smem
+from pallas_kernels.mosaic_gpu.common import C, F32, ROWS, iota, mma, mma_sum, rows_of, smem, stage
 
 LEVELS = (2, 4, 8, 16, 32)  # block sizes s merged into 2s (s = 1 needs no product)
 
@@ -39,9 +39,8 @@ LEVELS = (2, 4, 8, 16, 32)  # block sizes s merged into 2s (s = 1 needs no produ
 def split_pair(hi_ref, lo_ref, x):
     """Stage ``x`` (fp32 registers) as the bf16 pair ``hi + lo ≈ x``; returns the two refs."""
     hi = x.astype(jnp.bfloat16)
-    hi_ref[...] = hi
-    lo_ref[...] = (x - hi.astype(F32)).astype(jnp.bfloat16)
-    plgpu.commit_smem()  # one fence for both stores
+    stage(hi_ref, hi)
+    stage(lo_ref, x - hi.astype(F32))
     return hi_ref, lo_ref
 
 
