@@ -41,20 +41,19 @@ def is_hopper() -> bool:
     return dev.platform == "gpu" and getattr(dev, "compute_capability", None) == "9.0"
 
 
-def supports(*, K: int, V: int, dtype, chunk_size: int, scalar_gates: bool, static_scale: bool,
-             backward: str, interpret: bool) -> str | None:
-    """``None`` when the Mosaic GPU kernels serve such a call, else the reason they do not."""
+def device_reason(interpret: bool) -> str | None:
+    """Why these kernels cannot run here (``None``: they can): an sm_90 GPU, or the GPU
+    interpreter (jax ≥ 0.12) when ``interpret``. Shared with vector_api.supports."""
     if interpret:
         if not compat.has_interpreter():
             return f"the Mosaic GPU interpreter needs jax >= 0.12 (this is jax {jax.__version__})"
     elif not is_hopper():
         return "the Mosaic GPU kernels need an sm_90 GPU (H100/H200)"
-    if not scalar_gates:
-        return "the Mosaic GPU kernels serve DeltaNet and GDN (scalar β, scalar or no gate)"
-    if jnp.dtype(dtype) not in DTYPES:
-        return f"the Mosaic GPU kernels take bf16 or fp16 inputs, got {jnp.dtype(dtype).name}"
-    if K not in HEAD_DIMS or V != K:
-        return f"the Mosaic GPU kernels take K = V in {HEAD_DIMS}, got K={K}, V={V}"
+    return None
+
+
+def options_reason(*, chunk_size: int, static_scale: bool, backward: str) -> str | None:
+    """The call options every Mosaic GPU kernel needs. Shared with vector_api.supports."""
     if backward != "rewy":
         return "the Mosaic GPU kernels implement the ReWY backward only (backward='rewy')"
     if chunk_size != C:
@@ -62,6 +61,21 @@ def supports(*, K: int, V: int, dtype, chunk_size: int, scalar_gates: bool, stat
     if not static_scale:
         return "the Mosaic GPU kernels need a Python float scale (not traced)"
     return None
+
+
+def supports(*, K: int, V: int, dtype, chunk_size: int, scalar_gates: bool, static_scale: bool,
+             backward: str, interpret: bool) -> str | None:
+    """``None`` when the Mosaic GPU kernels serve such a call, else the reason they do not."""
+    reason = device_reason(interpret)
+    if reason is not None:
+        return reason
+    if not scalar_gates:
+        return "the Mosaic GPU kernels serve DeltaNet and GDN (scalar β, scalar or no gate)"
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"the Mosaic GPU kernels take bf16 or fp16 inputs, got {jnp.dtype(dtype).name}"
+    if K not in HEAD_DIMS or V != K:
+        return f"the Mosaic GPU kernels take K = V in {HEAD_DIMS}, got K={K}, V={V}"
+    return options_reason(chunk_size=chunk_size, static_scale=static_scale, backward=backward)
 
 
 def prepare(q, k, v, g, beta, interpret: bool = False):

@@ -42,22 +42,17 @@ def supports(*, K: int, V: int, dtype, chunk_size: int, static_scale: bool, back
              packed: bool, interpret: bool) -> str | None:
     """``None`` when the vector-gate kernels serve such a call (KDA: g [B,T,H,K], β [B,T,H];
     GDN2: g, b [B,T,H,K], w [B,T,H,V]), else the reason they do not."""
-    if interpret:
-        if not compat.has_interpreter():
-            return f"the Mosaic GPU interpreter needs jax >= 0.12 (this is jax {jax.__version__})"
-    elif not api.is_hopper():  # (looked up on api, so one patch fakes a GPU for both)
-        return "the Mosaic GPU kernels need an sm_90 GPU (H100/H200)"
+    reason = api.device_reason(interpret)
+    if reason is not None:
+        return reason
     if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
         return (f"the Mosaic GPU KDA/GDN2 kernels take bf16 inputs, got {jnp.dtype(dtype).name} "
                 "(fp16 would need fp16 staging tiles beside the bf16 split of A)")
     if K not in HEAD_DIMS or V != K:
         return f"the Mosaic GPU KDA/GDN2 kernels take K = V in {HEAD_DIMS}, got K={K}, V={V}"
-    if backward != "rewy":
-        return "the Mosaic GPU kernels implement the ReWY backward only (backward='rewy')"
-    if chunk_size != C:
-        return f"the Mosaic GPU kernels use chunk_size={C}, got {chunk_size}"
-    if not static_scale:
-        return "the Mosaic GPU kernels need a Python float scale (not traced)"
+    reason = api.options_reason(chunk_size=chunk_size, static_scale=static_scale, backward=backward)
+    if reason is not None:
+        return reason
     if packed:
         return "the Mosaic GPU KDA/GDN2 kernels do not take packed sequences (cu_seqlens) yet"
     return None
