@@ -144,3 +144,53 @@ def finish_together(done) -> None:
     """
     plgpu.barrier_arrive(done)
     plgpu.barrier_wait(done)
+
+
+# ---------------------------------------------------------------------------------------------
+# An fp32 register state held as column blocks (the serial passes at K = 256, config.PassConfig).
+# With one block every helper issues exactly the whole-width sequence (the K ≤ 128 programs).
+# ---------------------------------------------------------------------------------------------
+def key_block(ref, j: int, kb: int):
+    """Columns ``[j·kb, (j+1)·kb)`` of the last axis of ``ref`` (a GMEM, TMA or WGMMA view);
+    ``ref`` itself when one block spans the axis. ``kb`` is a multiple of 64, so a slice of a
+    swizzled SMEM buffer falls on whole swizzle tiles (64 columns of 16 bits, 32 of fp32)."""
+    if kb == ref.shape[-1]:
+        return ref
+    return ref.at[..., pl.ds(j * kb, kb)]
+
+
+def load_state(state_s, src_of, bar, n_blocks: int):
+    """An fp32 state ``[M, n_blocks·kb]`` from GMEM into registers, as ``n_blocks`` tiles
+    ``[M, kb]`` (WGMMA layout) through the one-block SMEM buffer ``state_s [M, kb]``;
+    ``src_of(j)``: block j's GMEM view. Returns the tuple of tiles."""
+    out = []
+    for j in range(n_blocks):
+        if j:  # every thread has read block j − 1 before TMA overwrites the buffer
+            plgpu.commit_smem()
+        plgpu.copy_gmem_to_smem(src_of(j), state_s, bar)
+        plgpu.barrier_wait(bar)
+        out.append(plgpu.load(state_s, layout=WGMMA))
+    return tuple(out)
+
+
+def store_state(state_s, blocks, dst_of, *, wait_first: bool) -> None:
+    """Register tiles ``blocks`` (fp32 ``[M, kb]``) to GMEM through the one-block SMEM buffer
+    ``state_s``, block j to ``dst_of(j)``. Each write first waits until the TMA stores issued
+    before it have read their SMEM (for the first block only with ``wait_first``: the caller
+    knows whether an earlier store may still read ``state_s``)."""
+    for j, x in enumerate(blocks):
+        if j or wait_first:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        state_s[...] = x
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(state_s, dst_of(j))
+
+
+def stage_blocks(ref, blocks, kb: int):
+    """Register tiles ``blocks`` (``[M, kb]`` each) into the columns of SMEM ``ref [M, n·kb]`` in
+    ``ref``'s dtype, fenced once for the tensor cores and TMA; returns ``ref`` (:func:`stage`
+    for a blocked tile)."""
+    for j, x in enumerate(blocks):
+        key_block(ref, j, kb)[...] = x.astype(ref.dtype)
+    plgpu.commit_smem()
+    return ref

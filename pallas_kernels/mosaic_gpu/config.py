@@ -1,6 +1,12 @@
 """Typed, frozen settings of the Mosaic GPU kernels, passed with each call (part of the jit key).
 
 :func:`default_config` is the one place that chooses them per shape and dtype.
+
+Head dims: K = V ∈ {64, 128} run the scalar-gate kernels on whole-width tiles (``k_block = K``,
+``ChunkBackwardConfig.block = K``: the programs timed on the H100). K = V = 256 splits the
+serial passes' fp32 register state and the per-chunk gradients' columns into 64-wide blocks,
+because neither the registers (255 a thread) nor SMEM (227 KB a CTA) hold the whole-width tiles
+there (docs/mosaic-gpu.md, "K = V = 256").
 """
 
 from __future__ import annotations
@@ -11,6 +17,11 @@ from pallas_kernels.mosaic_gpu.common import C
 
 # SMEM a CTA may use on sm_90 (227 KB), less room for the barriers and the compiler's scratch.
 SMEM_BUDGET = 220 * 1024
+# fp32 registers a thread of a serial pass's state warpgroup may spend on its register state and
+# the fresh accumulator of the state update (of the 232 it gets; the rest holds addresses,
+# scalars and the chunk's [64, 64] tiles). Over 255 a thread, Mosaic silently gave zeros on
+# sm_90 (jax 0.11.2).
+STATE_REGS = 192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,17 +29,49 @@ class PassConfig:
     """Tiling of a serial pass over chunks (the fused forward, the reverse state pass).
 
     block_v: value columns per CTA (the state tile ``[block_v, K]`` is fp32 in registers).
-    stages: depth of the TMA input pipeline (chunks in flight).
+    stages: depth of the TMA input pipeline (chunks in flight; 1 = no prefetch, K = 256).
+    k_block: key columns of one block of the scalar-gate register state; ``None`` = K (one
+        block, the whole-width program). A smaller block holds the state as ``K / k_block``
+        tiles ``[block_v, k_block]``, runs the state update one WGMMA per block (one block's
+        fresh accumulator live beside the state, not a second whole state) and moves the fp32
+        initial/final state through SMEM one block at a time. The vector-gate kernels ignore it.
     """
 
     block_v: int = 64
     stages: int = 2
+    k_block: int | None = None
 
     def __post_init__(self):
         if self.block_v != 64:
             raise ValueError(f"PassConfig.block_v must be 64 (one WGMMA M-tile), got {self.block_v}")
-        if not 2 <= self.stages <= 4:
-            raise ValueError(f"PassConfig.stages must be in [2, 4], got {self.stages}")
+        if not 1 <= self.stages <= 4:
+            raise ValueError(f"PassConfig.stages must be in [1, 4], got {self.stages}")
+        if self.k_block not in (None, 64, 128):
+            raise ValueError(f"PassConfig.k_block must be None, 64 or 128, got {self.k_block}")
+
+    def key_block(self, K: int) -> int:
+        """Key columns per register-state block at head dim K (a divisor of K)."""
+        kb = K if self.k_block is None else min(self.k_block, K)
+        if K % kb:
+            raise ValueError(f"K={K} is not a multiple of PassConfig.k_block={kb}")
+        return kb
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkBackwardConfig:
+    """Tiling of the scalar-gate per-chunk gradient kernel (chunk_backward.py).
+
+    block: ``None`` = K: the whole-width kernel (every tile ``[64, K]``, S0ᵀ and dSᵀ ``[V, K]``
+        whole in SMEM). 64: the blocked kernel of K = 256, which forms R, dT, dA per 64 value
+        columns and dq, dk per 64 key columns, streaming S0ᵀ and dSᵀ as ``[64, 64]`` tiles
+        through a two-slot TMA ring (chunk_backward.py, "Tiling").
+    """
+
+    block: int | None = None
+
+    def __post_init__(self):
+        if self.block not in (None, 64):
+            raise ValueError(f"ChunkBackwardConfig.block must be None or 64, got {self.block}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,39 +80,77 @@ class Config:
 
     forward: PassConfig = PassConfig()
     state_backward: PassConfig = PassConfig()
+    chunk_backward: ChunkBackwardConfig = ChunkBackwardConfig()
 
 
-def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_state: bool) -> int:
-    """SMEM the fused forward needs (its scratch list, see forward.fused_forward)."""
+def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_state: bool,
+                       k_block: int | None = None) -> int:
+    """SMEM the fused forward needs (its scratch list, see forward.fused_forward); the fp32
+    state buffer holds one ``[block_v, k_block]`` block (``None``: the whole ``[block_v, K]``)."""
     # per stage: q, k, v, Ag_hi (T0's buffer), Ag_lo, β and g
     per_stage = 2 * C * K * itemsize + C * block_v * itemsize + 2 * C * C * itemsize + 2 * C * 4
     # the published state (2 halves), R (2), the output/P tile (2), the W stage; the fp32 state
     fixed = 2 * block_v * K * itemsize + 5 * C * block_v * itemsize
-    fixed += block_v * K * 4 if with_state else 0
+    fixed += block_v * (k_block or K) * 4 if with_state else 0
     return stages * per_stage + fixed
 
 
-def state_backward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int) -> int:
-    """SMEM the reverse state pass needs (its scratch list, see state_backward.state_backward)."""
+def state_backward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int,
+                              k_block: int | None = None) -> int:
+    """SMEM the reverse state pass needs (its scratch list, see state_backward.state_backward);
+    the fp32 cotangent buffer holds one ``[block_v, k_block]`` block (``None``: the whole)."""
     per_stage = 2 * C * K * itemsize + C * block_v * itemsize + C * C * itemsize + 2 * C * 4
     fixed = 2 * block_v * C * 4 + 2 * C * block_v * itemsize + C * C * itemsize
-    fixed += block_v * K * itemsize + block_v * C * itemsize + C * block_v * itemsize + block_v * K * 4
+    fixed += block_v * K * itemsize + block_v * C * itemsize + C * block_v * itemsize
+    fixed += block_v * (k_block or K) * 4
     return stages * per_stage + fixed
 
 
-def _deepest(fits) -> int:
-    for stages in (4, 3, 2):
+def chunk_backward_smem_bytes(K: int, itemsize: int, block: int | None = None) -> int:
+    """SMEM the per-chunk gradient kernel needs (its scratch list, see chunk_backward)."""
+    vecs = 5 * C * 4 + K * 4  # β, g, dβ, dG, u; sds
+    if block is None:  # q, k, v, dO, Λ, W, R, βK [C, K]; S0ᵀ, dSᵀ [K, K]; T0, two [C, C]
+        return 8 * C * K * itemsize + 2 * K * K * itemsize + 3 * C * C * itemsize + vecs
+    slots = min(2, (K // block) ** 2)
+    whole = 4 * C * K * itemsize  # k, v (then R), dO, Λ
+    cc = 2 * C * C * itemsize  # T0 (then Ag, then dT ⊙ D), dA ⊙ D
+    blocks = 4 * C * block * itemsize  # W (then dq), q block, βK (then dk), dv
+    ring = 2 * slots * block * block * itemsize  # S0ᵀ and dSᵀ tiles
+    return whole + cc + blocks + ring + vecs
+
+
+def k_block_for(K: int) -> int:
+    """Key columns per register-state block. The state ``[64, K]`` fp32 costs K/2 registers a
+    thread and the update's fresh accumulator ``[64, k_block]`` k_block/2 more: the whole width
+    while that stays within STATE_REGS (K = 128: 64 + 64), else 64 (K = 256: 128 + 32)."""
+    return K if K // 2 + K // 2 <= STATE_REGS else 64
+
+
+def _deepest(fits, shallowest: int = 2) -> int:
+    for stages in range(4, shallowest - 1, -1):
         if fits(stages):
             return stages
     raise ValueError("no Mosaic GPU tiling fits SMEM")
 
 
 def default_config(K: int, V: int, itemsize: int) -> Config:
-    """The defaults: the deepest input pipeline that fits SMEM, per kernel."""
-    fwd = _deepest(lambda s: forward_smem_bytes(K, 64, s, itemsize, True) <= SMEM_BUDGET)
-    bwd = _deepest(lambda s: state_backward_smem_bytes(K, 64, s, itemsize) <= SMEM_BUDGET)
-    return Config(forward=PassConfig(block_v=64, stages=fwd),
-                  state_backward=PassConfig(block_v=64, stages=bwd))
+    """The defaults: the deepest input pipeline that fits SMEM, per kernel. K ≤ 128: whole-width
+    tiles and at least two stages (the tilings timed on the H100); K = 256: the register state
+    in blocks of :func:`k_block_for`, whatever depth fits (one stage: a whole chunk's q and k
+    are 64 KB there) and the blocked per-chunk gradient kernel."""
+    if K <= 128:
+        fwd = _deepest(lambda s: forward_smem_bytes(K, 64, s, itemsize, True) <= SMEM_BUDGET)
+        bwd = _deepest(lambda s: state_backward_smem_bytes(K, 64, s, itemsize) <= SMEM_BUDGET)
+        return Config(forward=PassConfig(block_v=64, stages=fwd),
+                      state_backward=PassConfig(block_v=64, stages=bwd))
+    kb = k_block_for(K)
+    fwd = _deepest(lambda s: forward_smem_bytes(K, 64, s, itemsize, True, kb) <= SMEM_BUDGET, 1)
+    bwd = _deepest(lambda s: state_backward_smem_bytes(K, 64, s, itemsize, kb) <= SMEM_BUDGET, 1)
+    if chunk_backward_smem_bytes(K, itemsize, 64) > SMEM_BUDGET:
+        raise ValueError(f"no Mosaic GPU chunk-gradient tiling fits SMEM at K={K}")
+    return Config(forward=PassConfig(block_v=64, stages=fwd, k_block=kb),
+                  state_backward=PassConfig(block_v=64, stages=bwd, k_block=kb),
+                  chunk_backward=ChunkBackwardConfig(block=64))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,10 @@ Pipeline position:  prep (XLA: pad, log2 gate cumsum, gate-free inverse T0)  -> 
 
 One CTA per ``(b, h, 64 value columns)`` walks its chunks in order with three warpgroups:
 
-* WG0 (state chain) keeps ``Sᵀ [BV, K]`` fp32 in registers. Per chunk, with ``Γ = diag(exp2 G)``:
+* WG0 (state chain) keeps ``Sᵀ [BV, K]`` fp32 in registers, as ``K / k_block`` column blocks
+  (config.PassConfig: one block up to K = 128; four of 64 at K = 256, so that the state update's
+  fresh accumulator is one ``[BV, 64]`` block beside the state, 128 + 32 registers a thread,
+  not a second whole state). Per chunk, with ``Γ = diag(exp2 G)``:
       Wᵀ = Vᵀ − (Sᵀ Kᵀ) Γ                 (the values minus what the state already predicts)
       Rᵀ = Wᵀ Agᵀ                         (Ag = T0 ⊙ exp2(G_i − G_j) ⊙ β_j: the gated inverse)
       Sᵀ ← exp2(G_C) Sᵀ + (Rᵀ diag(exp2(G_C − G_j))) K
@@ -38,8 +41,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, mma, mma_group, mma_sum,
-    rows_of, smem, stage, stream, vectors)
+    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block, load_state,
+    mma, mma_group, mma_sum, rows_of, smem, stage, stage_blocks, store_state, stream, vectors)
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.config import PassConfig
 
@@ -54,6 +57,8 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
     V = v.shape[-1]
     N = Tp // C
     bv = cfg.block_v
+    kb = cfg.key_block(K)  # key columns per register-state block
+    nkb = K // kb
     dtype = k.dtype
     gated = g2 is not None
     has_h0 = h0t is not None
@@ -82,7 +87,7 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
         state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
     )
     if has_h0 or out_final:
-        scratch["state_s"] = smem((bv, K), F32)
+        scratch["state_s"] = smem((bv, kb), F32)  # one block of the fp32 state at a time
     if packed:
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
@@ -122,12 +127,12 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
         @pl.when(wg == 0)
         def _state_chain():
             plgpu.set_max_registers(232, action="increase")
+            # The state is a tuple of nkb register tiles [BV, kb] (key columns j·kb onwards).
             if has_h0 and not packed:
-                plgpu.copy_gmem_to_smem(h0_ref.at[b, h, vcols], state_s, state_bar)
-                plgpu.barrier_wait(state_bar)
-                s0 = plgpu.load(state_s, layout=WGMMA)
+                s0 = load_state(state_s, lambda j: key_block(h0_ref.at[b, h, vcols], j, kb),
+                                state_bar, nkb)
             else:
-                s0 = plgpu.layout_cast(jnp.zeros((bv, K), F32), WGMMA)
+                s0 = tuple(plgpu.layout_cast(jnp.zeros((bv, kb), F32), WGMMA) for _ in range(nkb))
 
             def step(n, s_t):
                 slot, half = lax.rem(n, stages), lax.rem(n, 2)
@@ -139,18 +144,24 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
 
                 if packed:  # a sequence starts here: its initial state replaces the carry
                     reset, seq = meta_s[slot, 0], meta_s[slot, 1]
+                    blocks = []
+                    for j in range(nkb):
+                        if j:  # every thread has read block j − 1 before TMA overwrites it
+                            plgpu.commit_smem()
 
-                    @pl.when(reset == 1)
-                    def _():
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a final store read it
-                        plgpu.copy_gmem_to_smem(h0_ref.at[seq, h, vcols], state_s, state_bar)
-                        plgpu.barrier_wait(state_bar)
+                        @pl.when(reset == 1)
+                        def _():
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a final store read it
+                            plgpu.copy_gmem_to_smem(key_block(h0_ref.at[seq, h, vcols], j, kb),
+                                                    state_s, state_bar)
+                            plgpu.barrier_wait(state_bar)
 
-                    s_t = jnp.where(reset == 1, plgpu.load(state_s, layout=WGMMA), s_t)
+                        blocks.append(jnp.where(reset == 1, plgpu.load(state_s, layout=WGMMA), s_t[j]))
+                    s_t = tuple(blocks)
 
                 if save_states:  # the TMA store of chunk n − 2's state has read s_pub[half]
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                s_lo = stage(s_pub.at[half], s_t)  # the chunk start state, for WG1 and the chain
+                s_lo = stage_blocks(s_pub.at[half], s_t, kb)  # the chunk start state, for WG1 and the chain
                 if save_states:
                     plgpu.copy_smem_to_gmem(s_pub.at[half], st_ref.at[b, h, n, vcols])
                 pred = mma(s_lo, k_s.at[slot].T, (bv, C))  # (Sᵀ Kᵀ) [BV, C]
@@ -167,30 +178,30 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                 r_pub.at[half].T[...] = r_t.astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(s_ready.at[half])
+                # The state update, one key block at a time (one fresh [BV, kb] accumulator live).
                 if gated:
                     tail = stage(w_stage, r_t * cols_of(jnp.exp2(g_last - g_col), (bv, C)))
-                    s_new = mma(tail, k_s.at[slot], (bv, K), acc=s_t * jnp.exp2(g_last))
+                    s_new = tuple(mma(tail, key_block(k_s.at[slot], j, kb), (bv, kb),
+                                      acc=s_t[j] * jnp.exp2(g_last)) for j in range(nkb))
                 else:
-                    s_new = mma(r_pub.at[half].T, k_s.at[slot], (bv, K), acc=s_t)
+                    s_new = tuple(mma(r_pub.at[half].T, key_block(k_s.at[slot], j, kb), (bv, kb),
+                                      acc=s_t[j]) for j in range(nkb))
                 if packed and out_final:  # a sequence ends here: store its final state
                     end, seq = meta_s[slot, 2], meta_s[slot, 1]
 
                     @pl.when(end == 1)
-                    def _():
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        state_s[...] = s_new
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(state_s, fin_ref.at[seq, h, vcols])
+                    def _():  # (an earlier sequence's final store may still read state_s)
+                        store_state(state_s, s_new, lambda j: key_block(fin_ref.at[seq, h, vcols], j, kb),
+                                    wait_first=True)
                 plgpu.barrier_arrive(in_free.at[slot])
                 return s_new
 
             s_t = lax.fori_loop(0, N, step, s0)
             for n in range(max(N - 2, 0), N):  # observe WG1's last releases of the published tiles
                 plgpu.barrier_wait(s_free.at[n % 2])
-            if out_final and not packed:
-                state_s[...] = s_t
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(state_s, fin_ref.at[b, h, vcols])
+            if out_final and not packed:  # no earlier store read state_s
+                store_state(state_s, s_t, lambda j: key_block(fin_ref.at[b, h, vcols], j, kb),
+                            wait_first=False)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 1)

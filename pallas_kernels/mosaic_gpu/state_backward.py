@@ -4,7 +4,10 @@ Pipeline position:  forward (saves or recomputes chunk start states)  ->  **this
 ->  chunk_backward.py (per-chunk gradients, parallel over chunks).
 
 One CTA per ``(b, h, 64 value columns)`` walks the chunks last to first with three warpgroups.
-``dSᵀ [BV, K]`` (the cotangent of the chunk's end state) is fp32 in WG0's registers. With
+``dSᵀ [BV, K]`` (the cotangent of the chunk's end state) is fp32 in WG0's registers, as
+``K / k_block`` column blocks (config.PassConfig: one block up to K = 128; four of 64 at K = 256,
+so that the update's fresh ``[BV, 64]`` accumulator sits beside the cotangent's 128 registers a
+thread instead of a second whole ``[BV, K]`` one). With
 ``P̃ = scale·(Q Kᵀ ⊙ exp2(G_i − G_j))_{j ≤ i}``, ``A = T0 ⊙ exp2(G_i − G_j)`` (the gated inverse,
 rewy-math §3, without β) and ``t_j = exp2(G_C − G_j)``:
 
@@ -38,8 +41,8 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, mma, mma_sum, rows_of,
-    smem, stage, stream, vectors)
+    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block, load_state,
+    mma, mma_sum, rows_of, smem, stage, stage_blocks, store_state, stream, vectors)
 from pallas_kernels.mosaic_gpu.config import PassConfig
 
 
@@ -54,6 +57,8 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
     V = do.shape[-1]
     N = Tp // C
     bv = cfg.block_v
+    kb = cfg.key_block(K)  # key columns per register-cotangent block
+    nkb = K // kb
     dtype = k.dtype
     gated = g2 is not None
     has_df = dfinal_t is not None
@@ -74,7 +79,7 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
         # The dS and Λ tiles are single-buffered: only TMA stores read them, and each store has
         # a whole chunk's work to finish before the tile is rewritten (SMEM is the limit here).
         ds_pub=smem((bv, K), dtype), dr_stage=smem((bv, C), dtype), lam_out=smem((C, bv), dtype),
-        state_s=smem((bv, K), F32),
+        state_s=smem((bv, kb), F32),  # one block of the fp32 cotangent at a time
         in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         a_ready=plgpu.Barrier(num_barriers=stages),
@@ -156,12 +161,12 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
         @pl.when(wg == 0)
         def _chain():
             plgpu.set_max_registers(232, action="increase")
+            # The cotangent is a tuple of nkb register tiles [BV, kb] (key columns j·kb onwards).
             if has_df and not packed:
-                plgpu.copy_gmem_to_smem(df_ref.at[b, h, vcols], state_s, state_bar)
-                plgpu.barrier_wait(state_bar)
-                ds0 = plgpu.load(state_s, layout=WGMMA)
+                ds0 = load_state(state_s, lambda j: key_block(df_ref.at[b, h, vcols], j, kb),
+                                 state_bar, nkb)
             else:
-                ds0 = plgpu.layout_cast(jnp.zeros((bv, K), F32), WGMMA)
+                ds0 = tuple(plgpu.layout_cast(jnp.zeros((bv, kb), F32), WGMMA) for _ in range(nkb))
 
             def step(i, ds_t):
                 slot, half = lax.rem(i, stages), lax.rem(i, 2)
@@ -170,17 +175,24 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
                 if packed:  # a sequence ends here: its final-state cotangent replaces the carry
                     end, seq = meta_s[slot, 2], meta_s[slot, 1]
                     if has_df:
-                        @pl.when(end == 1)
-                        def _():
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dh0 store read it
-                            plgpu.copy_gmem_to_smem(df_ref.at[seq, h, vcols], state_s, state_bar)
-                            plgpu.barrier_wait(state_bar)
+                        blocks = []
+                        for j in range(nkb):
+                            if j:  # every thread has read block j − 1 before TMA overwrites it
+                                plgpu.commit_smem()
 
-                        ds_t = jnp.where(end == 1, plgpu.load(state_s, layout=WGMMA), ds_t)
+                            @pl.when(end == 1)
+                            def _():
+                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dh0 store read it
+                                plgpu.copy_gmem_to_smem(key_block(df_ref.at[seq, h, vcols], j, kb),
+                                                        state_s, state_bar)
+                                plgpu.barrier_wait(state_bar)
+
+                            blocks.append(jnp.where(end == 1, plgpu.load(state_s, layout=WGMMA), ds_t[j]))
+                        ds_t = tuple(blocks)
                     else:
-                        ds_t = jnp.where(end == 1, 0.0, ds_t)
+                        ds_t = tuple(jnp.where(end == 1, 0.0, x) for x in ds_t)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk i − 1's stores have read
-                ds_lo = stage(ds_pub, ds_t)
+                ds_lo = stage_blocks(ds_pub, ds_t, kb)
                 plgpu.copy_smem_to_gmem(ds_pub, dst_ref.at[b, h, n, vcols], commit_group=False)
                 y = mma(ds_lo, k_s.at[slot].T, (bv, C))  # dSᵀ Kᵀ
                 if gated:
@@ -199,30 +211,29 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
                 # update share one accumulator (one tensor-core round trip on the chain).
                 if gated:
                     lam = lam * cols_of(beta_c * jnp.exp2(g_col) * -1.0, (bv, C))
-                    ds_t = ds_t * jnp.exp2(g_last)
+                    ds_t = tuple(x * jnp.exp2(g_last) for x in ds_t)
                 else:
                     lam = lam * cols_of(beta_c * -1.0, (bv, C))
-                ds_new = mma_sum(((dog_pub.at[half].T, q_s.at[slot]),
-                                  (stage(dr_stage, lam), k_s.at[slot])), (bv, K), acc=ds_t)
+                lam_lo = stage(dr_stage, lam)
+                # One key block at a time: one fresh [BV, kb] accumulator beside the cotangent.
+                ds_new = tuple(mma_sum(((dog_pub.at[half].T, key_block(q_s.at[slot], j, kb)),
+                                        (lam_lo, key_block(k_s.at[slot], j, kb))), (bv, kb), acc=ds_t[j])
+                               for j in range(nkb))
                 if packed:  # a sequence starts here: its initial state's cotangent is done
                     reset, seq = meta_s[slot, 0], meta_s[slot, 1]
 
                     @pl.when(reset == 1)
                     def _():
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        state_s[...] = ds_new
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(state_s, dh0_ref.at[seq, h, vcols])
+                        store_state(state_s, ds_new, lambda j: key_block(dh0_ref.at[seq, h, vcols], j, kb),
+                                    wait_first=True)
                 plgpu.barrier_arrive(x_free.at[half])
                 plgpu.barrier_arrive(in_free.at[slot])
                 return ds_new
 
             ds_t = lax.fori_loop(0, N, step, ds0)
             if not packed:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                state_s[...] = ds_t
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(state_s, dh0_ref.at[b, h, vcols])
+                store_state(state_s, ds_t, lambda j: key_block(dh0_ref.at[b, h, vcols], j, kb),
+                            wait_first=True)
             plgpu.wait_smem_to_gmem(0)
 
         finish_together(done)
