@@ -120,7 +120,7 @@ def parts(op, s: Shape):
     sb = jax.jit(lambda *a: state_backward(*a, None, scale=scale, cfg=cfg.state_backward))
     lam, dst, _ = sb(qp, kp, o, t0, g2, bh)
     out["state backward"] = time_ms(lambda: sb(qp, kp, o, t0, g2, bh))
-    cb = jax.jit(lambda *a: chunk_backward(*a, scale=scale))
+    cb = jax.jit(lambda *a: chunk_backward(*a, scale=scale, cfg=cfg.chunk_backward))
     out["chunk backward"] = time_ms(lambda: cb(qp, kp, vp, o, lam, states, dst, t0, g2, bh))
     return out
 

@@ -122,7 +122,7 @@ def _structs(B, T, H, D):
                 st=S((B, H, D, D), f32), states=S((B, H, N, D, D), BF16))
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("gated,packed", [(True, False), (False, False), (True, True)])
 def test_kernels_lower_for_cuda(D, gated, packed):
     """Every kernel lowers to Mosaic GPU for sm_90 on this CPU (layouts, SMEM budget, barriers)."""
@@ -144,7 +144,8 @@ def test_kernels_lower_for_cuda(D, gated, packed):
                               meta=meta, **slots)
 
     def cbwd(q, k, v, do, lam, st, dst, t0, g2, b):
-        return chunk_backward(q, k, v, do, lam, st, dst, t0, pick(g2), b, scale=0.1)
+        return chunk_backward(q, k, v, do, lam, st, dst, t0, pick(g2), b, scale=0.1,
+                              cfg=cfg.chunk_backward)
 
     for f, args in ((lambda k, b: chunk_inverse(k, b), [s["tok"], s["vec"]]),
                     (fwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]]),

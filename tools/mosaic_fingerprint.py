@@ -59,7 +59,8 @@ def cases():
                 out.append((f"state_backward-{tag}", sbwd, [tok] * 3 + [t0, vec, vec, st]))
                 if not packed:
                     def cbwd(q, k, v, do, lam, s0, ds, t, g, b, pick=pick):
-                        return chunk_backward(q, k, v, do, lam, s0, ds, t, pick(g), b, scale=0.1)
+                        return chunk_backward(q, k, v, do, lam, s0, ds, t, pick(g), b, scale=0.1,
+                                              cfg=cfg.chunk_backward)
                     out.append((f"chunk_backward-{tag}", cbwd,
                                 [tok] * 5 + [states] * 2 + [t0, vec, vec]))
         out.append((f"chunk_inverse-D{D}", lambda k, b: chunk_inverse(k, b),

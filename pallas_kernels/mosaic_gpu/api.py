@@ -28,7 +28,7 @@ from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
 from pallas_kernels.mosaic_gpu.forward import fused_forward
 from pallas_kernels.mosaic_gpu.state_backward import state_backward
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)  # 256: the blocked tilings of config.default_config
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -159,7 +159,7 @@ def _backward_x32(scale, cfg, interpret, res, cts):
                                         cfg=cfg.state_backward, meta=meta,
                                         n_slots=h0t.shape[0], interpret=ip)
     outs = chunk_backward(qp, kp, vp, dop, lam, states, dstates, t0, g2, beta_hm, scale=scale,
-                          interpret=ip)
+                          cfg=cfg.chunk_backward, interpret=ip)
     dq, dk, dv, dbeta = outs[:4]
     dg = None if no_gate else _unpad_scalars(_gate_grad(*outs[4:], g2), T)
     return (dq[:, :T], dk[:, :T], dv[:, :T], dg, _unpad_scalars(dbeta, T),

@@ -23,6 +23,23 @@ register layout): the kernel writes their per-row parts ``u_s = t_s ⟨(R dSᵀ)
 (rewy-math §4–6: the scalar-gate reduction takes dG from the key-gradient products, so no
 K Kᵀ Gram is recomputed for it.)
 
+Two kernels (config.ChunkBackwardConfig.block): up to K = 128 (``block=None``) the whole-width
+kernel :func:`chunk_backward` holds every operand whole in SMEM (``[64, K]`` tiles, S0ᵀ and dSᵀ
+``[V, K]``): the program timed on the H100. At K = V = 256 those alone need 448 KB of SMEM, so
+``block=64`` selects :func:`_chunk_backward_blocked`, the same math over 64-column blocks:
+
+    phase A, per value block jv:  R_jv = Ag (V_jv − Γ Σ_jk K_jk S0ᵀ[jv, jk]ᵀ)   (R replaces V in SMEM)
+                                  dT += Λ_jv R_jvᵀ,  dA += dO_jv R_jvᵀ,  dv_jv = β Λ_jv
+    phase B, per key block jk:    pass 1: dq_jk  = Σ_jv dO_jv S0ᵀ[jv, jk]            (then dq out)
+                                  pass 2: e_jk   = Σ_jv Λ_jv S0ᵀ[jv, jk],  (R dSᵀ)_jk = Σ_jv R_jv dSᵀ[jv, jk]
+                                          (and sds from the same tile pairs)       (then dk out)
+    the per-row sums (dβ, dG, u) add up over the key blocks in registers.
+
+S0ᵀ and dSᵀ stream as ``[64, 64]`` tiles through two-slot TMA rings: S0ᵀ's 16 tiles take 43
+loads per chunk (phase A, then passes 1 and 2, less the tiles shared where one pass ends and
+the next begins; two passes keep at most three ``[64, 64]`` fp32 accumulators live) and dSᵀ's
+16 tiles one load each. No tile wider than ``[64, 64]`` fp32 lives in registers.
+
 Reads:  q, k [B, Tp, H, K]; v, do, lam [B, Tp, H, V]; states, dstates [B, H, N, V, K];
         t0 [B, H, Tp, C]; g2, beta [B, H, Tp] fp32.
 Writes: dq, dk [B, Tp, H, K]; dv [B, Tp, H, V] (input dtype); dbeta [B, H, Tp] fp32; with a
@@ -39,12 +56,15 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, ROWS, WGMMA, causal_decay, cols_of, iota, mma, mma_group, mma_sum, rows_of,
-    smem, stage)
+    C, COLS, F32, ROWS, WGMMA, causal_decay, cols_of, iota, key_block, mma, mma_group, mma_sum,
+    rows_of, smem, stage)
+from pallas_kernels.mosaic_gpu.config import ChunkBackwardConfig
 
 
-def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: float, interpret=None):
-    """``(dq, dk, dv, dbeta)`` and, with a gate, ``(dG, u, sds)``; see the module docstring."""
+def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: float,
+                   cfg: ChunkBackwardConfig = ChunkBackwardConfig(), interpret=None):
+    """``(dq, dk, dv, dbeta)`` and, with a gate, ``(dG, u, sds)``; see the module docstring.
+    ``cfg.block`` 64 (K = 256) runs the blocked kernel, ``None`` the whole-width one."""
     B, Tp, H, K = k.shape
     V = v.shape[-1]
     N = Tp // C
@@ -53,6 +73,9 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
 
     if K != V:
         raise ValueError(f"chunk_backward needs K == V (dq reuses a [C, V] tile), got K={K}, V={V}")
+    if cfg.block is not None and cfg.block < K:
+        return _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, scale=scale,
+                                       bk=cfg.block, interpret=interpret)
     per_token = jax.ShapeDtypeStruct((B, H, Tp), F32)
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), dtype), jax.ShapeDtypeStruct((B, Tp, H, K), dtype),
                 jax.ShapeDtypeStruct((B, Tp, H, V), dtype), per_token)
@@ -161,6 +184,243 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
         plgpu.copy_smem_to_gmem(w_st, dq_ref.at[b, rows, h])
         plgpu.copy_smem_to_gmem(r_st, dk_ref.at[b, rows, h])
         plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, h])
+        plgpu.copy_smem_to_gmem(db_s, db_ref.at[b, h, rows])
+        if gated:
+            plgpu.copy_smem_to_gmem(dg_s, dg_ref.at[b, h, rows])
+            plgpu.copy_smem_to_gmem(u_s, u_ref.at[b, h, rows])
+            plgpu.copy_smem_to_gmem(sds_s, sds_ref.at[b, h, n])
+        plgpu.wait_smem_to_gmem(0)
+
+    args = [q, k, v, do, lam, states, dstates, t0, beta] + ([g2] if gated else [])
+    return plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
+        compiler_params=compat.compiler_params(), interpret=interpret,
+    )(*args)
+
+
+class _TileRing:
+    """TMA ring over a static sequence of uses of ``[bk, bk]`` tiles of one ``[V, K]`` matrix
+    (``src``: its GMEM view; ``buf [slots, bk, bk]`` SMEM, ``bars`` one barrier per slot).
+
+    ``uses``: tile keys ``(jv, jk)`` in the order the kernel reads them; consecutive equal keys
+    share one load (the tile stays in its slot). Loads go ``slots`` ahead: the slot of a load is
+    refilled once its last use is released. One warpgroup both issues and consumes, so every
+    step is unrolled at trace time and the barrier phases follow the load order.
+    """
+
+    def __init__(self, buf, bars, src, uses, bk: int):
+        self.buf, self.bars, self.src, self.bk = buf, bars, src, bk
+        self.loads, self.load_of = [], []
+        for key in uses:
+            if not self.loads or self.loads[-1] != key:
+                self.loads.append(key)
+            self.load_of.append(len(self.loads) - 1)
+        self.slots = buf.shape[0]
+        self.waited = -1
+
+    @staticmethod
+    def n_loads(uses) -> int:
+        return sum(1 for i, key in enumerate(uses) if i == 0 or uses[i - 1] != key)
+
+    def _issue(self, li: int):
+        jv, jk = self.loads[li]
+        bk = self.bk
+        src = self.src.at[pl.ds(jv * bk, bk), pl.ds(jk * bk, bk)]
+        slot = li % self.slots
+        plgpu.copy_gmem_to_smem(src, self.buf.at[slot], self.bars.at[slot])
+
+    def start(self):
+        for li in range(min(self.slots, len(self.loads))):
+            self._issue(li)
+
+    def get(self, u: int):
+        li = self.load_of[u]
+        if li > self.waited:
+            plgpu.barrier_wait(self.bars.at[li % self.slots])
+            self.waited = li
+        return self.buf.at[li % self.slots]
+
+    def release(self, u: int):
+        li = self.load_of[u]
+        last_use = u + 1 == len(self.load_of) or self.load_of[u + 1] != li
+        if last_use and li + self.slots < len(self.loads):
+            plgpu.commit_smem()  # every thread has read the tile before TMA overwrites its slot
+            self._issue(li + self.slots)
+
+
+def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: float, bk: int,
+                            interpret=None):
+    """:func:`chunk_backward` over ``bk``-column blocks (the module docstring's phases A and B);
+    same operands and outputs. ``K = V`` a multiple of ``bk``."""
+    B, Tp, H, K = k.shape
+    V = v.shape[-1]
+    N = Tp // C
+    dtype = k.dtype
+    gated = g2 is not None
+    if K % bk:
+        raise ValueError(f"K={K} is not a multiple of the block {bk}")
+    nb = K // bk
+    rev = list(reversed(range(nb)))
+    # Uses of the S0ᵀ tiles: phase A by value block (jk inner), then per key block pass 1 (jv
+    # descending) and pass 2 (jv ascending), so that phase A's last tile and each pass 1's last
+    # tile are the next pass's first (shared loads). dSᵀ tiles: pass 2 only.
+    s0_uses = [(jv, jk) for jv in range(nb) for jk in range(nb)]
+    ds_uses = []
+    for jk in rev:
+        s0_uses += [(jv, jk) for jv in rev] + [(jv, jk) for jv in range(nb)]
+        ds_uses += [(jv, jk) for jv in range(nb)]
+    s0_slots = min(2, _TileRing.n_loads(s0_uses))
+    ds_slots = min(2, _TileRing.n_loads(ds_uses))
+
+    per_token = jax.ShapeDtypeStruct((B, H, Tp), F32)
+    out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), dtype), jax.ShapeDtypeStruct((B, Tp, H, K), dtype),
+                jax.ShapeDtypeStruct((B, Tp, H, V), dtype), per_token)
+    if gated:
+        out_type += (per_token, per_token, jax.ShapeDtypeStruct((B, H, N, V), F32))
+    vec = plgpu.SMEM((C,), F32)
+    scratch = dict(
+        k_s=smem((C, K), dtype), vr_s=smem((C, V), dtype), do_s=smem((C, V), dtype),
+        lam_s=smem((C, V), dtype), t_s=smem((C, C), dtype), da_s=smem((C, C), dtype),
+        w_st=smem((C, bk), dtype), q_st=smem((C, bk), dtype), bk_st=smem((C, bk), dtype),
+        dv_st=smem((C, bk), dtype),
+        s0_t=smem((s0_slots, bk, bk), dtype), ds_t=smem((ds_slots, bk, bk), dtype),
+        b_s=vec, g_s=vec, db_s=vec, dg_s=vec, u_s=vec, sds_s=plgpu.SMEM((V,), F32),
+        bar=plgpu.Barrier(num_arrivals=6 + gated), q_bar=plgpu.Barrier(),
+        s0_bar=plgpu.Barrier(num_barriers=s0_slots), ds_bar=plgpu.Barrier(num_barriers=ds_slots),
+    )
+
+    def body(*refs, k_s, vr_s, do_s, lam_s, t_s, da_s, w_st, q_st, bk_st, dv_st, s0_t, ds_t, b_s,
+             g_s, db_s, dg_s, u_s, sds_s, bar, q_bar, s0_bar, ds_bar):
+        refs = list(refs)
+        q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref = (refs.pop(0) for _ in range(9))
+        g_ref = refs.pop(0) if gated else None
+        dq_ref, dk_ref, dv_ref, db_ref = refs[:4]
+        dg_ref, u_ref, sds_ref = refs[4:] if gated else (None, None, None)
+        b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+        rows = pl.ds(n * C, C)
+        for src, dst in ((k_ref.at[b, rows, h], k_s), (v_ref.at[b, rows, h], vr_s),
+                         (do_ref.at[b, rows, h], do_s), (lam_ref.at[b, rows, h], lam_s),
+                         (t_ref.at[b, h, rows], t_s), (b_ref.at[b, h, rows], b_s)) + (
+                             ((g_ref.at[b, h, rows], g_s),) if gated else ()):
+            plgpu.copy_gmem_to_smem(src, dst, bar)
+        s0_ring = _TileRing(s0_t, s0_bar, st_ref.at[b, h, n], s0_uses, bk)
+        ds_ring = _TileRing(ds_t, ds_bar, dst_ref.at[b, h, n], ds_uses, bk)
+        s0_ring.start()
+        ds_ring.start()
+        q_rows = q_ref.at[b, rows, h]
+        # q of phase B's first key block (passes 1 and 2 read it; it has all of phase A to arrive)
+        plgpu.copy_gmem_to_smem(key_block(q_rows, rev[0], bk), q_st, q_bar)
+        plgpu.barrier_wait(bar)
+
+        beta_r = plgpu.load(b_s, layout=ROWS)
+        if gated:
+            g_row = plgpu.load(g_s, layout=ROWS)
+            g_last = g_s[C - 1]
+            decay = causal_decay(g_row, plgpu.load(g_s, layout=COLS), strict=False)
+            gam_r = jnp.exp2(g_row)
+            tail_r = jnp.exp2(g_last - g_row)
+        else:
+            decay = causal_decay(None, None, strict=False)
+        strict = iota((C, C), 0) > iota((C, C), 1)
+        # Ag = T0 ⊙ D ⊙ β_j replaces T0 in its buffer.
+        beta_c = plgpu.load(b_s, layout=COLS)
+        ag = stage(t_s, plgpu.load(t_s, layout=WGMMA).astype(F32) * decay * cols_of(beta_c, (C, C)))
+
+        # Phase A, per value block: R = Ag (V − Γ K S0) from the saved chunk start state, and the
+        # three ReWY Gram terms' V-sums Λ Rᵀ and dO Rᵀ. Signs are applied as a product with −1,
+        # never as a negated accumulator (which gave zeros on sm_90 with jax 0.11.2 in jla's kernels).
+        dt = da = db = None
+        use = 0  # the next use of the S0ᵀ ring
+        for jv in range(nb):
+            ks0 = None
+            for jk in range(nb):
+                tile = s0_ring.get(use)  # S0ᵀ[jv, jk]
+                ks0 = mma(key_block(k_s, jk, bk), tile.T, (C, bk), acc=ks0)
+                s0_ring.release(use)
+                use += 1
+            if gated:
+                ks0 = ks0 * rows_of(gam_r, (C, bk))
+            v_blk, lam_blk = key_block(vr_s, jv, bk), key_block(lam_s, jv, bk)
+            v_f = plgpu.load(v_blk, layout=WGMMA).astype(F32)
+            lam_f = plgpu.load(lam_blk, layout=WGMMA).astype(F32)
+            part = jnp.sum(v_f * lam_f, axis=1)  # ⟨v, Λ⟩ of dβ
+            db = part if db is None else db + part
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's dv store read dv_st
+            dv_st[...] = (lam_f * rows_of(beta_r, (C, bk))).astype(dtype)  # dv = β Λ
+            w = stage(w_st, v_f - ks0)  # (its fence also publishes dv_st)
+            plgpu.copy_smem_to_gmem(dv_st, key_block(dv_ref.at[b, rows, h], jv, bk))
+            r = mma(ag, w, (C, bk))
+            stage(v_blk, r)  # R replaces V (every thread read its V block before the fence above)
+            dt = mma(lam_blk, v_blk.T, (C, C), acc=dt)  # Λ Rᵀ
+            da = mma(key_block(do_s, jv, bk), v_blk.T, (C, C), acc=da)  # dO Rᵀ
+        dt_d = stage(t_s, jnp.where(strict, dt * -1.0, 0.0) * decay)  # dT ⊙ D (Ag is done)
+        da_d = stage(da_s, da * decay)  # dA ⊙ D (D is 0 above the diagonal)
+
+        # Phase B, per key block: dq, dk and the per-row gate and β sums.
+        dg = u_acc = None
+        sds = [None] * nb
+        d = 0  # the next use of the dSᵀ ring
+        for m, jk in enumerate(rev):
+            k_blk = key_block(k_s, jk, bk)
+            # Pass 1: dq = scale·(Γ dO S0ᵀ + (dA ⊙ D) K) and its gate term ⟨q, dq⟩.
+            dq = None
+            for jv in rev:
+                dq = mma(key_block(do_s, jv, bk), s0_ring.get(use), (C, bk), acc=dq)
+                s0_ring.release(use)
+                use += 1
+            if gated:
+                dq = dq * rows_of(gam_r, (C, bk))
+            dq = (dq + mma(da_d, k_blk, (C, bk))) * scale
+            plgpu.barrier_wait(q_bar)
+            if gated:
+                part = jnp.sum(plgpu.load(q_st, layout=WGMMA).astype(F32) * dq, axis=1)
+                dg = part if dg is None else dg + part
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous dq, dk, dv stores have read
+            stage(w_st, dq)
+            plgpu.copy_smem_to_gmem(w_st, key_block(dq_ref.at[b, rows, h], jk, bk))
+            # Pass 2: the erase-side terms e = −γ Λ S0ᵀ + (dT ⊙ D) K (dk = β e + ...,
+            # dβ = ⟨k, e⟩ + ⟨v, Λ⟩) and R dSᵀ; sds = Σ_k S0ᵀ ⊙ dSᵀ per value row.
+            e = rds = None
+            for jv in range(nb):
+                s0_tile, ds_tile = s0_ring.get(use), ds_ring.get(d)
+                if gated:  # before the accumulators of this tile: two fp32 tiles in registers
+                    part = jnp.sum(plgpu.load(s0_tile, layout=WGMMA).astype(F32)
+                                   * plgpu.load(ds_tile, layout=WGMMA).astype(F32), axis=1)
+                    sds[jv] = part if sds[jv] is None else sds[jv] + part
+                e = mma(key_block(lam_s, jv, bk), s0_tile, (C, bk), acc=e)
+                rds = mma(key_block(vr_s, jv, bk), ds_tile, (C, bk), acc=rds)  # R dSᵀ
+                s0_ring.release(use)
+                ds_ring.release(d)
+                use += 1
+                d += 1
+            e = e * (rows_of(gam_r * -1.0, (C, bk)) if gated else -1.0)
+            e = e + mma(dt_d, k_blk, (C, bk))
+            k_f = plgpu.load(k_blk, layout=WGMMA).astype(F32)
+            ke = jnp.sum(k_f * e, axis=1)
+            db = db + ke
+            # The key-side terms dK̄/γ: t ⊙ R dSᵀ + (dT ⊙ D)ᵀ (β K) + scale·(dA ⊙ D)ᵀ Q.
+            kbar = rds * rows_of(tail_r, (C, bk)) if gated else rds
+            if gated:
+                part = jnp.sum(k_f * kbar, axis=1)
+                u_acc = part if u_acc is None else u_acc + part
+            kbar = kbar + mma(dt_d.T, stage(bk_st, k_f * rows_of(beta_r, (C, bk))), (C, bk))
+            kbar = kbar + mma(da_d.T, q_st, (C, bk)) * scale
+            dk = e * rows_of(beta_r, (C, bk)) + kbar
+            if gated:
+                # dG_r = β_r ⟨k_r, e_r⟩ − ⟨k_r, kbar_r⟩ + ⟨q_r, dq_r⟩; the last row adds the state terms.
+                dg = dg + beta_r * ke - jnp.sum(k_f * kbar, axis=1)
+            stage(bk_st, dk)
+            plgpu.copy_smem_to_gmem(bk_st, key_block(dk_ref.at[b, rows, h], jk, bk))
+            if m + 1 < nb:  # the next key block's q: q_st's last readers (the (dA ⊙ D)ᵀ Q product,
+                # the ⟨q, dq⟩ loads) finished before stage()'s fence above
+                plgpu.copy_gmem_to_smem(key_block(q_rows, rev[m + 1], bk), q_st, q_bar)
+        db_s[...] = db
+        if gated:
+            dg_s[...] = dg
+            u_s[...] = u_acc
+            for jv in range(nb):
+                sds_s[pl.ds(jv * bk, bk)] = sds[jv]
+        plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(db_s, db_ref.at[b, h, rows])
         if gated:
             plgpu.copy_smem_to_gmem(dg_s, dg_ref.at[b, h, rows])
