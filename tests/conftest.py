@@ -64,7 +64,7 @@ FAST = (
     "tests/test_mqar.py::*",
     "tests/test_ops_transforms.py::test_backend_none_on_cpu_is_xla",
     "tests/test_mosaic_gpu.py::test_supports_says_why_not",
-    "tests/test_mosaic_gpu.py::test_chunk_inverse_interpret",
+    "tests/test_mosaic_gpu.py::test_chunk_inverse_interpret?64?",
     "tests/test_mosaic_gpu.py::test_kernels_lower_for_cuda?True-False-64?",  # ? for the brackets
     "tests/test_mosaic_gpu.py::test_interpret_matches_float64?deltanet-save-None-130-2-None?",
     "tests/test_mosaic_gpu.py::test_dispatch_prefers_mosaic_on_hopper",
