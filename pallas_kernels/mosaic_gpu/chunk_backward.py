@@ -316,15 +316,15 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
         if gated:
             g_row = plgpu.load(g_s, layout=ROWS)
             g_last = g_s[C - 1]
-            decay = causal_decay(g_row, plgpu.load(g_s, layout=COLS), strict=False)
             gam_r = jnp.exp2(g_row)
             tail_r = jnp.exp2(g_last - g_row)
-        else:
-            decay = causal_decay(None, None, strict=False)
-        strict = iota((C, C), 0) > iota((C, C), 1)
+        # D is formed where it is used, before and after phase A, rather than held across it
+        # (one [C, C] fp32 tile, 32 registers, beside phase A's accumulators).
+        decay_tile = lambda: (causal_decay(g_row, plgpu.load(g_s, layout=COLS), strict=False)  # noqa: E731
+                              if gated else causal_decay(None, None, strict=False))
         # Ag = T0 ⊙ D ⊙ β_j replaces T0 in its buffer.
         beta_c = plgpu.load(b_s, layout=COLS)
-        ag = stage(t_s, plgpu.load(t_s, layout=WGMMA).astype(F32) * decay * cols_of(beta_c, (C, C)))
+        ag = stage(t_s, plgpu.load(t_s, layout=WGMMA).astype(F32) * decay_tile() * cols_of(beta_c, (C, C)))
 
         # Phase A, per value block: R = Ag (V − Γ K S0) from the saved chunk start state, and the
         # three ReWY Gram terms' V-sums Λ Rᵀ and dO Rᵀ. Signs are applied as a product with −1,
@@ -351,8 +351,11 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
             plgpu.copy_smem_to_gmem(dv_st, key_block(dv_ref.at[b, rows, h], jv, bk))
             r = mma(ag, w, (C, bk))
             stage(v_blk, r)  # R replaces V (every thread read its V block before the fence above)
-            dt = mma(lam_blk, v_blk.T, (C, C), acc=dt)  # Λ Rᵀ
-            da = mma(key_block(do_s, jv, bk), v_blk.T, (C, C), acc=da)  # dO Rᵀ
+            lr, dor = mma_group(((((lam_blk, v_blk.T),), (C, C)),  # Λ Rᵀ and dO Rᵀ: one round trip
+                                 (((key_block(do_s, jv, bk), v_blk.T),), (C, C))))
+            dt, da = (lr, dor) if dt is None else (dt + lr, da + dor)
+        decay = decay_tile()
+        strict = iota((C, C), 0) > iota((C, C), 1)
         dt_d = stage(t_s, jnp.where(strict, dt * -1.0, 0.0) * decay)  # dT ⊙ D (Ag is done)
         da_d = stage(da_s, da * decay)  # dA ⊙ D (D is 0 above the diagonal)
 
@@ -387,8 +390,9 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
                     part = jnp.sum(plgpu.load(s0_tile, layout=WGMMA).astype(F32)
                                    * plgpu.load(ds_tile, layout=WGMMA).astype(F32), axis=1)
                     sds[jv] = part if sds[jv] is None else sds[jv] + part
-                e = mma(key_block(lam_s, jv, bk), s0_tile, (C, bk), acc=e)
-                rds = mma(key_block(vr_s, jv, bk), ds_tile, (C, bk), acc=rds)  # R dSᵀ
+                le, rd = mma_group(((((key_block(lam_s, jv, bk), s0_tile),), (C, bk)),
+                                    (((key_block(vr_s, jv, bk), ds_tile),), (C, bk))))  # Λ S0ᵀ, R dSᵀ
+                e, rds = (le, rd) if e is None else (e + le, rds + rd)
                 s0_ring.release(use)
                 ds_ring.release(d)
                 use += 1
