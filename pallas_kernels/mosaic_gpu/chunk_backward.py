@@ -25,7 +25,7 @@ K Kᵀ Gram is recomputed for it.)
 
 Two kernels (config.ChunkBackwardConfig.block): up to K = 128 (``block=None``) the whole-width
 kernel :func:`chunk_backward` holds every operand whole in SMEM (``[64, K]`` tiles, S0ᵀ and dSᵀ
-``[V, K]``): the program timed on the H100. At K = V = 256 those alone need 448 KB of SMEM, so
+``[V, K]``): the program timed on the H100. At K = V = 256 that is 551,168 B of SMEM, so
 ``block=64`` selects :func:`_chunk_backward_blocked`, the same math over 64-column blocks:
 
     phase A, per value block jv:  R_jv = Ag (V_jv − Γ Σ_jk K_jk S0ᵀ[jv, jk]ᵀ)   (R replaces V in SMEM)
@@ -37,7 +37,7 @@ kernel :func:`chunk_backward` holds every operand whole in SMEM (``[64, K]`` til
 
 S0ᵀ and dSᵀ stream as ``[64, 64]`` tiles through two-slot TMA rings: S0ᵀ's 16 tiles take 43
 loads per chunk (phase A, then passes 1 and 2, less the tiles shared where one pass ends and
-the next begins; two passes keep at most three ``[64, 64]`` fp32 accumulators live) and dSᵀ's
+the next begins; the two passes keep dq's sum apart from those of e and R dSᵀ) and dSᵀ's
 16 tiles one load each. No tile wider than ``[64, 64]`` fp32 lives in registers.
 
 Reads:  q, k [B, Tp, H, K]; v, do, lam [B, Tp, H, V]; states, dstates [B, H, N, V, K];
