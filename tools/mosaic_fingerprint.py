@@ -8,7 +8,8 @@ Each case is the jaxpr of the kernel call (the kernel body, grid, scratch and co
 included; no source locations, unlike the lowered module), traced on the CPU, not run: how a
 change to the shared kernel code shows that it leaves the kernels the GPU has timed and checked
 unchanged (the scalar-gate pipeline at K = V in {64, 128}: T0, fused forward, reverse state
-pass, per-chunk gradients; gated and not, packed and not, both policies' forward).
+pass, per-chunk gradients; gated and not, packed and not, both policies' forward; and the
+vector-gate kernels of KDA/GDN2).
 """
 
 from __future__ import annotations
@@ -68,10 +69,49 @@ def cases():
     return out
 
 
+def vector_cases():
+    """(name, function, argument structs) for the vector-gate (KDA, GDN2) kernels at D in
+    {64, 128}, exact and centred frames: the chunk kernel, the state/output pass (with and
+    without the saved states), the reverse state pass and the per-chunk gradients."""
+    from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
+    from pallas_kernels.mosaic_gpu.vector_chunk_backward import vector_chunk_backward
+    from pallas_kernels.mosaic_gpu.vector_forward import vector_state_output
+    from pallas_kernels.mosaic_gpu.vector_state_backward import vector_state_backward
+
+    S = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    B, T, H = 2, 256, 2
+    N = T // 64
+    out = []
+    for D in (64, 128):
+        tok, g2, head = S((B, T, H, D), BF16), S((B, H, T, D), f32), S((B, H, T, D), BF16)
+        cc, st, st32 = S((B, H, T, 64), BF16), S((B, H, N, D, D), BF16), S((B, H, D, D), f32)
+        for centred in (False, True):
+            cfg = config.default_vector_config(D, D, 2, centred)
+            tag = f"D{D}-{'centred' if centred else 'exact'}"
+            for op, erase in (("kda", S((B, H, T), f32)), ("gdn2", S((B, T, H, D), f32))):
+                out.append((f"vector_chunk-{op}-{tag}",
+                            lambda q, k, x, g, e, c=centred: vector_chunk(
+                                q, k, x, g, e, scale=0.1, centred=c, out_inverse=True),
+                            [tok, tok, tok, g2, erase]))
+            for save in (False, True):
+                out.append((f"vector_state_output-{tag}-save{int(save)}",
+                            lambda *a, cfg=cfg, save=save: vector_state_output(
+                                *a, cfg=cfg, out_final=not save, save_states=save),
+                            [head, head, head, head, cc, g2, st32]))
+            out.append((f"vector_state_backward-{tag}",
+                        lambda *a, cfg=cfg: vector_state_backward(*a, cfg=cfg.state_backward),
+                        [head, head, head, cc, tok, g2, st32]))
+            out.append((f"vector_chunk_backward-{tag}",
+                        lambda *a, c=centred: vector_chunk_backward(*a, scale=0.1, centred=c),
+                        [tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc]))
+    return out
+
+
 def main(out_dir: str):
     os.makedirs(out_dir, exist_ok=True)
     with compat.x32():
-        for name, f, args in cases():
+        for name, f, args in cases() + vector_cases():
             text = str(jax.make_jaxpr(f)(*args))
             with open(os.path.join(out_dir, name + ".jaxpr"), "w") as fh:
                 fh.write(text)

@@ -136,6 +136,21 @@ def stream(issue, n_items: int, stages: int, in_free) -> None:
         plgpu.barrier_wait(in_free.at[i % stages])
 
 
+def memory_warpgroup(copies, n_items: int, stages: int, in_bar, in_free) -> None:
+    """The TMA producer warpgroup of the serial kernels: gives up registers (40 per thread) and
+    streams item i's inputs, ``copies(i)`` = its ``(GMEM view, SMEM buffer with a stage axis)``
+    pairs (an iterable, read as the copies are issued), into stage ``slot`` of each buffer on
+    barrier ``in_bar[slot]`` (see :func:`stream`)."""
+    plgpu.set_max_registers(40, action="decrease")
+
+    def issue(i, slot):
+        bar = in_bar.at[slot]
+        for src, dst in copies(i):
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], bar)
+
+    stream(issue, n_items, stages, in_free)
+
+
 def finish_together(done) -> None:
     """Every warpgroup arrives at ``done`` and waits for the others before the kernel ends.
 
@@ -171,6 +186,14 @@ def load_state(state_s, src_of, bar, n_blocks: int):
         plgpu.barrier_wait(bar)
         out.append(plgpu.load(state_s, layout=WGMMA))
     return tuple(out)
+
+
+def start_state(state_s, src_of, bar, shape, n_blocks: int = 1):
+    """A serial pass's starting fp32 state as ``n_blocks`` register tiles ``shape = [M, kb]``:
+    :func:`load_state` from ``src_of(j)``, or zeros when ``src_of`` is None."""
+    if src_of is None:
+        return tuple(plgpu.layout_cast(jnp.zeros(shape, F32), WGMMA) for _ in range(n_blocks))
+    return load_state(state_s, src_of, bar, n_blocks)
 
 
 def store_state(state_s, blocks, dst_of, *, wait_first: bool) -> None:

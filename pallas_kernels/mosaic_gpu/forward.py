@@ -41,8 +41,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block, load_state,
-    mma, mma_group, mma_sum, rows_of, smem, stage, stage_blocks, store_state, stream, vectors)
+    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block,
+    memory_warpgroup, mma, mma_group, mma_sum, rows_of, smem, stage, stage_blocks, start_state,
+    store_state, vectors)
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.config import PassConfig
 
@@ -107,32 +108,24 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-
-            def issue(n, slot):
+            def copies(n):
                 rows = pl.ds(n * C, C)
-                bar = in_bar.at[slot]
-                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, vcols], v_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(t_ref.at[b, h, rows], t_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(b_ref.at[b, h, rows], b_s.at[slot], bar)
+                yield from ((q_ref.at[b, rows, h], q_s), (k_ref.at[b, rows, h], k_s),
+                            (v_ref.at[b, rows, h, vcols], v_s), (t_ref.at[b, h, rows], t_s),
+                            (b_ref.at[b, h, rows], b_s))
                 if gated:
-                    plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_s.at[slot], bar)
+                    yield g_ref.at[b, h, rows], g_s
                 if packed:
-                    plgpu.copy_gmem_to_smem(meta_ref.at[n], meta_s.at[slot], bar)
+                    yield meta_ref.at[n], meta_s
 
-            stream(issue, N, stages, in_free)
+            memory_warpgroup(copies, N, stages, in_bar, in_free)
 
         @pl.when(wg == 0)
         def _state_chain():
             plgpu.set_max_registers(232, action="increase")
             # The state is a tuple of nkb register tiles [BV, kb] (key columns j·kb onwards).
-            if has_h0 and not packed:
-                s0 = load_state(state_s, lambda j: key_block(h0_ref.at[b, h, vcols], j, kb),
-                                state_bar, nkb)
-            else:
-                s0 = tuple(plgpu.layout_cast(jnp.zeros((bv, kb), F32), WGMMA) for _ in range(nkb))
+            src = (lambda j: key_block(h0_ref.at[b, h, vcols], j, kb)) if has_h0 and not packed else None
+            s0 = start_state(state_s, src, state_bar, (bv, kb), nkb)
 
             def step(n, s_t):
                 slot, half = lax.rem(n, stages), lax.rem(n, 2)

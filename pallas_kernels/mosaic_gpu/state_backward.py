@@ -41,8 +41,9 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block, load_state,
-    mma, mma_sum, rows_of, smem, stage, stage_blocks, store_state, stream, vectors)
+    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block,
+    memory_warpgroup, mma, mma_sum, rows_of, smem, stage, stage_blocks, start_state, store_state,
+    vectors)
 from pallas_kernels.mosaic_gpu.config import PassConfig
 
 
@@ -103,22 +104,17 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-
-            def issue(i, slot):  # i-th chunk from the end
+            def copies(i):  # i-th chunk from the end
                 rows = pl.ds((N - 1 - i) * C, C)
-                bar = in_bar.at[slot]
-                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, vcols], do_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(t_ref.at[b, h, rows], a_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(b_ref.at[b, h, rows], b_s.at[slot], bar)
+                yield from ((q_ref.at[b, rows, h], q_s), (k_ref.at[b, rows, h], k_s),
+                            (do_ref.at[b, rows, h, vcols], do_s), (t_ref.at[b, h, rows], a_s),
+                            (b_ref.at[b, h, rows], b_s))
                 if gated:
-                    plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows], g_s.at[slot], bar)
+                    yield g_ref.at[b, h, rows], g_s
                 if packed:
-                    plgpu.copy_gmem_to_smem(meta_ref.at[N - 1 - i], meta_s.at[slot], bar)
+                    yield meta_ref.at[N - 1 - i], meta_s
 
-            stream(issue, N, stages, in_free)
+            memory_warpgroup(copies, N, stages, in_bar, in_free)
 
         @pl.when(wg == 1)
         def _chunk_local():
@@ -162,11 +158,8 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
         def _chain():
             plgpu.set_max_registers(232, action="increase")
             # The cotangent is a tuple of nkb register tiles [BV, kb] (key columns j·kb onwards).
-            if has_df and not packed:
-                ds0 = load_state(state_s, lambda j: key_block(df_ref.at[b, h, vcols], j, kb),
-                                 state_bar, nkb)
-            else:
-                ds0 = tuple(plgpu.layout_cast(jnp.zeros((bv, kb), F32), WGMMA) for _ in range(nkb))
+            src = (lambda j: key_block(df_ref.at[b, h, vcols], j, kb)) if has_df and not packed else None
+            ds0 = start_state(state_s, src, state_bar, (bv, kb), nkb)
 
             def step(i, ds_t):
                 slot, half = lax.rem(i, stages), lax.rem(i, 2)

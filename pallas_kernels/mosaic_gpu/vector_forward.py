@@ -38,7 +38,7 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, WGMMA, cols_of, finish_together, mma, smem, stage, stream)
+    C, COLS, F32, WGMMA, cols_of, finish_together, memory_warpgroup, mma, smem, stage, start_state)
 from pallas_kernels.mosaic_gpu.config import VectorConfig, default_vector_config
 from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
 from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, prepare_vector
@@ -94,29 +94,20 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-
-            def issue(n, slot):
+            def copies(n):
                 rows = pl.ds(n * C, C)
-                bar = in_bar.at[slot]
-                plgpu.copy_gmem_to_smem(w_ref.at[b, h, rows], w_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(kt_ref.at[b, h, rows], kt_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(qg_ref.at[b, h, rows], qg_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(u_ref.at[b, h, rows, vcols], u_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(p_ref.at[b, h, rows], p_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(g_ref.at[b, h, n * C + C - 1], gl_s.at[slot], bar)
+                yield from ((w_ref.at[b, h, rows], w_s), (kt_ref.at[b, h, rows], kt_s),
+                            (qg_ref.at[b, h, rows], qg_s), (u_ref.at[b, h, rows, vcols], u_s),
+                            (p_ref.at[b, h, rows], p_s))
+                yield g_ref.at[b, h, n * C + C - 1], gl_s
 
-            stream(issue, N, stages, in_free)
+            memory_warpgroup(copies, N, stages, in_bar, in_free)
 
         @pl.when(wg == 0)
         def _state_chain():
             plgpu.set_max_registers(232, action="increase")
-            if has_h0:
-                plgpu.copy_gmem_to_smem(h0_ref.at[b, h, vcols], state_s, state_bar)
-                plgpu.barrier_wait(state_bar)
-                s0 = plgpu.load(state_s, layout=WGMMA)
-            else:
-                s0 = plgpu.layout_cast(jnp.zeros((bv, K), F32), WGMMA)
+            src = (lambda j: h0_ref.at[b, h, vcols]) if has_h0 else None
+            (s0,) = start_state(state_s, src, state_bar, (bv, K))
 
             def step(n, s_t):
                 slot, half = lax.rem(n, stages), lax.rem(n, 2)

@@ -42,7 +42,8 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, WGMMA, cols_of, finish_together, mma_sum, smem, stage, stream)
+    C, COLS, F32, cols_of, finish_together, memory_warpgroup, mma_sum, smem, stage,
+    start_state)
 from pallas_kernels.mosaic_gpu.config import PassConfig
 
 
@@ -84,30 +85,21 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, in
 
         @pl.when(wg == 1)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-
-            def issue(i, slot):  # i-th chunk from the end
+            def copies(i):  # i-th chunk from the end
                 n = N - 1 - i
                 rows = pl.ds(n * C, C)
-                bar = in_bar.at[slot]
-                plgpu.copy_gmem_to_smem(kt_ref.at[b, h, rows], kt_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(w_ref.at[b, h, rows], w_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(qg_ref.at[b, h, rows], qg_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(p_ref.at[b, h, rows], p_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, vcols], do_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(g_ref.at[b, h, n * C + C - 1], gl_s.at[slot], bar)
+                yield from ((kt_ref.at[b, h, rows], kt_s), (w_ref.at[b, h, rows], w_s),
+                            (qg_ref.at[b, h, rows], qg_s), (p_ref.at[b, h, rows], p_s),
+                            (do_ref.at[b, rows, h, vcols], do_s))
+                yield g_ref.at[b, h, n * C + C - 1], gl_s
 
-            stream(issue, N, stages, in_free)
+            memory_warpgroup(copies, N, stages, in_bar, in_free)
 
         @pl.when(wg == 0)
         def _chain():
             plgpu.set_max_registers(232, action="increase")
-            if has_df:
-                plgpu.copy_gmem_to_smem(df_ref.at[b, h, vcols], state_s, state_bar)
-                plgpu.barrier_wait(state_bar)
-                ds0 = plgpu.load(state_s, layout=WGMMA)
-            else:
-                ds0 = plgpu.layout_cast(jnp.zeros((bv, K), F32), WGMMA)
+            src = (lambda j: df_ref.at[b, h, vcols]) if has_df else None
+            (ds0,) = start_state(state_s, src, state_bar, (bv, K))
 
             def step(i, ds_t):
                 slot = lax.rem(i, stages)
