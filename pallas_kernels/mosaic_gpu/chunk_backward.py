@@ -61,6 +61,38 @@ from pallas_kernels.mosaic_gpu.common import (
 from pallas_kernels.mosaic_gpu.config import ChunkBackwardConfig
 
 
+def _out_types(k, v, gated: bool):
+    """dq, dk [B, Tp, H, K], dv [B, Tp, H, V] (input dtype), dβ [B, H, Tp] fp32, and with a gate
+    dG, u [B, H, Tp] and sds [B, H, N, V] fp32."""
+    B, Tp, H, K = k.shape
+    V = v.shape[-1]
+    per_token = jax.ShapeDtypeStruct((B, H, Tp), F32)
+    out = (jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+           jax.ShapeDtypeStruct((B, Tp, H, V), k.dtype), per_token)
+    if gated:
+        out += (per_token, per_token, jax.ShapeDtypeStruct((B, H, Tp // C, V), F32))
+    return out
+
+
+def _send_row_vectors(per_token, per_chunk, b, h, n, rows, gated: bool) -> None:
+    """The chunk's fp32 row vectors from SMEM to HBM, then waits for every store: dβ and, with a
+    gate, dG and u (``per_token``: (SMEM, GMEM) pairs in that order; ``rows``: the chunk's
+    token slice) and sds (``per_chunk``)."""
+    for src, dst in per_token[:1] + (per_token[1:] if gated else ()):
+        plgpu.copy_smem_to_gmem(src, dst.at[b, h, rows])
+    if gated:
+        plgpu.copy_smem_to_gmem(per_chunk[0], per_chunk[1].at[b, h, n])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _launch(body, out_type, scratch, grid, interpret, *args):
+    """One CTA (one warpgroup) per ``(b, h, chunk)``."""
+    return plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("b", "h", "n"),
+        compiler_params=compat.compiler_params(), interpret=interpret,
+    )(*args)
+
+
 def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: float,
                    cfg: ChunkBackwardConfig = ChunkBackwardConfig(), interpret=None):
     """``(dq, dk, dv, dbeta)`` and, with a gate, ``(dG, u, sds)``; see the module docstring.
@@ -76,11 +108,7 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
     if cfg.block is not None and cfg.block < K:
         return _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, scale=scale,
                                        bk=cfg.block, interpret=interpret)
-    per_token = jax.ShapeDtypeStruct((B, H, Tp), F32)
-    out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), dtype), jax.ShapeDtypeStruct((B, Tp, H, K), dtype),
-                jax.ShapeDtypeStruct((B, Tp, H, V), dtype), per_token)
-    if gated:
-        out_type += (per_token, per_token, jax.ShapeDtypeStruct((B, H, N, V), F32))
+    out_type = _out_types(k, v, gated)
     vec = plgpu.SMEM((C,), F32)
     scratch = dict(
         q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((C, V), dtype),
@@ -184,18 +212,11 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
         plgpu.copy_smem_to_gmem(w_st, dq_ref.at[b, rows, h])
         plgpu.copy_smem_to_gmem(r_st, dk_ref.at[b, rows, h])
         plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, h])
-        plgpu.copy_smem_to_gmem(db_s, db_ref.at[b, h, rows])
-        if gated:
-            plgpu.copy_smem_to_gmem(dg_s, dg_ref.at[b, h, rows])
-            plgpu.copy_smem_to_gmem(u_s, u_ref.at[b, h, rows])
-            plgpu.copy_smem_to_gmem(sds_s, sds_ref.at[b, h, n])
-        plgpu.wait_smem_to_gmem(0)
+        _send_row_vectors(((db_s, db_ref), (dg_s, dg_ref), (u_s, u_ref)), (sds_s, sds_ref), b, h, n,
+                          rows, gated)
 
-    args = [q, k, v, do, lam, states, dstates, t0, beta] + ([g2] if gated else [])
-    return plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
-        compiler_params=compat.compiler_params(), interpret=interpret,
-    )(*args)
+    return _launch(body, out_type, scratch, (B, H, N), interpret,
+                   q, k, v, do, lam, states, dstates, t0, beta, *([g2] if gated else []))
 
 
 class _TileRing:
@@ -272,11 +293,7 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
     s0_slots = min(2, _TileRing.n_loads(s0_uses))
     ds_slots = min(2, _TileRing.n_loads(ds_uses))
 
-    per_token = jax.ShapeDtypeStruct((B, H, Tp), F32)
-    out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), dtype), jax.ShapeDtypeStruct((B, Tp, H, K), dtype),
-                jax.ShapeDtypeStruct((B, Tp, H, V), dtype), per_token)
-    if gated:
-        out_type += (per_token, per_token, jax.ShapeDtypeStruct((B, H, N, V), F32))
+    out_type = _out_types(k, v, gated)
     vec = plgpu.SMEM((C,), F32)
     scratch = dict(
         k_s=smem((C, K), dtype), vr_s=smem((C, V), dtype), do_s=smem((C, V), dtype),
@@ -425,15 +442,8 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
             for jv in range(nb):
                 sds_s[pl.ds(jv * bk, bk)] = sds[jv]
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(db_s, db_ref.at[b, h, rows])
-        if gated:
-            plgpu.copy_smem_to_gmem(dg_s, dg_ref.at[b, h, rows])
-            plgpu.copy_smem_to_gmem(u_s, u_ref.at[b, h, rows])
-            plgpu.copy_smem_to_gmem(sds_s, sds_ref.at[b, h, n])
-        plgpu.wait_smem_to_gmem(0)
+        _send_row_vectors(((db_s, db_ref), (dg_s, dg_ref), (u_s, u_ref)), (sds_s, sds_ref), b, h, n,
+                          rows, gated)
 
-    args = [q, k, v, do, lam, states, dstates, t0, beta] + ([g2] if gated else [])
-    return plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
-        compiler_params=compat.compiler_params(), interpret=interpret,
-    )(*args)
+    return _launch(body, out_type, scratch, (B, H, N), interpret,
+                   q, k, v, do, lam, states, dstates, t0, beta, *([g2] if gated else []))
