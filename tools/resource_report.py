@@ -48,8 +48,11 @@ def _capturing(outdir):
     The one place of the repository that imports jax's private modules: the Triton IR of a
     kernel and its launch settings exist only inside the Pallas Triton lowering (no public API
     returns them), and the GPU model it targets must be forced to H200 on a CPU machine."""
-    from jax._src.pallas.triton import gpu_info
     from jax._src.pallas.triton import pallas_call_registration as pcr
+
+    # The lowering's own GPU-model module (jax._src.pallas.triton.gpu_info up to jax 0.12.0,
+    # jax._src.gpu_info from 0.12.1): taken from the module that uses it, so both work.
+    gpu_info = pcr.gpu_info_lib
 
     from pallas_kernels.gpu import api
 
