@@ -471,6 +471,7 @@ OUR_VARIANTS_FULL = [("rewy", "recompute"), ("rewy", "save"), ("wy", "recompute"
 # select fewer with --impls).
 OUR_VARIANTS_QUICK = {"pallas_gpu": [("rewy", "recompute"), ("rewy", "save"), ("wy", "recompute"),
                                      ("wy", "save")],
+                      "mosaic_gpu": [("rewy", "recompute"), ("rewy", "save")],
                       "xla": [("rewy", "recompute")]}
 
 
@@ -492,9 +493,10 @@ def all_impls(quick: bool, backends_=None, kernel_config=None) -> list:
         variants = OUR_VARIANTS_QUICK.get(be, OUR_VARIANTS_QUICK["xla"]) if quick else OUR_VARIANTS_FULL
         for bw, pol in variants:
             impls.append(Ours(be, bw, pol, kernel_config=kernel_config))
-        if be == "pallas_gpu":  # the centred fast path that a declared gate bound enables
-            impls += [Ours(be, "rewy", "recompute", -5.0, kernel_config),
-                      Ours(be, "wy", "recompute", -5.0, kernel_config)]
+        if be in ("pallas_gpu", "mosaic_gpu"):  # the centred path a declared gate bound enables
+            impls.append(Ours(be, "rewy", "recompute", -5.0, kernel_config))
+            if be == "pallas_gpu":  # (the Mosaic kernels have the ReWY backward only)
+                impls.append(Ours(be, "wy", "recompute", -5.0, kernel_config))
     impls += [Jla("mosaic_gpu"), Jla("chunked"), TorchFla(graph=False), TorchFla(graph=True),
               Autodiff()]
     return impls
