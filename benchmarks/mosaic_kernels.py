@@ -117,6 +117,9 @@ def parts(op, s: Shape):
                                            save_states=True))
     o, _, states = ffs(qp, kp, vp, t0, g2, bh)
     out["fused forward + states"] = time_ms(lambda: ffs(qp, kp, vp, t0, g2, bh))
+    rec = jax.jit(lambda *a: fused_forward(*a, None, scale=scale, cfg=cfg.forward, out_final=False,
+                                           save_states=True, out_o=False))
+    out["state recompute (no output)"] = time_ms(lambda: rec(qp, kp, vp, t0, g2, bh))
     sb = jax.jit(lambda *a: state_backward(*a, None, scale=scale, cfg=cfg.state_backward))
     lam, dst, _ = sb(qp, kp, o, t0, g2, bh)
     out["state backward"] = time_ms(lambda: sb(qp, kp, o, t0, g2, bh))

@@ -169,6 +169,10 @@ def test_kernels_lower_for_cuda(D, gated, packed):
         return fused_forward(q, k, v, t0, pick(g2), b, h0, scale=0.1, cfg=cfg.forward, out_final=True,
                              save_states=True, meta=meta)
 
+    def recompute(k, v, t0, g2, b, h0):  # the recompute policy's states-only forward
+        return fused_forward(None, k, v, t0, pick(g2), b, h0, scale=0.1, cfg=cfg.forward,
+                             out_final=False, save_states=True, meta=meta, out_o=False)
+
     def sbwd(q, k, do, t0, g2, b, df):
         return state_backward(q, k, do, t0, pick(g2), b, df, scale=0.1, cfg=cfg.state_backward,
                               meta=meta, **slots)
@@ -179,6 +183,7 @@ def test_kernels_lower_for_cuda(D, gated, packed):
 
     for f, args in ((lambda k, b: chunk_inverse(k, b), [s["tok"], s["vec"]]),
                     (fwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]]),
+                    (recompute, [s["tok"]] * 2 + [s["t0"], s["vec"], s["vec"], s["st"]]),
                     (sbwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]]),
                     (cbwd, [s["tok"]] * 5 + [s["states"]] * 2 + [s["t0"], s["vec"], s["vec"]])):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

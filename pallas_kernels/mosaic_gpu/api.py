@@ -152,7 +152,8 @@ def _backward_x32(scale, cfg, interpret, res, cts):
     ip = compat.interpret_params(interpret)
     if states is None:  # policy "recompute": the forward again, keeping only the chunk states
         _, _, states = fused_forward(qp, kp, vp, t0, g2, beta_hm, h0t, scale=scale, cfg=cfg.forward,
-                                     out_final=False, save_states=True, meta=meta, interpret=ip)
+                                     out_final=False, save_states=True, meta=meta, interpret=ip,
+                                     out_o=False)
     dop = prep.pad_time(do.astype(vp.dtype), Tp)
     dfinal_t = jnp.swapaxes(dfinal.astype(jnp.float32), -1, -2)
     lam, dstates, dh0t = state_backward(qp, kp, dop, t0, g2, beta_hm, dfinal_t, scale=scale,

@@ -19,12 +19,14 @@ One CTA per ``(b, h, 64 value columns)`` walks its chunks in order with three wa
 
 All three matmuls of the chain take their left operand from registers (WGMMA), so neither W, R
 nor the chunk states reach HBM, unless ``save_states`` asks for the chunk start states
-(``[B, H, N, V, K]`` in the input dtype; the backward's ``save`` policy reads them).
+(``[B, H, N, V, K]`` in the input dtype; the backward's ``save`` policy reads them). The
+``recompute`` policy's backward runs this kernel again with ``out_o=False``: the chain and Ag
+only, for the chunk start states.
 Math: docs/math.md (§ chunked forward); this is the scalar-gate, gate-free-inverse form of it.
 
-Reads:  q, k [B, Tp, H, K]; v [B, Tp, H, V]; t0 [B, H, Tp, C]; g2, beta [B, H, Tp] fp32;
+Reads:  q (not with ``out_o=False``), k [B, Tp, H, K]; v [B, Tp, H, V]; t0 [B, H, Tp, C]; g2, beta [B, H, Tp] fp32;
         h0t [B, H, V, K] fp32 (optional).
-Writes: o [B, Tp, H, V]; final state ᵀ [B, H, V, K] fp32 (optional); chunk states (optional).
+Writes: o [B, Tp, H, V] (``out_o``); final state ᵀ [B, H, V, K] fp32 (optional); chunk states (optional).
 
 Packed sequences (``meta``): B = 1, every sequence starts on a chunk boundary (the caller re-lays
 them, rewy_jax.layout), and ``meta [N, META]`` int32 holds per chunk (reset, slot, end, 0...): at a
@@ -49,10 +51,12 @@ from pallas_kernels.mosaic_gpu.config import PassConfig
 
 
 def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
-                  out_final: bool, save_states: bool, meta=None, interpret=None):
-    """``(o [B, Tp, H, V], final ᵀ [B, H, V, K] fp32 | None, states [B, H, N, V, K] | None)``.
+                  out_final: bool, save_states: bool, meta=None, interpret=None, out_o: bool = True):
+    """``(o [B, Tp, H, V] | None, final ᵀ [B, H, V, K] fp32 | None, states [B, H, N, V, K] | None)``.
 
     ``g2`` is ``None`` for DeltaNet (no gate); ``h0t`` is ``None`` for a zero initial state.
+    ``out_o=False`` is the backward's state recompute: WG1 only builds Ag and hands the published
+    tiles back (no Q Kᵀ, no output products, q never loaded, no o written).
     """
     B, Tp, H, K = k.shape
     V = v.shape[-1]
@@ -68,12 +72,12 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
         raise ValueError("packed sequences need B == 1 and per-sequence initial states h0t")
     stages = cfg.stages
 
-    out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dtype)]
+    out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dtype)] if out_o else []
     if out_final:
         out_type.append(jax.ShapeDtypeStruct(h0t.shape if packed else (B, H, V, K), F32))
     if save_states:
         out_type.append(jax.ShapeDtypeStruct((B, H, N, V, K), dtype))
-    n_copies = 5 + gated + packed  # q, k, v, t0, beta (+ g) (+ meta)
+    n_copies = 4 + out_o + gated + packed  # (q), k, v, t0, beta (+ g) (+ meta)
     scratch = dict(
         q_s=smem((stages, C, K), dtype), k_s=smem((stages, C, K), dtype),
         v_s=smem((stages, C, bv), dtype), t_s=smem((stages, C, C), dtype),
@@ -95,11 +99,12 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
     def body(*refs, q_s, k_s, v_s, t_s, tl_s, b_s, g_s, s_pub, r_pub, o_out, w_stage, in_bar,
              in_free, ag_ready, s_ready, s_free, state_bar, done, state_s=None, meta_s=None):
         refs = list(refs)
-        q_ref, k_ref, v_ref, t_ref, b_ref = (refs.pop(0) for _ in range(5))
+        q_ref = refs.pop(0) if out_o else None
+        k_ref, v_ref, t_ref, b_ref = (refs.pop(0) for _ in range(4))
         g_ref = refs.pop(0) if gated else None
         meta_ref = refs.pop(0) if packed else None
         h0_ref = refs.pop(0) if has_h0 else None
-        o_ref = refs.pop(0)
+        o_ref = refs.pop(0) if out_o else None
         fin_ref = refs.pop(0) if out_final else None
         st_ref = refs.pop(0) if save_states else None
         b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
@@ -110,7 +115,9 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
         def _memory():
             def copies(n):
                 rows = pl.ds(n * C, C)
-                yield from ((q_ref.at[b, rows, h], q_s), (k_ref.at[b, rows, h], k_s),
+                if out_o:
+                    yield q_ref.at[b, rows, h], q_s
+                yield from ((k_ref.at[b, rows, h], k_s),
                             (v_ref.at[b, rows, h, vcols], v_s), (t_ref.at[b, h, rows], t_s),
                             (b_ref.at[b, h, rows], b_s))
                 if gated:
@@ -219,6 +226,11 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                 tl_s.at[slot][...] = (ag - ag_hi.astype(F32)).astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ag_ready.at[slot])
+                if not out_o:  # the state recompute: only Ag was needed
+                    plgpu.barrier_wait(s_ready.at[half])
+                    plgpu.barrier_arrive(s_free.at[half])
+                    plgpu.barrier_arrive(in_free.at[slot])
+                    return carry
                 # P is staged in o_out[half], which chunk n − 2's output store must have read.
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                 p = stage(o_out.at[half], mma(q_s.at[slot], k_s.at[slot].T, (C, C)) * decay)
@@ -241,7 +253,7 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
 
         finish_together(done)
 
-    args = [q, k, v, t0, beta] + ([g2] if gated else []) + ([meta] if packed else [])
+    args = ([q] if out_o else []) + [k, v, t0, beta] + ([g2] if gated else []) + ([meta] if packed else [])
     args += [h0t] if has_h0 else []
     outs = plgpu.kernel(
         body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
@@ -249,7 +261,7 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(*args)
     outs = list(outs)
-    o = outs.pop(0)
+    o = outs.pop(0) if out_o else None
     final = outs.pop(0) if out_final else None
     states = outs.pop(0) if save_states else None
     return o, final, states
