@@ -91,6 +91,12 @@ def prepare(q, k, v, g, beta, interpret: bool = False):
     return q, k, v, t0, g2, beta_hm
 
 
+def _state_layout(x, cfg: config.PassConfig):
+    """A fp32 state ``[.., K, V]`` to the fused forward's layout and back: as is with
+    ``key_rows``, else transposed to ``[.., V, K]``."""
+    return x if cfg.key_rows else jnp.swapaxes(x, -1, -2)
+
+
 def _unpad_scalars(x, T: int):
     """Head-major ``[B, H, Tp]`` -> ``[B, T, H]``."""
     return jnp.swapaxes(x, 1, 2)[:, :T]
@@ -130,13 +136,13 @@ def _forward(q, k, v, g, beta, h0, meta, scale, policy, cfg, interpret):
     T = q.shape[1]
     with compat.x32():
         qp, kp, vp, t0, g2, beta_hm = prepare(q, k, v, g, beta, interpret)
-        h0t = jnp.swapaxes(h0.astype(jnp.float32), -1, -2)
+        h0t = _state_layout(h0.astype(jnp.float32), cfg.forward)
         o, final_t, states = fused_forward(qp, kp, vp, t0, g2, beta_hm, h0t, scale=scale,
                                            cfg=cfg.forward, out_final=True,
                                            save_states=policy == "save", meta=meta,
                                            interpret=compat.interpret_params(interpret))
     res = (qp, kp, vp, t0, g2, beta_hm, h0t, states, meta, g is None)
-    return (o[:, :T], jnp.swapaxes(final_t, -1, -2)), res
+    return (o[:, :T], _state_layout(final_t, cfg.forward)), res
 
 
 def _backward(scale, policy, cfg, interpret, res, cts):

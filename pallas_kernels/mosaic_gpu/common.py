@@ -25,10 +25,13 @@ ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, N] register t
 COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
-def smem(shape, dtype) -> plgpu.SMEM:
-    """An SMEM buffer tiled and swizzled so TMA can fill it and WGMMA can read it (minor dim last)."""
+def smem(shape, dtype, max_swizzle: int = 128) -> plgpu.SMEM:
+    """An SMEM buffer tiled and swizzled so TMA can fill it and WGMMA can read it (minor dim last).
+
+    The two operands of a WGMMA must share one swizzle: a kernel whose narrowest operand has
+    32 16-bit columns (64 bytes) gives every operand buffer ``max_swizzle=64``."""
     dtype = jnp.dtype(dtype)
-    swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
+    swizzle = min(plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8), max_swizzle)
     return plgpu.SMEM(shape, dtype, transforms=(
         plgpu.TilingTransform((8, swizzle // dtype.itemsize)), plgpu.SwizzleTransform(swizzle)))
 

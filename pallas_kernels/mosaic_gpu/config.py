@@ -35,15 +35,20 @@ class PassConfig:
         tiles ``[block_v, k_block]``, runs the state update one WGMMA per block (one block's
         fresh accumulator live beside the state, not a second whole state) and moves the fp32
         initial/final state through SMEM one block at a time. The vector-gate kernels ignore it.
+    key_rows: the fused forward holds the state as ``S [K, block_v]`` (64-row blocks; every
+        chain product takes both operands from SMEM) instead of ``Sᵀ [block_v, K]``, so that
+        ``block_v = 32`` is possible (twice the CTAs); its h0 and final state are ``[.., K, V]``.
     """
 
     block_v: int = 64
     stages: int = 2
     k_block: int | None = None
+    key_rows: bool = False
 
     def __post_init__(self):
-        if self.block_v != 64:
-            raise ValueError(f"PassConfig.block_v must be 64 (one WGMMA M-tile), got {self.block_v}")
+        if self.block_v not in ((32, 64) if self.key_rows else (64,)):
+            raise ValueError(f"PassConfig.block_v must be 64 (one WGMMA M-tile), or 32 with "
+                             f"key_rows, got {self.block_v}")
         if not 1 <= self.stages <= 4:
             raise ValueError(f"PassConfig.stages must be in [1, 4], got {self.stages}")
         if self.k_block not in (None, 64, 128):

@@ -62,7 +62,9 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
     V = v.shape[-1]
     N = Tp // C
     bv = cfg.block_v
-    kb = cfg.key_block(K)  # key columns per register-state block
+    key_rows = cfg.key_rows
+    # value rows: Sᵀ in key-column blocks [bv, kb]; key rows: S in 64-row blocks [64, bv]
+    kb = C if key_rows else cfg.key_block(K)
     nkb = K // kb
     dtype = k.dtype
     gated = g2 is not None
@@ -74,17 +76,20 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
 
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dtype)] if out_o else []
     if out_final:
-        out_type.append(jax.ShapeDtypeStruct(h0t.shape if packed else (B, H, V, K), F32))
+        out_type.append(jax.ShapeDtypeStruct(
+            h0t.shape if packed else ((B, H, K, V) if key_rows else (B, H, V, K)), F32))
     if save_states:
         out_type.append(jax.ShapeDtypeStruct((B, H, N, V, K), dtype))
     n_copies = 4 + out_o + gated + packed  # (q), k, v, t0, beta (+ g) (+ meta)
+    # A WGMMA's operands share one swizzle: [C, 32] tiles (block_v = 32) allow at most 64 bytes.
+    tile = lambda shape: smem(shape, dtype, 128 if bv == C else 64)  # noqa: E731
     scratch = dict(
-        q_s=smem((stages, C, K), dtype), k_s=smem((stages, C, K), dtype),
-        v_s=smem((stages, C, bv), dtype), t_s=smem((stages, C, C), dtype),
-        tl_s=smem((stages, C, C), dtype),
+        q_s=tile((stages, C, K)), k_s=tile((stages, C, K)),
+        v_s=tile((stages, C, bv)), t_s=tile((stages, C, C)),
+        tl_s=tile((stages, C, C)),
         b_s=vectors(stages), g_s=vectors(stages),
-        s_pub=smem((2, bv, K), dtype), r_pub=smem((2, C, bv), dtype), o_out=smem((2, C, bv), dtype),
-        w_stage=smem((bv, C), dtype),
+        s_pub=tile((2, bv, K)), r_pub=tile((2, C, bv)), o_out=tile((2, C, bv)),
+        w_stage=tile((C, bv) if key_rows else (bv, C)),
         in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         ag_ready=plgpu.Barrier(num_barriers=stages),
@@ -92,12 +97,15 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
         state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
     )
     if has_h0 or out_final:
-        scratch["state_s"] = smem((bv, kb), F32)  # one block of the fp32 state at a time
+        # one block of the fp32 state at a time
+        scratch["state_s"] = smem((kb, bv) if key_rows else (bv, kb), F32)
     if packed:
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
+    if bv < C:  # P [C, C] does not fit the output tile
+        scratch["p_s"] = tile((C, C))
 
     def body(*refs, q_s, k_s, v_s, t_s, tl_s, b_s, g_s, s_pub, r_pub, o_out, w_stage, in_bar,
-             in_free, ag_ready, s_ready, s_free, state_bar, done, state_s=None, meta_s=None):
+             in_free, ag_ready, s_ready, s_free, state_bar, done, state_s=None, meta_s=None, p_s=None):
         refs = list(refs)
         q_ref = refs.pop(0) if out_o else None
         k_ref, v_ref, t_ref, b_ref = (refs.pop(0) for _ in range(4))
@@ -127,7 +135,92 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
 
             memory_warpgroup(copies, N, stages, in_bar, in_free)
 
-        @pl.when(wg == 0)
+        def _state_chain_key_rows():
+            plgpu.set_max_registers(232, action="increase")
+            # S [K, bv] as K/64 register tiles [64, bv] (key rows j·64 onwards); h0 and the final
+            # state in [.., K, V] layout.
+            rows_j = lambda j: pl.ds(j * C, C)  # noqa: E731
+            src = (lambda j: h0_ref.at[b, h, rows_j(j), vcols]) if has_h0 and not packed else None
+            s0 = start_state(state_s, src, state_bar, (C, bv), nkb)
+
+            def publish(ref, s_blocks):
+                """S into ``ref [bv, K]`` as Sᵀ (the layout WG1, the chain and TMA read)."""
+                for j, x in enumerate(s_blocks):
+                    key_block(ref, j, C).T[...] = x.astype(dtype)
+                plgpu.commit_smem()
+                return ref
+
+            def step(n, s_blk):
+                slot, half = lax.rem(n, stages), lax.rem(n, 2)
+                plgpu.barrier_wait(in_bar.at[slot])
+
+                @pl.when(n >= 2)
+                def _():  # WG1 is done with the tiles published two chunks ago
+                    plgpu.barrier_wait(s_free.at[half])
+
+                if packed:  # a sequence starts here: its initial state replaces the carry
+                    reset, seq = meta_s[slot, 0], meta_s[slot, 1]
+                    blocks = []
+                    for j in range(nkb):
+                        if j:  # every thread has read block j − 1 before TMA overwrites it
+                            plgpu.commit_smem()
+
+                        @pl.when(reset == 1)
+                        def _():
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a final store read it
+                            plgpu.copy_gmem_to_smem(h0_ref.at[seq, h, rows_j(j), vcols], state_s,
+                                                    state_bar)
+                            plgpu.barrier_wait(state_bar)
+
+                        blocks.append(jnp.where(reset == 1, plgpu.load(state_s, layout=WGMMA), s_blk[j]))
+                    s_blk = tuple(blocks)
+
+                if save_states:  # the TMA store of chunk n − 2's state has read s_pub[half]
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                s_lo = publish(s_pub.at[half], s_blk)  # the chunk start state, for WG1 and the chain
+                if save_states:
+                    plgpu.copy_smem_to_gmem(s_pub.at[half], st_ref.at[b, h, n, vcols])
+                pred = mma(k_s.at[slot], s_lo.T, (C, bv))  # K S [C, bv]
+                v_c = plgpu.load(v_s.at[slot], layout=WGMMA).astype(F32)
+                if gated:
+                    g_row = plgpu.load(g_s.at[slot], layout=ROWS)
+                    g_last = g_s[slot, C - 1]
+                    w = v_c - pred * rows_of(jnp.exp2(g_row), (C, bv))
+                else:
+                    w = v_c - pred
+                plgpu.barrier_wait(ag_ready.at[slot])
+                w_s = stage(w_stage, w)  # R = (Ag_hi + Ag_lo) W
+                r = mma_sum(((t_s.at[slot], w_s), (tl_s.at[slot], w_s)), (C, bv))
+                r_pub.at[half][...] = r.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(s_ready.at[half])
+                # S ← γ_C S + Kᵀ (t ⊙ R): every 64-row block in one round trip
+                if gated:
+                    tail = stage(w_stage, r * rows_of(jnp.exp2(g_last - g_row), (C, bv)))
+                    decay_c = jnp.exp2(g_last)
+                else:
+                    tail, decay_c = r_pub.at[half], None
+                upd = mma_group(tuple((((key_block(k_s.at[slot], j, C).T, tail),), (C, bv))
+                                      for j in range(nkb)))
+                s_new = tuple(u + (x if decay_c is None else x * decay_c) for u, x in zip(upd, s_blk))
+                if packed and out_final:  # a sequence ends here: store its final state
+                    end, seq = meta_s[slot, 2], meta_s[slot, 1]
+
+                    @pl.when(end == 1)
+                    def _():  # (an earlier sequence's final store may still read state_s)
+                        store_state(state_s, s_new, lambda j: fin_ref.at[seq, h, rows_j(j), vcols],
+                                    wait_first=True)
+                plgpu.barrier_arrive(in_free.at[slot])
+                return s_new
+
+            s_blk = lax.fori_loop(0, N, step, s0)
+            for n in range(max(N - 2, 0), N):  # observe WG1's last releases of the published tiles
+                plgpu.barrier_wait(s_free.at[n % 2])
+            if out_final and not packed:  # no earlier store read state_s
+                store_state(state_s, s_blk, lambda j: fin_ref.at[b, h, rows_j(j), vcols],
+                            wait_first=False)
+            plgpu.wait_smem_to_gmem(0)
+
         def _state_chain():
             plgpu.set_max_registers(232, action="increase")
             # The state is a tuple of nkb register tiles [BV, kb] (key columns j·kb onwards).
@@ -204,6 +297,8 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                             wait_first=False)
             plgpu.wait_smem_to_gmem(0)
 
+        pl.when(wg == 0)(_state_chain_key_rows if key_rows else _state_chain)
+
         @pl.when(wg == 1)
         def _output():
             plgpu.set_max_registers(232, action="increase")
@@ -231,9 +326,11 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                     plgpu.barrier_arrive(s_free.at[half])
                     plgpu.barrier_arrive(in_free.at[slot])
                     return carry
-                # P is staged in o_out[half], which chunk n − 2's output store must have read.
+                # P is staged in o_out[half] (when it fits there: block_v = C), which chunk
+                # n − 2's output store must have read.
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                p = stage(o_out.at[half], mma(q_s.at[slot], k_s.at[slot].T, (C, C)) * decay)
+                p = stage(o_out.at[half] if p_s is None else p_s,
+                          mma(q_s.at[slot], k_s.at[slot].T, (C, C)) * decay)
                 plgpu.barrier_wait(s_ready.at[half])
                 qs0 = ((q_s.at[slot], s_pub.at[half].T),)  # Q S0
                 if gated:  # Γ Q S0 + P R: two accumulators, one round trip
