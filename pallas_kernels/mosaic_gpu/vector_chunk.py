@@ -37,13 +37,15 @@ the fp32 G tile in SMEM and selected per row group (64/(2b) selects at level b).
 
 **Round trips.** The levels are independent: a level's 3·K/64 operand tiles are stored and
 fenced together and its T and P products (each summed over the key pieces in one accumulator)
-issued as one group, as many levels per group as the six staging tiles hold (one at K = 128,
-two at K = 64); P's diagonal rides with the first group. W and U take A split as hi + lo (two
-WGMMAs into one accumulator each), every piece of both in one group. Per chunk (KDA and GDN2
-alike, counted from the traced program):
+issued as one group, two levels per group where the staging tiles hold them
+(config.vector_chunk_staging_tiles: at K = 64, and for KDA at K = 128; GDN2 at K = 128 one);
+P's diagonal rides with the first group. W and U take A split as hi + lo (two WGMMAs into one
+accumulator each), every piece of both in one group. Per chunk (counted from the traced
+program; before grouping, KDA and GDN2 alike, in brackets):
 
-    D = 128   exact 64 WGMMAs in 17 round trips (before grouping 44)   centred 52 in 14 (32)
-    D = 64    exact 47 in 14 (27)                                       centred 41 in 13 (21)
+    D = 128, KDA    exact 64 WGMMAs in 14 round trips (44)    centred 52 in 13 (32)
+    D = 128, GDN2   exact 64 in 17 (44)                       centred 52 in 14 (32)
+    D = 64          exact 47 in 14 (27)                       centred 41 in 13 (21)
 
 of which the inverse is 30 in 10 (its two products per level depend on each other).
 
@@ -52,14 +54,14 @@ hi + lo: A is the precision-sensitive factor; KDA folds β into A's columns
 (A diag(β) Ē' with Ē' = 2^G ⊙ K, and A diag(β) V), GDN2 reads Z = w ⊙ v from vector_prep.
 
 Warpgroup: one, holding in registers the T and P accumulators ``[C, C]`` fp32 beside a group's
-products (two ``[C, C]`` a level: ≤ 192 registers a thread at K = 64, 128 at 128), then the
-K/64 + V/64 W and U accumulators ``[C, 64]`` (128 at D = 128).
-SMEM (vector_chunk_smem_bytes in config.py, unchanged by the grouping; 200 KiB at K = V = 128
-for GDN2, 168 KiB for KDA):
+products (two ``[C, C]`` a level: ≤ 192 registers a thread), then the K/64 + V/64 W and U
+accumulators ``[C, 64]`` (128 at D = 128).
+SMEM (vector_chunk_smem_bytes in config.py; at K = V = 128 GDN2 200 KiB as before grouping, KDA
+216 KiB with its twelve staging tiles, 168 KiB before; at 64 unchanged, 128 and 112 KiB):
   inputs q, k [K/64, C, 64] and x [V/64, C, 64] (16-bit, swizzled), G [K/64, C, 64] fp32 twice
-  (swizzled for tiles, plain for the frame rows), b [K/64, C, 64] fp32 (GDN2) or β [C]; six
-  [C, C] bf16 staging tiles (Gram operands, the inverse's split pairs, A's hi/lo, Ē then W:
-  hence bf16 inputs only); one output tile (P). Qγ, K_tail and U are staged in place of q, k
+  (swizzled for tiles, plain for the frame rows), b [K/64, C, 64] fp32 (GDN2) or β [C]; six or
+  twelve [C, C] bf16 staging tiles (Gram operands, the inverse's split pairs, A's hi/lo, Ē then
+  W: hence bf16 inputs only); one output tile (P). Qγ, K_tail and U are staged in place of q, k
   and x.
 
 Reads:  q, k [B, Tp, H, K]; x [B, Tp, H, V] (v for KDA, z for GDN2); g2 [B, H, Tp, K] fp32;
@@ -81,13 +83,12 @@ from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.chunk_inverse import invert_unit_lower, split_pair
 from pallas_kernels.mosaic_gpu.common import (
     C, COLS, F32, ROWS, WGMMA, cols_of, iota, mma_group, put, rows_of, smem, stage)
-from pallas_kernels.mosaic_gpu.config import PIECE
+from pallas_kernels.mosaic_gpu.config import PIECE, vector_chunk_staging_tiles
 
 EXACT_LEVELS = (32, 16, 8, 4, 2, 1)
 CENTRED_LEVELS = (32, 16)  # pairs in different 16-row sub-chunks; the diagonal blocks centred
 SUB = 16  # rows per sub-chunk of the centred diagonal blocks
 MID = 8  # the centred frame's row within its sub-chunk
-N_STAGING = 6  # [C, 64] bf16 staging tiles: a round trip's Gram operands, the inverse's split pairs
 
 
 def _frame_tile(g_piece, size: int, offset: int):
@@ -119,6 +120,8 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
     if dtype != bf:  # A's split pair is bf16 and multiplies x (U = A Z); W is staged in bf16 tiles
         raise ValueError(f"vector_chunk takes bf16 inputs, got {jnp.dtype(dtype).name}")
     nk, nv = K // PIECE, V // PIECE
+    # [C, C] bf16 staging tiles: two Gram levels' operands per round trip where SMEM holds them
+    n_staging = vector_chunk_staging_tiles(K, V, jnp.dtype(dtype).itemsize, channel_erase)
     tile = lambda n: smem((n, C, PIECE), dtype)  # noqa: E731
     scratch = dict(
         q_s=tile(nk), k_s=tile(nk), x_s=tile(nv), g_s=smem((nk, C, PIECE), F32),
@@ -126,7 +129,7 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
         # the swizzled g_s (an untransformed fp32 tile has no bank-conflict-free WGMMA load)
         g_rows=plgpu.SMEM((nk, C, PIECE), F32),
         e_s=smem((nk, C, PIECE), F32) if channel_erase else plgpu.SMEM((C,), F32),
-        st=smem((N_STAGING, C, C), bf), out_s=smem((C, C), dtype),
+        st=smem((n_staging, C, C), bf), out_s=smem((C, C), dtype),
         bar=plgpu.Barrier(num_arrivals=4 * nk + nv + (nk if channel_erase else 1)),
     )
     out_type = (jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, V), dtype),
@@ -186,9 +189,9 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
                   for lev in (CENTRED_LEVELS if centred else EXACT_LEVELS)]
         if centred:  # the diagonal sub-chunk blocks (select, not multiply: cross-block entries may be inf)
             levels.append(((r // SUB == c // SUB) & (c < r), SUB, MID, False))
-        # As many levels per round trip as the six staging tiles hold (3·K/64 operands a level:
-        # two at K = 64, one at 128); the levels are independent, so their products go together.
-        per_trip = N_STAGING // (3 * nk)
+        # As many levels per round trip as the staging tiles hold (3·K/64 operands a level): the
+        # levels are independent, so their products go together (two: K = 64, and KDA at 128).
+        per_trip = n_staging // (3 * nk)
         # The diagonal of P (decay factor 1) from the inputs as given, in the first group: its
         # operands are not rounded again after a frame scaling (taking it from the centred product
         # instead raised o's error from 3.1e-3 to 4.0e-3 in tests/test_mosaic_gpu_vector.py's
