@@ -38,9 +38,9 @@ The terms with decay factor 1 (the diagonal query-key pairs, each row's own path
 state) are kept out of ``pairs``: they would enter with both signs and cancel (chunk_algebra).
 
 Registers: the accumulators de, dq̃, dk [C, 64] fp32 (96 per thread) and, across a level's wait,
-its three products and one frame-factor tile (128 more, 224 in all: the bit levels' two sides share one exp2
-tile, the centred level re-forms its y side from SMEM after the wait); the second group's five
-products are 160. The [C, C] tiles dT and dA wait in SMEM (bf16) between levels.
+its three products and one frame-factor tile (128 more, 224 in all: the bit levels' two sides
+share one exp2 tile, the centred level re-forms its y side from SMEM after the wait); the second
+group's five products are 160. The [C, C] tiles dT and dA wait in SMEM (bf16) between levels.
 SMEM (config.vector_chunk_backward_smem_bytes): dO, dR, R ``[V/64, C, 64]``, S0ᵀ and dSᵀ
 ``[V/64, 64, 64]`` (the piece's key columns), A hi/lo, q, k, e ``[C, 64]`` (16-bit); G twice
 (swizzled for tiles, plain for the frame rows) and three fp32 output tiles. The level loop's five
@@ -132,7 +132,8 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *
         lam_s = dr_s
         # Everything else outside the Gram terms, in one group: Λ Rᵀ and dO Rᵀ (→ dT, dA), and
         # Λ S0ᵀ, dO S0ᵀ, R dSᵀ (this piece's key columns).
-        over_v = lambda x, y: tuple((x.at[i], y.at[i]) for i in range(nv))  # noqa: E731  Σ over value pieces
+        # Σ over the value pieces of x_i y_i (or x_i y_iᵀ)
+        over_v = lambda x, y: tuple((x.at[i], y.at[i]) for i in range(nv))  # noqa: E731
         over_v_t = lambda x, y: tuple((x.at[i], y.at[i].T) for i in range(nv))  # noqa: E731
         lr, dor, ls0, dos0, rds = mma_group((
             (over_v_t(lam_s, r_s), (C, C)), (over_v_t(do_s, r_s), (C, C)),
@@ -179,8 +180,8 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *
             put(xq_s, load(q_s) * (fx * scale))
             put(ky_s, load(k_s) * fy)
             plgpu.commit_smem()
-            m34, m1, m2 = mma_group((
-                (((dtl_s.T, xe_s), (dal_s.T, xq_s)), tile), (((dtl_s, ky_s),), tile), (((dal_s, ky_s),), tile)))
+            m34, m1, m2 = mma_group(((((dtl_s.T, xe_s), (dal_s.T, xq_s)), tile),
+                                     (((dtl_s, ky_s),), tile), (((dal_s, ky_s),), tile)))
             if masked:  # m1, m2 live on the x rows and m34 on the y rows, so f alone scales them
                 return (de + jnp.where(up, m1 * f, 0.0), dq + jnp.where(up, m2 * f, 0.0),
                         dk + jnp.where(up, 0.0, m34 * f))
