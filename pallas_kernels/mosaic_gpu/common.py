@@ -93,6 +93,14 @@ def stage(ref, x):
     return ref
 
 
+def put(ref, x):
+    """Store register tile ``x`` into SMEM ``ref`` in ``ref``'s dtype, unfenced; returns ``ref``.
+    For the several operands of one :func:`mma_group`: each tile is stored as soon as it is
+    formed (short register lifetimes) and one ``plgpu.commit_smem()`` fences them all."""
+    ref[...] = x.astype(ref.dtype)
+    return ref
+
+
 def iota(shape, dim: int) -> jax.Array:
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
 

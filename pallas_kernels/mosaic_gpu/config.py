@@ -187,12 +187,27 @@ class VectorConfig:
             raise ValueError(f"VectorConfig.out_buffers must be 1 or 2, got {self.out_buffers}")
 
 
+def _vector_chunk_bytes(K: int, V: int, itemsize: int, channel_erase: bool, staging: int) -> int:
+    inputs = 2 * C * K * itemsize + C * V * itemsize + 2 * C * K * 4 + (C * K * 4 if channel_erase else C * 4)
+    return inputs + staging * C * C * 2 + C * C * itemsize
+
+
+def vector_chunk_staging_tiles(K: int, V: int, itemsize: int, channel_erase: bool) -> int:
+    """[C, C] bf16 staging tiles of the vector-gate chunk kernel: room for two Gram levels' operands
+    (3·K/64 tiles each) per round trip where SMEM holds them beside the inputs, else for one; at
+    least six (the inverse's three split pairs). Six at K = 64 (two levels; KDA keeps two CTAs on
+    an SM), twelve for KDA at K = 128, six for GDN2 there (its fp32 b leaves no room: one level)."""
+    two_levels = max(6, 6 * (K // PIECE))
+    return two_levels if _vector_chunk_bytes(K, V, itemsize, channel_erase, two_levels) <= SMEM_BUDGET else 6
+
+
 def vector_chunk_smem_bytes(K: int, V: int, itemsize: int, channel_erase: bool) -> int:
     """SMEM of the vector-gate chunk kernel (its scratch list, see vector_chunk.vector_chunk):
-    inputs q, k, v|z, G twice (fp32, swizzled and plain), b (fp32, GDN2) or β; six [C, C] bf16
-    staging tiles and one output tile (the other outputs reuse the inputs' buffers)."""
-    inputs = 2 * C * K * itemsize + C * V * itemsize + 2 * C * K * 4 + (C * K * 4 if channel_erase else C * 4)
-    return inputs + 6 * C * C * 2 + C * C * itemsize
+    inputs q, k, v|z, G twice (fp32, swizzled and plain), b (fp32, GDN2) or β; the
+    vector_chunk_staging_tiles [C, C] bf16 staging tiles and one output tile (the other outputs
+    reuse the inputs' buffers)."""
+    return _vector_chunk_bytes(K, V, itemsize, channel_erase,
+                               vector_chunk_staging_tiles(K, V, itemsize, channel_erase))
 
 
 def vector_state_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, out_buffers: int,

@@ -35,17 +35,34 @@ share the y-side operand), one ``[C, 64]`` exp2 per side, level and piece, and K
 P's diagonal. Frame rows are read from
 the fp32 G tile in SMEM and selected per row group (64/(2b) selects at level b).
 
+**Round trips.** The levels are independent: a level's 3·K/64 operand tiles are stored and
+fenced together and its T and P products (each summed over the key pieces in one accumulator)
+issued as one group, two levels per group where the staging tiles hold them
+(config.vector_chunk_staging_tiles: at K = 64, and for KDA at K = 128; GDN2 at K = 128 one);
+P's diagonal rides with the first group. W and U take A split as hi + lo (two WGMMAs into one
+accumulator each), every piece of both in one group. Per chunk (counted from the traced
+program; before grouping, KDA and GDN2 alike, in brackets):
+
+    D = 128, KDA    exact 64 WGMMAs in 14 round trips (44)    centred 52 in 13 (32)
+    D = 128, GDN2   exact 64 in 17 (44)                       centred 52 in 14 (32)
+    D = 64          exact 47 in 14 (27)                       centred 41 in 13 (21)
+
+of which the inverse is 30 in 10 (its two products per level depend on each other).
+
 The inverse is chunk_inverse.invert_unit_lower (split-bf16 products). W and U take A split as
-hi + lo (two WGMMAs each): A is the precision-sensitive factor; KDA folds β into A's columns
+hi + lo: A is the precision-sensitive factor; KDA folds β into A's columns
 (A diag(β) Ē' with Ē' = 2^G ⊙ K, and A diag(β) V), GDN2 reads Z = w ⊙ v from vector_prep.
 
-Warpgroup: one, holding in registers the T and P accumulators ``[C, C]`` fp32 and one 64-column
-piece of G and of the operands at a time.
-SMEM (vector_chunk_smem_bytes in config.py; 184 KiB at K = V = 128 for GDN2, 152 KiB for KDA):
+Warpgroup: one, holding in registers the T and P accumulators ``[C, C]`` fp32 beside a group's
+products (two ``[C, C]`` a level: ≤ 192 registers a thread), then the K/64 + V/64 W and U
+accumulators ``[C, 64]`` (128 at D = 128).
+SMEM (vector_chunk_smem_bytes in config.py; at K = V = 128 GDN2 200 KiB as before grouping, KDA
+216 KiB with its twelve staging tiles, 168 KiB before; at 64 unchanged, 128 and 112 KiB):
   inputs q, k [K/64, C, 64] and x [V/64, C, 64] (16-bit, swizzled), G [K/64, C, 64] fp32 twice
-  (swizzled for tiles, plain for the frame rows), b [K/64, C, 64] fp32 (GDN2) or β [C]; six
-  [C, C] bf16 staging tiles (Gram operands, the inverse's split pairs, A's hi/lo, Ē); one
-  output tile (P, then W). Qγ, K_tail and U are staged in place of q, k and x.
+  (swizzled for tiles, plain for the frame rows), b [K/64, C, 64] fp32 (GDN2) or β [C]; six or
+  twelve [C, C] bf16 staging tiles (Gram operands, the inverse's split pairs, A's hi/lo, Ē then
+  W: hence bf16 inputs only); one output tile (P). Qγ, K_tail and U are staged in place of q, k
+  and x.
 
 Reads:  q, k [B, Tp, H, K]; x [B, Tp, H, V] (v for KDA, z for GDN2); g2 [B, H, Tp, K] fp32;
         erase: β [B, H, Tp] fp32 (KDA) or b [B, Tp, H, K] fp32 (GDN2).
@@ -65,8 +82,8 @@ from jax import lax
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.chunk_inverse import invert_unit_lower, split_pair
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, ROWS, WGMMA, cols_of, iota, mma, rows_of, smem, stage)
-from pallas_kernels.mosaic_gpu.config import PIECE
+    C, COLS, F32, ROWS, WGMMA, cols_of, iota, mma_group, put, rows_of, smem, stage)
+from pallas_kernels.mosaic_gpu.config import PIECE, vector_chunk_staging_tiles
 
 EXACT_LEVELS = (32, 16, 8, 4, 2, 1)
 CENTRED_LEVELS = (32, 16)  # pairs in different 16-row sub-chunks; the diagonal blocks centred
@@ -97,9 +114,14 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
     dtype = k.dtype
     bf = jnp.bfloat16
     channel_erase = erase.ndim == 4
-    if K % PIECE or V % PIECE:
-        raise ValueError(f"vector_chunk needs K and V multiples of {PIECE}, got K={K}, V={V}")
+    if K not in (PIECE, 2 * PIECE) or V % PIECE:  # a level's 3·K/64 operands fit the staging tiles
+        raise ValueError(f"vector_chunk needs K in {{{PIECE}, {2 * PIECE}}} and V a multiple of {PIECE}, "
+                         f"got K={K}, V={V}")
+    if dtype != bf:  # A's split pair is bf16 and multiplies x (U = A Z); W is staged in bf16 tiles
+        raise ValueError(f"vector_chunk takes bf16 inputs, got {jnp.dtype(dtype).name}")
     nk, nv = K // PIECE, V // PIECE
+    # [C, C] bf16 staging tiles: two Gram levels' operands per round trip where SMEM holds them
+    n_staging = vector_chunk_staging_tiles(K, V, jnp.dtype(dtype).itemsize, channel_erase)
     tile = lambda n: smem((n, C, PIECE), dtype)  # noqa: E731
     scratch = dict(
         q_s=tile(nk), k_s=tile(nk), x_s=tile(nv), g_s=smem((nk, C, PIECE), F32),
@@ -107,7 +129,7 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
         # the swizzled g_s (an untransformed fp32 tile has no bank-conflict-free WGMMA load)
         g_rows=plgpu.SMEM((nk, C, PIECE), F32),
         e_s=smem((nk, C, PIECE), F32) if channel_erase else plgpu.SMEM((C,), F32),
-        st=smem((6, C, C), bf), out_s=smem((C, C), dtype),
+        st=smem((n_staging, C, C), bf), out_s=smem((C, C), dtype),
         bar=plgpu.Barrier(num_arrivals=4 * nk + nv + (nk if channel_erase else 1)),
     )
     out_type = (jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, V), dtype),
@@ -140,43 +162,55 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
         def erase_piece(j):  # the x side of T: b ⊙ k (GDN2), or k (KDA: β scales T's rows after)
             return load(e_s.at[j]) * load(k_s.at[j]) if channel_erase else load(k_s.at[j])
 
-        def level_products(size, offset, masked):
-            """Σ over key pieces of the (T, P) products in the frames of row groups of ``size``
-            rows, frame row ``offset`` in each. ``masked``: bit-level frames (x side only on
-            rows ≥ the frame, y side only on rows below it: every factor ≤ 1); else centred
-            (both sides on every row)."""
-            t_acc = p_acc = None
+        def level_operands(size, offset, masked, tiles):
+            """Stores (unfenced) the operands of one level's (T, P) products in the frames of row
+            groups of ``size`` rows, frame row ``offset`` in each, into ``tiles`` (three per key
+            piece: E_x, Q_x, Y), and returns the two products' specs for mma_group:
+            ``Σ_j E_x,j Y_jᵀ`` and ``Σ_j Q_x,j Y_jᵀ`` (T and P share Y). ``masked``: bit-level
+            frames (x side only on rows ≥ the frame, y side only on rows below it: every factor
+            ≤ 1); else centred (both sides on every row)."""
             up = (iota((C, PIECE), 0) % size) >= offset
+            t_pairs, p_pairs = [], []
             for j in range(nk):
+                xe_s, xq_s, y_s = tiles[3 * j:3 * j + 3]
                 d = load(g_s.at[j]) - _frame_tile(g_rows.at[j], size, offset)  # G_r − G_f(r)
                 fx = jnp.exp2(jnp.where(up, d, -jnp.inf) if masked else d)
-                xe = stage(st.at[0], erase_piece(j) * fx)
-                xq = stage(st.at[1], load(q_s.at[j]) * fx)
+                put(xe_s, erase_piece(j) * fx)
+                put(xq_s, load(q_s.at[j]) * fx)
                 fy = jnp.exp2(jnp.where(up, -jnp.inf, -d) if masked else -d)
-                y = stage(st.at[2], load(k_s.at[j]) * fy)
-                t_acc = mma(xe, y.T, (C, C), acc=t_acc)
-                p_acc = mma(xq, y.T, (C, C), acc=p_acc)
-            return t_acc, p_acc
+                put(y_s, load(k_s.at[j]) * fy)
+                t_pairs.append((xe_s, y_s.T))
+                p_pairs.append((xq_s, y_s.T))
+            return [(tuple(t_pairs), (C, C)), (tuple(p_pairs), (C, C))]
 
-        t = p = jnp.zeros((C, C), F32)
-        for lev in (CENTRED_LEVELS if centred else EXACT_LEVELS):
-            # the pairs whose row indices first differ at bit `lev`: r upper, s lower half of a group
-            pair = (r // (2 * lev) == c // (2 * lev)) & (r % (2 * lev) >= lev) & (c % (2 * lev) < lev)
-            t_l, p_l = level_products(2 * lev, lev, True)
-            t = t + jnp.where(pair, t_l, 0.0)
-            p = p + jnp.where(pair, p_l, 0.0)
+        # (select of the pairs a level keeps, group size, frame row, masked)
+        levels = [((r // (2 * lev) == c // (2 * lev)) & (r % (2 * lev) >= lev) & (c % (2 * lev) < lev),
+                   2 * lev, lev, True)  # pairs first differing at bit `lev`: r upper, s lower half
+                  for lev in (CENTRED_LEVELS if centred else EXACT_LEVELS)]
         if centred:  # the diagonal sub-chunk blocks (select, not multiply: cross-block entries may be inf)
-            same = r // SUB == c // SUB
-            t_l, p_l = level_products(SUB, MID, False)
-            t = t + jnp.where(same & (c < r), t_l, 0.0)
-            p = p + jnp.where(same & (c < r), p_l, 0.0)
-        # The diagonal of P (decay factor 1) from the inputs as given: its operands are not
-        # rounded again after a frame scaling (taking it from the centred product instead raised
-        # o's error from 3.1e-3 to 4.0e-3 in tests/test_mosaic_gpu_vector.py's bounded KDA case).
-        qk = None
-        for j in range(nk):
-            qk = mma(q_s.at[j], k_s.at[j].T, (C, C), acc=qk)
-        p = p + jnp.where(r == c, qk, 0.0)
+            levels.append(((r // SUB == c // SUB) & (c < r), SUB, MID, False))
+        # As many levels per round trip as the staging tiles hold (3·K/64 operands a level): the
+        # levels are independent, so their products go together (two: K = 64, and KDA at 128).
+        per_trip = n_staging // (3 * nk)
+        # The diagonal of P (decay factor 1) from the inputs as given, in the first group: its
+        # operands are not rounded again after a frame scaling (taking it from the centred product
+        # instead raised o's error from 3.1e-3 to 4.0e-3 in tests/test_mosaic_gpu_vector.py's
+        # bounded KDA case).
+        qk_spec = [(tuple((q_s.at[j], k_s.at[j].T) for j in range(nk)), (C, C))]
+        t = p = None
+        for first in range(0, len(levels), per_trip):
+            batch = levels[first:first + per_trip]
+            specs = []
+            for i, (_, size, offset, masked) in enumerate(batch):
+                specs += level_operands(size, offset, masked, [st.at[3 * nk * i + m] for m in range(3 * nk)])
+            plgpu.commit_smem()
+            prods = mma_group(specs + (qk_spec if t is None else []))
+            if t is None:  # every entry of T and P comes from exactly one level (or the diagonal)
+                t = jnp.zeros((C, C), F32)
+                p = jnp.where(r == c, prods[-1], 0.0)
+            for i, (keep, *_) in enumerate(batch):
+                t = t + jnp.where(keep, prods[2 * i], 0.0)
+                p = p + jnp.where(keep, prods[2 * i + 1], 0.0)
         stage(out_s, p * scale)
         plgpu.copy_smem_to_gmem(out_s, p_ref.at[b, h, rows])
 
@@ -184,31 +218,44 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
             t = t * rows_of(plgpu.load(e_s, layout=ROWS), (C, C))  # KDA: T = diag(β) tril(...)
         a = invert_unit_lower(t, (st.at[0], st.at[1]), (st.at[2], st.at[3]), (st.at[4], st.at[5]))
         if out_inverse:  # A for the backward, before β is folded in (st 4 and 5 are not reused)
-            for ref, out in zip(split_pair(st.at[4], st.at[5], a), inv_refs):
+            a_out = split_pair(st.at[4], st.at[5], a)
+            for ref, out in zip(a_out, inv_refs):
                 plgpu.copy_smem_to_gmem(ref, out.at[b, h, rows])
-        if not channel_erase:
-            a = a * cols_of(plgpu.load(e_s, layout=COLS), (C, C))  # A diag(β): W, U take β from here
-        a_hi, a_lo = split_pair(st.at[2], st.at[3], a)
+        if channel_erase and out_inverse:  # GDN2 folds no β: the pair sent out is W's and U's A
+            a_hi, a_lo = a_out
+        else:
+            if not channel_erase:
+                a = a * cols_of(plgpu.load(e_s, layout=COLS), (C, C))  # A diag(β): W, U take β from here
+            a_hi, a_lo = split_pair(st.at[2], st.at[3], a)
 
-        # Outputs are staged in place of inputs no longer needed (SMEM): Qγ over q, K_tail over k,
-        # U over x, each after its last read; W through out_s once the previous copy has read it.
+        # Ē per key piece into the staging tiles the inverse left free (st 0, 1); Qγ over q and
+        # K_tail over k (their last reads were the Grams), sent once one fence covers them all.
         for j in range(nk):
-            cols = pl.ds(j * PIECE, PIECE)
             g_t = load(g_s.at[j])
             gam = jnp.exp2(g_t)  # ≤ 1
             k_t = load(k_s.at[j])
-            e_bar = stage(st.at[0], (load(e_s.at[j]) * k_t if channel_erase else k_t) * gam)
+            put(st.at[j], (load(e_s.at[j]) * k_t if channel_erase else k_t) * gam)  # Ē
             g_last = cols_of(plgpu.load(g_rows.at[j, C - 1], layout=COLS), (C, PIECE))
-            q_s.at[j][...] = (load(q_s.at[j]) * gam * scale).astype(dtype)  # Qγ
-            k_s.at[j][...] = (k_t * jnp.exp2(g_last - g_t)).astype(dtype)  # K_tail (exponent ≤ 0)
-            w_t = mma(a_lo, e_bar, (C, PIECE), acc=mma(a_hi, e_bar, (C, PIECE)))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_s (P, or W of piece j − 1) is sent
-            stage(out_s, w_t)  # (its fence also covers the Qγ and K_tail stores)
-            for src, ref in ((q_s.at[j], qg_ref), (k_s.at[j], kt_ref), (out_s, w_ref)):
-                plgpu.copy_smem_to_gmem(src, ref.at[b, h, rows, cols])
+            put(q_s.at[j], load(q_s.at[j]) * gam * scale)  # Qγ
+            put(k_s.at[j], k_t * jnp.exp2(g_last - g_t))  # K_tail (exponent ≤ 0)
+        plgpu.commit_smem()
+        for j in range(nk):
+            cols = pl.ds(j * PIECE, PIECE)
+            plgpu.copy_smem_to_gmem(q_s.at[j], qg_ref.at[b, h, rows, cols])
+            plgpu.copy_smem_to_gmem(k_s.at[j], kt_ref.at[b, h, rows, cols])
+        # W = A Ē and U = A Z, every piece in one group (A as hi + lo: one accumulator each).
+        split_a = lambda x: ((a_hi, x), (a_lo, x))  # noqa: E731
+        wu = mma_group([(split_a(st.at[j]), (C, PIECE)) for j in range(nk)]
+                       + [(split_a(x_s.at[j]), (C, PIECE)) for j in range(nv)])
+        # W over Ē, U over x: each tile's only reader was its own product, complete now.
+        for j in range(nk):
+            put(st.at[j], wu[j])
         for j in range(nv):
-            u_t = mma(a_lo, x_s.at[j], (C, PIECE), acc=mma(a_hi, x_s.at[j], (C, PIECE)))
-            stage(x_s.at[j], u_t)
+            put(x_s.at[j], wu[nk + j])
+        plgpu.commit_smem()
+        for j in range(nk):
+            plgpu.copy_smem_to_gmem(st.at[j], w_ref.at[b, h, rows, pl.ds(j * PIECE, PIECE)])
+        for j in range(nv):
             plgpu.copy_smem_to_gmem(x_s.at[j], u_ref.at[b, h, rows, pl.ds(j * PIECE, PIECE)])
         plgpu.wait_smem_to_gmem(0)
 

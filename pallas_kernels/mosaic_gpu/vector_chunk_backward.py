@@ -24,20 +24,28 @@ The four decayed contractions are evaluated in the forward's reference frames
 around row 8) the kept pairs (r upper, s lower half of a row group) share the frame row f, so
 ``Σ_s dT_rs k_s D_rs = 2^{G_r − G_f} Σ_s dT_rs (k_s 2^{G_f − G_s})``: the masked [C, C] tile
 times a frame-scaled [C, 64] tile, one WGMMA, then a per-row factor ≤ 1 (≤ e^40 centred). Per
-level: dT_l K_y and dA_l K_y in one round trip, dT_lᵀ E_x + dA_lᵀ Q_x in one accumulator.
+level one round trip: dT_l K_y, dA_l K_y and dT_lᵀ E_x + dA_lᵀ Q_x (one accumulator), four
+WGMMAs in one group.
+
+**Round trips.** Λ is one group (A as hi + lo, every value piece); everything else outside the
+Gram terms (Λ Rᵀ, dO Rᵀ, Λ S0ᵀ, dO S0ᵀ, R dSᵀ) a second; then one per level. Per chunk and key
+piece (counted from the traced program): exact 38 WGMMAs in 8 round trips at D = 128 (before
+grouping 15), 31 in 8 at D = 64 (15); centred 26 in 5 (9), 19 in 5 (9).
 
 The gate gradient is left as per-row parts for XLA (the sums along the chunk do not fit the
 per-row register layout): dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} (y ⊙ k)_s + 2^{G_C} ⊙ Σ_v (dS ⊙ S0).
 The terms with decay factor 1 (the diagonal query-key pairs, each row's own path into the end
 state) are kept out of ``pairs``: they would enter with both signs and cancel (chunk_algebra).
 
-Registers: the accumulators de, dq̃, dk [C, 64] fp32 (96 per thread), one level's frame factors
-and products (≤ 96); the [C, C] tiles dT and dA wait in SMEM (bf16) between levels.
+Registers: the accumulators de, dq̃, dk [C, 64] fp32 (96 per thread) and, across a level's wait,
+its three products and one frame-factor tile (128 more, 224 in all: the bit levels' two sides
+share one exp2 tile, the centred level re-forms its y side from SMEM after the wait); the second
+group's five products are 160. The [C, C] tiles dT and dA wait in SMEM (bf16) between levels.
 SMEM (config.vector_chunk_backward_smem_bytes): dO, dR, R ``[V/64, C, 64]``, S0ᵀ and dSᵀ
 ``[V/64, 64, 64]`` (the piece's key columns), A hi/lo, q, k, e ``[C, 64]`` (16-bit); G twice
 (swizzled for tiles, plain for the frame rows) and three fp32 output tiles. The level loop's five
 staging tiles reuse the dO, R, S0, dS buffers (spent by then); Λ is staged over dR, dT and dA
-over A. 200 KiB at K = V = 128, 160 KiB at 64.
+over A. 200 KiB at K = V = 128, 160 KiB at 64 (unchanged by the grouping).
 
 Reads:  q, k, e [B, Tp, H, K]; g2 [B, H, Tp, K] fp32; do, dr, r [B, Tp, H, V];
         states, dstates [B, H, N, V, K]; a_hi, a_lo [B, H, Tp, C] (per piece: all of dO, dR, R, A,
@@ -56,7 +64,7 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, WGMMA, cols_of, iota, mma_group, mma_sum, rows_of, smem, stage)
+    C, COLS, F32, WGMMA, cols_of, iota, mma_group, put, rows_of, smem)
 from pallas_kernels.mosaic_gpu.config import PIECE
 from pallas_kernels.mosaic_gpu.vector_chunk import CENTRED_LEVELS, EXACT_LEVELS, MID, SUB, _frame_tile
 
@@ -116,30 +124,32 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *
         else:  # select piece j by arithmetic (exact for a 0/1 weight): no scalar-predicate select
             jf = j.astype(F32)
             lam_j = lam[0] * (1.0 - jf) + lam[1] * jf
-        stage(o32.at[0], lam_j)
-        plgpu.copy_smem_to_gmem(o32.at[0], lam_ref.at[b, rows, h, cols])
+        put(o32.at[0], lam_j)
         for i in range(nv):
-            stage(dr_s.at[i], lam[i])  # Λ over dR (spent), as the operand of the products below
+            put(dr_s.at[i], lam[i])  # Λ over dR (spent), as the operand of the products below
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o32.at[0], lam_ref.at[b, rows, h, cols])
         lam_s = dr_s
-        lr, dor = mma_group(((tuple((lam_s.at[i], r_s.at[i].T) for i in range(nv)), (C, C)),
-                             (tuple((do_s.at[i], r_s.at[i].T) for i in range(nv)), (C, C))))
+        # Everything else outside the Gram terms, in one group: Λ Rᵀ and dO Rᵀ (→ dT, dA), and
+        # Λ S0ᵀ, dO S0ᵀ, R dSᵀ (this piece's key columns).
+        # Σ over the value pieces of x_i y_i (or x_i y_iᵀ)
+        over_v = lambda x, y: tuple((x.at[i], y.at[i]) for i in range(nv))  # noqa: E731
+        over_v_t = lambda x, y: tuple((x.at[i], y.at[i].T) for i in range(nv))  # noqa: E731
+        lr, dor, ls0, dos0, rds = mma_group((
+            (over_v_t(lam_s, r_s), (C, C)), (over_v_t(do_s, r_s), (C, C)),
+            (over_v(lam_s, s0_s), tile), (over_v(do_s, s0_s), tile), (over_v(r_s, ds_s), tile)))
         strict = rr > cc
         da_diag = jnp.sum(jnp.where(rr == cc, dor, 0.0), axis=1)  # decay factor 1: kept apart
-        stage(a_s.at[0], jnp.where(strict, lr, 0.0) * -1.0)  # dT over A (spent)
-        stage(a_s.at[1], jnp.where(strict, dor, 0.0))  # dA without its diagonal
-
-        # The terms outside the Gram products: Λ S0ᵀ, dO S0ᵀ, R dSᵀ (this piece's key columns).
-        ls0, dos0, rds = mma_group((
-            (tuple((lam_s.at[i], s0_s.at[i]) for i in range(nv)), tile),
-            (tuple((do_s.at[i], s0_s.at[i]) for i in range(nv)), tile),
-            (tuple((r_s.at[i], ds_s.at[i]) for i in range(nv)), tile)))
+        put(a_s.at[0], jnp.where(strict, lr, 0.0) * -1.0)  # dT over A (spent)
+        put(a_s.at[1], jnp.where(strict, dor, 0.0))  # dA without its diagonal
         g_last = cols_of(plgpu.load(g_rows.at[C - 1], layout=COLS), tile)
         gam = jnp.exp2(load(g_s))  # ≤ 1
         de = ls0 * gam * -1.0
         dq = dos0 * gam
         y = rds * jnp.exp2(g_last - load(g_s))  # each row's path into the end state (≤ 1)
-        stage(o32.at[2], y)  # kept for dk (not summed into the accumulator: see pairs)
-        stage(o32.at[1], y * load(k_s))
+        put(o32.at[2], y)  # kept for dk (not summed into the accumulator: see pairs)
+        put(o32.at[1], y * load(k_s))
+        plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o32.at[1], yk_ref.at[b, rows, h, cols])
         dk = plgpu.layout_cast(jnp.zeros(tile, F32), WGMMA)
 
@@ -149,27 +159,34 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *
         up_rows = iota(tile, 0)
 
         def level(pair, size, offset, masked, acc):
+            """One level's four products in one round trip: ``dT_l K_y``, ``dA_l K_y`` and
+            ``dT_lᵀ E_x + dA_lᵀ Q_x`` (one accumulator), scaled per row into ``acc`` = (de, dq̃,
+            dk). Besides the three products and ``acc``, one factor tile (32 registers a
+            thread) waits for them."""
             de, dq, dk = acc
-            stage(dtl_s, jnp.where(pair, load(a_s.at[0]), 0.0))
-            stage(dal_s, jnp.where(pair, load(a_s.at[1]), 0.0))
+            put(dtl_s, jnp.where(pair, load(a_s.at[0]), 0.0))
+            put(dal_s, jnp.where(pair, load(a_s.at[1]), 0.0))
             up = (up_rows % size) >= offset
-
-            def factor(x_side: bool):
-                d = load(g_s) - _frame_tile(g_rows, size, offset)  # G_r − G_f(r)
-                if not masked:
-                    return jnp.exp2(d if x_side else -d)
-                # bit levels: x side on rows ≥ the frame, y side below it (every factor ≤ 1)
-                return jnp.exp2(jnp.where(up, d, -jnp.inf) if x_side else jnp.where(up, -jnp.inf, -d))
-
-            fx = factor(True)
-            stage(xe_s, load(e_s) * fx)
-            stage(xq_s, load(q_s) * (fx * scale))
-            fy = factor(False)
-            stage(ky_s, load(k_s) * fy)
-            m34 = mma_sum(((dtl_s.T, xe_s), (dal_s.T, xq_s)), tile)
-            dk = dk + m34 * fy
-            m1, m2 = mma_group(((((dtl_s, ky_s),), tile), (((dal_s, ky_s),), tile)))
-            return de + m1 * fx, dq + m2 * fx, dk
+            offsets = lambda: load(g_s) - _frame_tile(g_rows, size, offset)  # noqa: E731  G_r − G_f(r)
+            d = offsets()
+            if masked:
+                # bit levels: x side on rows ≥ the frame, y side below it (every factor ≤ 1); the
+                # two sides' rows are disjoint, so one exp2 tile holds both
+                f = jnp.exp2(jnp.where(up, d, -d))
+                fx, fy = jnp.where(up, f, 0.0), jnp.where(up, 0.0, f)
+            else:
+                fx, fy = jnp.exp2(d), jnp.exp2(-d)
+            put(xe_s, load(e_s) * fx)
+            put(xq_s, load(q_s) * (fx * scale))
+            put(ky_s, load(k_s) * fy)
+            plgpu.commit_smem()
+            m34, m1, m2 = mma_group(((((dtl_s.T, xe_s), (dal_s.T, xq_s)), tile),
+                                     (((dtl_s, ky_s),), tile), (((dal_s, ky_s),), tile)))
+            if masked:  # m1, m2 live on the x rows and m34 on the y rows, so f alone scales them
+                return (de + jnp.where(up, m1 * f, 0.0), dq + jnp.where(up, m2 * f, 0.0),
+                        dk + jnp.where(up, 0.0, m34 * f))
+            # centred: fy is formed again from SMEM rather than held beside fx across the wait
+            return de + m1 * fx, dq + m2 * fx, dk + m34 * jnp.exp2(-offsets())
 
         acc = (de, dq, dk)
         for lev in (CENTRED_LEVELS if centred else EXACT_LEVELS):
@@ -179,21 +196,18 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *
             acc = level((rr // SUB == cc // SUB) & strict, SUB, MID, False, acc)
         de, dq, dk = acc
 
-        # Outputs: dq (scale applied) over q; de, pairs, dk_raw through the fp32 tiles.
+        # Outputs, fenced once: de, pairs, dk_raw through the fp32 tiles; dq (scale applied) over q.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # Λ and yk have been read
-        stage(o32.at[0], de)
-        plgpu.copy_smem_to_gmem(o32.at[0], de_ref.at[b, rows, h, cols])
         diag = rows_of(da_diag, tile)
         qs = load(q_s) * scale
-        pairs = dq * qs
         k_t = load(k_s)
-        q_s[...] = ((dq + diag * k_t) * scale).astype(dtype)
-        pairs = pairs - dk * k_t
-        stage(o32.at[2], dk + load(o32.at[2]) + diag * qs)  # dk_raw = pairs' dk + y + dA_diag q̃
-        plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, rows, h, cols])
-        plgpu.copy_smem_to_gmem(o32.at[2], dk_ref.at[b, rows, h, cols])
-        stage(o32.at[1], pairs + load(o32.at[0]) * load(e_s))
-        plgpu.copy_smem_to_gmem(o32.at[1], pairs_ref.at[b, rows, h, cols])
+        put(o32.at[0], de)
+        put(o32.at[1], dq * qs - dk * k_t + de * load(e_s))  # pairs
+        put(o32.at[2], dk + load(o32.at[2]) + diag * qs)  # dk_raw = pairs' dk + y + dA_diag q̃
+        put(q_s, (dq + diag * k_t) * scale)
+        plgpu.commit_smem()
+        for src, ref in ((o32.at[0], de_ref), (o32.at[1], pairs_ref), (o32.at[2], dk_ref), (q_s, dq_ref)):
+            plgpu.copy_smem_to_gmem(src, ref.at[b, rows, h, cols])
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(

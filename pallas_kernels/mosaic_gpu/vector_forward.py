@@ -11,8 +11,11 @@ One CTA per ``(b, h, 64 value columns)`` walks its chunks in order with three wa
   and publishes ``Sᵀ`` (the chunk start state) and ``R`` in the input dtype through
   double-buffered SMEM. The gates were folded into W, K_tail by vector_chunk, so the serial chain
   is two products per chunk (the scalar-gate forward.py has three: it builds R from the inverse).
-* WG1 (output, 232 registers): ``O = Qγ S0 + P R`` (two WGMMAs; scale is folded into Qγ and P)
-  from the published tiles, stored with TMA.
+* WG1 (output, 232 registers): ``O = Qγ S0 + P R`` (two WGMMAs into one accumulator; scale is
+  folded into Qγ and P) from the published tiles, stored with TMA.
+
+Per chunk: 4 WGMMAs in 3 round trips (before grouping 4): the chain's two depend on each other,
+the output's two share one accumulator.
 * WG2 (memory, 40 registers) streams W, K_tail, Qγ ``[C, K]``, U ``[C, 64]``, P ``[C, C]`` and
   the chunk's last row of G ``[K]`` fp32 into ``stages`` buffers.
 
@@ -38,7 +41,8 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, WGMMA, cols_of, finish_together, memory_warpgroup, mma, smem, stage, start_state)
+    C, COLS, F32, WGMMA, cols_of, finish_together, memory_warpgroup, mma, mma_sum, smem, stage,
+    start_state)
 from pallas_kernels.mosaic_gpu.config import VectorConfig, default_vector_config
 from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
 from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, prepare_vector
@@ -151,8 +155,8 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
                 slot, half, ob = lax.rem(n, stages), lax.rem(n, 2), lax.rem(n, n_out)
                 plgpu.barrier_wait(in_bar.at[slot])
                 plgpu.barrier_wait(s_ready.at[half])
-                o = mma(qg_s.at[slot], s_pub.at[half].T, (C, bv))  # Qγ S0 (scale inside Qγ)
-                o = mma(p_s.at[slot], r_pub.at[half], (C, bv), acc=o)  # + P R
+                # Qγ S0 + P R in one accumulator (scale inside Qγ and P)
+                o = mma_sum(((qg_s.at[slot], s_pub.at[half].T), (p_s.at[slot], r_pub.at[half])), (C, bv))
                 plgpu.barrier_arrive(s_free.at[half])
                 plgpu.barrier_arrive(in_free.at[slot])
                 plgpu.wait_smem_to_gmem(n_out - 1, wait_read_only=True)  # o_out[ob] has been sent

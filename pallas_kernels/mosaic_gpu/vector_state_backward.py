@@ -14,7 +14,8 @@ chunk's forward products (vector_chunk.py: W = A Ē, K_tail, Qγ, P; scale insid
 The second line is rewy-math §4's ``dS0 = Qγᵀ dO + Diag(γ_C) dS − Ēᵀ Λ`` with
 ``Ēᵀ Λ = Ēᵀ Aᵀ dR = Wᵀ dR``: the serial chain needs neither Λ nor the inverse (Λ = Aᵀ dR, ReWY's
 one adjoint solve, is parallel over chunks and done in vector_chunk_backward.py). So the chain is
-two tensor-core round trips per chunk and no warpgroup is needed for chunk-local work.
+two tensor-core round trips per chunk (4 WGMMAs in 2 round trips: the second reads the first's
+dR, so nothing more can be grouped) and no warpgroup is needed for chunk-local work.
 
 Warpgroups:
 * WG0 (chain, 232 registers) keeps ``dSᵀ [BV, K]`` fp32 in registers (64 registers at K = 128);
