@@ -139,15 +139,17 @@ def _check_against_float64(op, policy, decay, T, seed, n_seq, D, dtype, backward
 
 
 # The seven-product backward (backward="wy", the whole-width per-chunk gradient kernel's wy body)
-# against float64 at the ReWY cases' bounds: strong decays, near-resets, DeltaNet, both policies.
-WY_CASES = [("gdn", "save", "strong", 100, 10), ("deltanet", "recompute", None, 130, 11),
-            ("gdn", "recompute", "reset", 140, 12)]
+# against float64 at the ReWY cases' bounds: strong decays, near-resets, DeltaNet, both policies,
+# and the whole-width K = 128 with fp16 inputs.
+WY_CASES = [("gdn", "save", "strong", 100, 10, 64, BF16), ("deltanet", "recompute", None, 130, 11, 64, BF16),
+            ("gdn", "recompute", "reset", 140, 12, 64, BF16),
+            ("gdn", "save", "mild", 100, 13, 128, F16)]
 
 
 @needs_interpreter
-@pytest.mark.parametrize("op,policy,decay,T,seed", WY_CASES)
-def test_wy_interpret_matches_float64(op, policy, decay, T, seed):
-    _check_against_float64(op, policy, decay, T, seed, None, 64, BF16, backward="wy")
+@pytest.mark.parametrize("op,policy,decay,T,seed,D,dtype", WY_CASES)
+def test_wy_interpret_matches_float64(op, policy, decay, T, seed, D, dtype):
+    _check_against_float64(op, policy, decay, T, seed, None, D, dtype, backward="wy")
 
 
 @needs_interpreter
@@ -305,7 +307,7 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
     monkeypatch.setattr(backends, "_platform", lambda: "gpu")
     monkeypatch.setattr(api, "is_hopper", lambda: True)
 
-    def picked(op, D, dtype=BF16, backward="rewy"):
+    def picked(op, D, dtype=BF16, backward="rewy", name=None):
         inp = testing.make_inputs(op, 1, 64, 1, D, D, dtype=dtype)
         g = inp.get("g")
         call = rewy_jax.ops._prepare(
@@ -313,7 +315,7 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
             g_kind=None if g is None else ("vector" if g.ndim == 4 else "scalar"), b_kind="scalar",
             w_kind="scalar", scale=None, initial_state=None, use_qk_l2norm=False, cu_seqlens=None,
             gate_names=("g", "beta", None))
-        impl = backends.select(None, call, chunk_size=64, interpret=False, backward=backward)
+        impl = backends.select(name, call, chunk_size=64, interpret=False, backward=backward)
         return getattr(impl, "__wrapped__", impl)
 
     assert picked("deltanet", 128) is backends.mosaic_gpu_impl
@@ -322,6 +324,9 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
     # K = V = 256 (served, but not yet run or timed on a GPU)
     assert picked("kda", 64) is not backends.mosaic_gpu_impl
     assert picked("gdn", 256) is not backends.mosaic_gpu_impl
+    # the seven-product backward (the ablation baseline, not yet run on a GPU) only by name
+    assert picked("gdn", 128, backward="wy", name="mosaic_gpu") is backends.mosaic_gpu_impl
+    assert picked("deltanet", 64, backward="wy", name="mosaic_gpu") is backends.mosaic_gpu_impl
     # what it refuses goes down the list (to the Triton-lowered kernels on a real GPU)
     for case in (dict(op="gdn", D=128, backward="wy"), dict(op="deltanet", D=128, dtype=jnp.float32),
                  dict(op="kda", D=64, dtype=jnp.float32)):

@@ -23,6 +23,24 @@ register layout): the kernel writes their per-row parts ``u_s = t_s ⟨(R dSᵀ)
 (rewy-math §4–6: the scalar-gate reduction takes dG from the key-gradient products, so no
 K Kᵀ Gram is recomputed for it.)
 
+The seven-product form (``ChunkBackwardConfig.backward = "wy"``, the whole-width kernel only):
+the standard WY backward's products in the same kernel, for the ablation against ReWY. With
+A = T0 ⊙ D (the gated inverse, rewy-math §2; it replaces T0 in SMEM), Z = β V, Ē = βγ K,
+P̃ = scale·(Q Kᵀ ⊙ D)_{j ≤ i} and K_tail = t ⊙ K (:func:`_wy_products`):
+
+    dR    = P̃ᵀ dO + K_tail dS            (dU; the shared reverse pass emits Λ, not dR)
+    dW    = −dR S0ᵀ
+    dA    = dR Zᵀ + dW Ēᵀ                (the inverse's adjoint; β, βγ scale its columns)
+    dT    = −(Aᵀ dA Aᵀ)_{j < i}          (in place of ReWY's −(Λ Rᵀ)_{j < i})
+    dĒ    = Aᵀ dW + dT K̄                 (Aᵀ dW in place of ReWY's −Λ S0ᵀ)
+    dZ    = Aᵀ dR = Λ                    (not formed again: the reverse state pass's Λ, shared
+                                          with ReWY, gives dv and dβ's ⟨v, Λ⟩)
+
+Everything after dT and dĒ's state part (dq, dk, dβ, dG, the Gram terms, R, dP = dO Rᵀ) is the
+ReWY body's code, and the wy body stages its tiles in the ReWY kernel's SMEM buffers, so the
+scratch is the same. Products per chunk (one WGMMA each, the sds diagonals aside): ReWY 11 in 6
+round trips, wy 18 in 10 (docs/mosaic-gpu.md).
+
 Two kernels (config.ChunkBackwardConfig.block): up to K = 128 (``block=None``) the whole-width
 kernel :func:`chunk_backward` holds every operand whole in SMEM (``[64, K]`` tiles, S0ᵀ and dSᵀ
 ``[V, K]``): the program timed on the H100. At K = V = 256 that is 551,168 B of SMEM, so
@@ -96,7 +114,8 @@ def _launch(body, out_type, scratch, grid, interpret, *args):
 def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: float,
                    cfg: ChunkBackwardConfig = ChunkBackwardConfig(), interpret=None):
     """``(dq, dk, dv, dbeta)`` and, with a gate, ``(dG, u, sds)``; see the module docstring.
-    ``cfg.block`` 64 (K = 256) runs the blocked kernel, ``None`` the whole-width one."""
+    ``cfg.block`` 64 (K = 256) runs the blocked kernel, ``None`` the whole-width one;
+    ``cfg.backward`` "wy" the whole-width kernel's seven-product body (same operands, outputs)."""
     B, Tp, H, K = k.shape
     V = v.shape[-1]
     N = Tp // C
