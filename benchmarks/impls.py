@@ -466,12 +466,13 @@ class FlaRunner:
 # ----------------------------------------------------------------------------------------------
 VECTOR_GATE_OPS = ("kda", "gdn2")
 OUR_VARIANTS_FULL = [("rewy", "recompute"), ("rewy", "save"), ("wy", "recompute"), ("wy", "save")]
-# Quick mode: the kernel backend's ReWY and seven-product backward under both policies; the XLA
-# path's default only (each variant costs compile time, and the quick run must fit one call:
-# select fewer with --impls).
+# Quick mode: the kernel backend's ReWY and seven-product backward under both policies (Mosaic:
+# the seven-product one under "recompute", its default policy, for the ablation: DeltaNet and
+# GDN at K ≤ 128 only); the XLA path's default only (each variant costs compile time, and the
+# quick run must fit one call: select fewer with --impls).
 OUR_VARIANTS_QUICK = {"pallas_gpu": [("rewy", "recompute"), ("rewy", "save"), ("wy", "recompute"),
                                      ("wy", "save")],
-                      "mosaic_gpu": [("rewy", "recompute"), ("rewy", "save")],
+                      "mosaic_gpu": [("rewy", "recompute"), ("rewy", "save"), ("wy", "recompute")],
                       "xla": [("rewy", "recompute")]}
 
 
@@ -495,7 +496,7 @@ def all_impls(quick: bool, backends_=None, kernel_config=None) -> list:
             impls.append(Ours(be, bw, pol, kernel_config=kernel_config))
         if be in ("pallas_gpu", "mosaic_gpu"):  # the centred path a declared gate bound enables
             impls.append(Ours(be, "rewy", "recompute", -5.0, kernel_config))
-            if be == "pallas_gpu":  # (the Mosaic kernels have the ReWY backward only)
+            if be == "pallas_gpu":  # (the Mosaic KDA/GDN2 kernels have the ReWY backward only)
                 impls.append(Ours(be, "wy", "recompute", -5.0, kernel_config))
     impls += [Jla("mosaic_gpu"), Jla("chunked"), TorchFla(graph=False), TorchFla(graph=True),
               Autodiff()]

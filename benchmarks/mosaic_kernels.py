@@ -4,10 +4,12 @@
 
 1. Accuracy on the GPU: our Mosaic forward (and jla's, on the same inputs) against a float64
    token recurrence (numpy) at a small shape, per op, as rewy-math §8 ratios.
-2. Timing (ms): forward and forward + backward (o and its VJP) of ours (Mosaic), jla
-   mosaic_gpu and ours (Pallas-Triton) at the benchmark shapes; host-timed loops of 20 calls
-   after warm-up, median of 7 loops. Ratios are within this run only.
-3. ``--parts``: each stage of our Mosaic pipeline alone at the anchor shape (where the time goes).
+2. Timing (ms): forward and forward + backward (o and its VJP) of ours (Mosaic; "ours mosaic wy":
+   the same kernels with the seven-product per-chunk gradients, backward="wy", the ablation of
+   ReWY), jla mosaic_gpu and ours (Pallas-Triton) at the benchmark shapes; host-timed loops of 20
+   calls after warm-up, median of 7 loops. Ratios are within this run only.
+3. ``--parts``: each stage of our Mosaic pipeline alone at the anchor shape (where the time goes;
+   the per-chunk gradient kernel with the ReWY and with the seven-product body).
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ def make(op, s: Shape, seed=0):
                 g=None if g is None else jnp.asarray(g, jnp.float32))
 
 
-def ours(op, x, scale, backend="mosaic_gpu", policy="recompute"):
+def ours(op, x, scale, backend="mosaic_gpu", policy="recompute", backward="rewy"):
     """Our public op on one backend (the wrapper and its XLA glue included in the timing)."""
     import rewy_jax
 
     def f(q, k, v, g, b):
-        kw = dict(scale=scale, output_final_state=True, backend=backend, policy=policy)
+        kw = dict(scale=scale, output_final_state=True, backend=backend, policy=policy,
+                  backward=backward)
         if op == "gdn":
             return rewy_jax.chunk_gated_delta_rule(q, k, v, g, b, **kw)
         return rewy_jax.chunk_delta_rule(q, k, v, b, **kw)
@@ -125,10 +128,15 @@ def parts(op, s: Shape):
     out["state backward"] = time_ms(lambda: sb(qp, kp, o, t0, g2, bh))
     cb = jax.jit(lambda *a: chunk_backward(*a, scale=scale, cfg=cfg.chunk_backward))
     out["chunk backward"] = time_ms(lambda: cb(qp, kp, vp, o, lam, states, dst, t0, g2, bh))
+    # the seven-product body (backward="wy") on the same operands: the ReWY ablation's kernel
+    wy_cfg = config.default_config(s.D, s.D, 2, backward="wy").chunk_backward
+    cbw = jax.jit(lambda *a: chunk_backward(*a, scale=scale, cfg=wy_cfg))
+    out["chunk backward wy"] = time_ms(lambda: cbw(qp, kp, vp, o, lam, states, dst, t0, g2, bh))
     return out
 
 
 IMPLS = {"ours mosaic": ours,
+         "ours mosaic wy": lambda op, x, scale: ours(op, x, scale, backward="wy"),
          "ours mosaic save": lambda op, x, scale: ours(op, x, scale, policy="save"),
          "jla mosaic": jla_mosaic,
          "ours triton": lambda op, x, scale: ours(op, x, scale, backend="pallas_gpu")}
@@ -207,16 +215,19 @@ def main():
     for r in rows:
         if r["kind"] == "part_ms":
             print(f"| {r['op']} | {r['part']} | {fmt(r['ms'])} |")
-    print("\n| op | shape | phase | ours mosaic | ours mosaic save | jla mosaic | ours triton | ours/jla |")
-    print("|---|---|---|---|---|---|---|---|")
+    # wy/rewy: the seven-product backward against ReWY, same kernels and policy (recompute)
+    print("\n| op | shape | phase | ours mosaic | ours mosaic wy | ours mosaic save | jla mosaic | "
+          "ours triton | ours/jla | wy/rewy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     t = {(r["kind"], r["op"], r["shape"], r["impl"]): r.get("ms") for r in rows
          if r["kind"] in ("fwd", "fwdbwd")}
     for (ph, op, shp) in dict.fromkeys((r["kind"], r["op"], r["shape"]) for r in rows
                                        if r["kind"] in ("fwd", "fwdbwd")):
-        m, ms, j, tr = (t.get((ph, op, shp, n)) for n in IMPLS)
+        m, mw, ms, j, tr = (t.get((ph, op, shp, n)) for n in (
+            "ours mosaic", "ours mosaic wy", "ours mosaic save", "jla mosaic", "ours triton"))
         best = min(x for x in (m, ms) if x) if (m or ms) else None
-        print(f"| {op} | {shp} | {ph} | {fmt(m)} | {fmt(ms)} | {fmt(j)} | {fmt(tr)} | "
-              f"{fmt(best / j if best and j else None)} |")
+        print(f"| {op} | {shp} | {ph} | {fmt(m)} | {fmt(mw)} | {fmt(ms)} | {fmt(j)} | {fmt(tr)} | "
+              f"{fmt(best / j if best and j else None)} | {fmt(mw / m if mw and m else None)} |")
 
 
 if __name__ == "__main__":

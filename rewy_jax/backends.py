@@ -202,7 +202,8 @@ def mosaic_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
             call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), call.g,
             call.b.astype(jnp.float32), w, call.h0, float(call.scale), policy, call.g_bound,
             vector_api.default_config(K, V, call.g_bound), bool(interpret))
-    cfg = config.default_config(call.q.shape[-1], call.v.shape[-1], jnp.dtype(dtype).itemsize)
+    cfg = config.default_config(call.q.shape[-1], call.v.shape[-1], jnp.dtype(dtype).itemsize,
+                                backward)
     g = None if call.g_in is None else call.g
     xs = [call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), g,
           call.b.astype(jnp.float32)]
@@ -222,15 +223,19 @@ def _mosaic_gpu_supports(call, chunk_size, interpret, backward):
 
 
 def _mosaic_gpu_auto_supports(call, chunk_size, interpret, backward):
-    """What backend=None takes the Mosaic GPU kernels for: DeltaNet and GDN at K = V ≤ 128. Their
-    KDA/GDN2 kernels are slower than pallas_gpu so far, and their K = V = 256 tilings have run only
-    in the GPU interpreter (docs/mosaic-gpu.md), so those run only when asked for by name."""
+    """What backend=None takes the Mosaic GPU kernels for: DeltaNet and GDN at K = V ≤ 128 with
+    the ReWY backward. Their KDA/GDN2 kernels are slower than pallas_gpu so far, and their
+    K = V = 256 tilings and seven-product backward (backward="wy", an ablation baseline) have run
+    only in the GPU interpreter (docs/mosaic-gpu.md), so those run only when asked for by name."""
     if _mosaic_gpu_vector_kind(call) is not None:
         return ("its KDA/GDN2 kernels are chosen only by name (backend='mosaic_gpu'): slower than "
                 "pallas_gpu so far")
     if call.q.shape[-1] > 128:
         return ("its K = V = 256 kernels are chosen only by name (backend='mosaic_gpu'): not yet "
                 "run or timed on a GPU")
+    if backward == "wy":
+        return ("its seven-product backward (backward='wy', an ablation baseline) is chosen only by "
+                "name (backend='mosaic_gpu'): not yet run or timed on a GPU")
     return _mosaic_gpu_reason(call, chunk_size, interpret, backward)
 
 

@@ -68,6 +68,8 @@ FAST = (
     "tests/test_mosaic_gpu.py::test_kernels_lower_for_cuda?True-False-64?",  # ? for the brackets
     "tests/test_mosaic_gpu.py::test_interpret_matches_float64?deltanet-save-None-130-2-None-64-bfloat16?",
     "tests/test_mosaic_gpu.py::test_dispatch_prefers_mosaic_on_hopper",
+    "tests/test_mosaic_gpu.py::test_wy_interpret_matches_float64?gdn-save-strong-100-10-64-bfloat16?",
+    "tests/test_mosaic_gpu.py::test_wy_refused_where_not_implemented",
     "tests/test_mosaic_gpu_vector.py::test_vector_supports_says_why_not",
     "tests/test_mosaic_gpu_vector.py::test_vector_dispatch_on_hopper",
     "tests/test_mosaic_gpu_vector.py::test_vector_kernels_lower_for_cuda?kda-False-64?",

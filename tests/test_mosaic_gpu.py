@@ -102,26 +102,73 @@ def _grads(op, x, cts, **kw):
     pytest.param("gdn", "save", "mild", 150, 7, 2, 256, BF16, marks=needs_pool_threads),
 ])
 def test_interpret_matches_float64(op, policy, decay, T, seed, n_seq, D, dtype):
-    x, cts, cu = _case(op, T, D, seed, decay, n_seq, dtype)
-    names, f = _grads(op, x, cts, backend="mosaic_gpu", interpret=True, policy=policy, cu_seqlens=cu)
+    _check_against_float64(op, policy, decay, T, seed, n_seq, D, dtype)
+
+
+def _interpret_outputs(op, x, cts, cu, dtype, **kw):
+    """o, the final state and every gradient of the Mosaic GPU op in the interpreter
+    (``kw``: policy, backward), by name, as float64 arrays."""
+    names, f = _grads(op, x, cts, backend="mosaic_gpu", interpret=True, cu_seqlens=cu, **kw)
     cast = {"q": dtype, "k": dtype, "v": dtype}
     args = [jnp.asarray(x[n], cast.get(n, jnp.float32)) for n in names]
     (o, fin), vjp = jax.vjp(f, *args)
     grads = vjp((jnp.asarray(cts["o"], dtype), jnp.asarray(cts["final"], jnp.float32)))
-    _, fref = _grads(op, x, cts, backend="reference", cu_seqlens=cu)
+    key = lambda n: "dinitial_state" if n == "h0" else f"d{n}"  # noqa: E731
+    got = dict(o=o, final_state=fin, **{key(n): gr for n, gr in zip(names, grads)})
+    return {n: np.asarray(jnp.asarray(v, jnp.float32), np.float64) for n, v in got.items()}
+
+
+def _check_against_float64(op, policy, decay, T, seed, n_seq, D, dtype, backward="rewy"):
+    """Every output and gradient of the interpreted kernels within rewy-math §8's bounds of the
+    float64 reference."""
+    x, cts, cu = _case(op, T, D, seed, decay, n_seq, dtype)
+    got = _interpret_outputs(op, x, cts, cu, dtype, policy=policy, backward=backward)
+    names, fref = _grads(op, x, cts, backend="reference", cu_seqlens=cu)
     (ro, rfin), rvjp = jax.vjp(fref, *[jnp.asarray(x[n], jnp.float64) for n in names])
     rgrads = rvjp((jnp.asarray(cts["o"]), jnp.asarray(cts["final"], rfin.dtype)))
     key = lambda n: "dinitial_state" if n == "h0" else f"d{n}"  # noqa: E731
-    got = dict(o=o, final_state=fin, **{key(n): gr for n, gr in zip(names, grads)})
     ref = dict(o=ro, final_state=rfin, **{key(n): gr for n, gr in zip(names, rgrads)})
     bad = {}
     for name, val in got.items():
-        val = np.asarray(jnp.asarray(val, jnp.float32), np.float64)
         assert np.all(np.isfinite(val)), name
         r = ratio(val, np.asarray(ref[name]))
         if r > tolerance(name, dtype):
             bad[name] = r
     assert not bad, f"ratios over rewy-math §8 {jnp.dtype(dtype).name} bounds: {bad}"
+    return got
+
+
+# The seven-product backward (backward="wy", the whole-width per-chunk gradient kernel's wy body)
+# against float64 at the ReWY cases' bounds: strong decays, near-resets, DeltaNet, both policies,
+# and the whole-width K = 128 with fp16 inputs.
+WY_CASES = [("gdn", "save", "strong", 100, 10, 64, BF16), ("deltanet", "recompute", None, 130, 11, 64, BF16),
+            ("gdn", "recompute", "reset", 140, 12, 64, BF16),
+            ("gdn", "save", "mild", 100, 13, 128, F16)]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op,policy,decay,T,seed,D,dtype", WY_CASES)
+def test_wy_interpret_matches_float64(op, policy, decay, T, seed, D, dtype):
+    _check_against_float64(op, policy, decay, T, seed, None, D, dtype, backward="wy")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op,decay", [("gdn", "strong"), ("deltanet", None)])
+def test_wy_agrees_with_rewy(op, decay):
+    """backward="wy" and "rewy" on the same inputs: the kernels they share give the same bits, the
+    gradients the two bodies form differently agree to bf16 rounding (rewy-math §4: same math).
+
+    Shared: the forward (o, final state), the reverse state pass (Λ, dS, dh0), and in the
+    per-chunk kernel dq (dO S0ᵀ and dP = dO Rᵀ) and dv = β Λ. Different: −dT ⊙ D (Λ Rᵀ against
+    Aᵀ dA Aᵀ) and dĒ's state part (Λ S0ᵀ against Aᵀ dW), hence dk, dβ and dg."""
+    x, cts, cu = _case(op, 100, 64, 20, decay)
+    rewy = _interpret_outputs(op, x, cts, cu, BF16, policy="save", backward="rewy")
+    wy = _interpret_outputs(op, x, cts, cu, BF16, policy="save", backward="wy")
+    for name in ("o", "final_state", "dq", "dv", "dinitial_state"):
+        np.testing.assert_array_equal(wy[name], rewy[name], err_msg=name)
+    apart = {n: ratio(wy[n], rewy[n]) for n in ("dk", "dbeta") + (("dg",) if op == "gdn" else ())}
+    assert all(r < tolerance(n, BF16) for n, r in apart.items()), apart
+    assert apart["dk"] > 0  # the wy body did run
 
 
 @needs_interpreter
@@ -150,6 +197,35 @@ def _structs(B, T, H, D):
     N = T // 64
     return dict(tok=S((B, T, H, D), BF16), t0=S((B, H, T, 64), BF16), vec=S((B, H, T), f32),
                 st=S((B, H, D, D), f32), states=S((B, H, N, D, D), BF16))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("gated", [True, False])
+def test_wy_chunk_backward_lowers_for_cuda(D, gated):
+    """The per-chunk gradient kernel's seven-product body lowers to Mosaic GPU for sm_90."""
+    s = _structs(2, 256, 2, D)
+    cfg = config.default_config(D, D, 2, backward="wy")
+    assert cfg.chunk_backward.backward == "wy" and cfg.chunk_backward.block is None
+
+    def cbwd(q, k, v, do, lam, st, dst, t0, g2, b):
+        return chunk_backward(q, k, v, do, lam, st, dst, t0, g2 if gated else None, b, scale=0.1,
+                              cfg=cfg.chunk_backward)
+
+    args = [s["tok"]] * 5 + [s["states"]] * 2 + [s["t0"], s["vec"], s["vec"]]
+    text = jax.jit(cbwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_wy_refused_where_not_implemented():
+    """The blocked K = 256 kernel has the ReWY backward only: its config and kernel say so."""
+    with pytest.raises(ValueError, match="ReWY"):
+        config.default_config(256, 256, 2, backward="wy")
+    with pytest.raises(ValueError, match="backward"):
+        config.ChunkBackwardConfig(backward="seven")
+    s = _structs(1, 128, 1, 256)
+    with pytest.raises(ValueError, match="ReWY"):
+        chunk_backward(*([s["tok"]] * 5 + [s["states"]] * 2 + [s["t0"], s["vec"], s["vec"]]),
+                       scale=0.1, cfg=config.ChunkBackwardConfig(block=64, backward="wy"))
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
@@ -195,12 +271,14 @@ def test_supports_says_why_not():
 
     common = dict(K=128, V=128, dtype=BF16, chunk_size=64, scalar_gates=True, static_scale=True, backward="rewy", interpret=True)
     if compat.has_interpreter():
-        for served in (dict(), dict(K=64, V=64), dict(K=256, V=256), dict(dtype=jnp.float16)):
+        for served in (dict(), dict(K=64, V=64), dict(K=256, V=256), dict(dtype=jnp.float16),
+                       dict(backward="wy"), dict(K=64, V=64, backward="wy")):
             assert api.supports(**{**common, **served}) is None, served
     for change, words in ((dict(dtype=jnp.float32), "bf16 or fp16"), (dict(K=256, V=128), "K = V"),
                           (dict(K=512, V=512), "K = V"), (dict(K=32, V=32), "K = V"),
                           (dict(scalar_gates=False), "DeltaNet and GDN"), (dict(chunk_size=32), "chunk_size"),
-                          (dict(backward="wy"), "ReWY")):
+                          (dict(K=256, V=256, backward="wy"), "ReWY backward only"),
+                          (dict(backward="seven"), "backward")):
         reason = api.supports(**{**common, **change})
         assert reason is not None and words in reason, (change, reason)
     assert "sm_90" in api.supports(**{**common, "interpret": False})
@@ -234,7 +312,7 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
     monkeypatch.setattr(backends, "_platform", lambda: "gpu")
     monkeypatch.setattr(api, "is_hopper", lambda: True)
 
-    def picked(op, D, dtype=BF16, backward="rewy"):
+    def picked(op, D, dtype=BF16, backward="rewy", name=None):
         inp = testing.make_inputs(op, 1, 64, 1, D, D, dtype=dtype)
         g = inp.get("g")
         call = rewy_jax.ops._prepare(
@@ -242,7 +320,7 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
             g_kind=None if g is None else ("vector" if g.ndim == 4 else "scalar"), b_kind="scalar",
             w_kind="scalar", scale=None, initial_state=None, use_qk_l2norm=False, cu_seqlens=None,
             gate_names=("g", "beta", None))
-        impl = backends.select(None, call, chunk_size=64, interpret=False, backward=backward)
+        impl = backends.select(name, call, chunk_size=64, interpret=False, backward=backward)
         return getattr(impl, "__wrapped__", impl)
 
     assert picked("deltanet", 128) is backends.mosaic_gpu_impl
@@ -251,6 +329,9 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
     # K = V = 256 (served, but not yet run or timed on a GPU)
     assert picked("kda", 64) is not backends.mosaic_gpu_impl
     assert picked("gdn", 256) is not backends.mosaic_gpu_impl
+    # the seven-product backward (the ablation baseline, not yet run on a GPU) only by name
+    assert picked("gdn", 128, backward="wy", name="mosaic_gpu") is backends.mosaic_gpu_impl
+    assert picked("deltanet", 64, backward="wy", name="mosaic_gpu") is backends.mosaic_gpu_impl
     # what it refuses goes down the list (to the Triton-lowered kernels on a real GPU)
     for case in (dict(op="gdn", D=128, backward="wy"), dict(op="deltanet", D=128, dtype=jnp.float32),
                  dict(op="kda", D=64, dtype=jnp.float32)):

@@ -8,8 +8,8 @@ Each case is the jaxpr of the kernel call (the kernel body, grid, scratch and co
 included; no source locations, unlike the lowered module), traced on the CPU, not run: how a
 change to the shared kernel code shows that it leaves the kernels the GPU has timed and checked
 unchanged (the scalar-gate pipeline at K = V in {64, 128}: T0, fused forward, reverse state
-pass, per-chunk gradients; gated and not, packed and not, both policies' forward; and the
-vector-gate kernels of KDA/GDN2).
+pass, per-chunk gradients (ReWY, and the seven-product "-wy" body); gated and not, packed and
+not, both policies' forward; and the vector-gate kernels of KDA/GDN2).
 """
 
 from __future__ import annotations
@@ -59,11 +59,14 @@ def cases():
                                           cfg=cfg.state_backward, meta=meta, **slots)
                 out.append((f"state_backward-{tag}", sbwd, [tok] * 3 + [t0, vec, vec, st]))
                 if not packed:
-                    def cbwd(q, k, v, do, lam, s0, ds, t, g, b, pick=pick):
-                        return chunk_backward(q, k, v, do, lam, s0, ds, t, pick(g), b, scale=0.1,
-                                              cfg=cfg.chunk_backward)
-                    out.append((f"chunk_backward-{tag}", cbwd,
-                                [tok] * 5 + [states] * 2 + [t0, vec, vec]))
+                    for bw in ("rewy", "wy"):  # wy: the seven-product body, for the ablation
+                        cb_cfg = config.default_config(D, D, 2, backward=bw).chunk_backward
+
+                        def cbwd(q, k, v, do, lam, s0, ds, t, g, b, pick=pick, cb_cfg=cb_cfg):
+                            return chunk_backward(q, k, v, do, lam, s0, ds, t, pick(g), b, scale=0.1,
+                                                  cfg=cb_cfg)
+                        out.append((f"chunk_backward-{tag}" + ("-wy" if bw == "wy" else ""), cbwd,
+                                    [tok] * 5 + [states] * 2 + [t0, vec, vec]))
         out.append((f"chunk_inverse-D{D}", lambda k, b: chunk_inverse(k, b),
                     [S((2, 256, 2, D), BF16), S((2, 2, 256), f32)]))
     return out

@@ -7,7 +7,9 @@ Pipeline (each stage's module docstring gives its shapes):
     forward.py          fused state pass + output (3 warpgroups); saves chunk start states
                         (policy "save"; "recompute" reruns it in the backward)
     state_backward.py   reverse state pass: Λ per chunk, each chunk's end cotangent, dh0
-    chunk_backward.py   per-chunk gradients dq, dk, dv, dβ, dG (parallel over chunks)
+    chunk_backward.py   per-chunk gradients dq, dk, dv, dβ, dG (parallel over chunks); the
+                        ReWY products, or at K ≤ 128 the seven-product WY ones (backward="wy",
+                        config.ChunkBackwardConfig.backward, for the ablation)
     XLA                 dg = reverse cumsum of dG within each chunk (+ the last-row terms)
 
 :func:`supports` says which calls this backend serves (``None``) or why not (a reason string);
@@ -29,6 +31,7 @@ from pallas_kernels.mosaic_gpu.forward import fused_forward
 from pallas_kernels.mosaic_gpu.state_backward import state_backward
 
 HEAD_DIMS = (64, 128, 256)  # 256: the blocked tilings of config.default_config
+BACKWARDS = ("rewy", "wy")  # "wy": the whole-width per-chunk gradient kernel only (K ≤ 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -53,9 +56,10 @@ def device_reason(interpret: bool) -> str | None:
 
 
 def options_reason(*, chunk_size: int, static_scale: bool, backward: str) -> str | None:
-    """The call options every Mosaic GPU kernel needs. Shared with vector_api.supports."""
-    if backward != "rewy":
-        return "the Mosaic GPU kernels implement the ReWY backward only (backward='rewy')"
+    """The call options every Mosaic GPU kernel needs. Shared with vector_api.supports (which
+    also refuses backward='wy')."""
+    if backward not in BACKWARDS:
+        return f"the Mosaic GPU kernels implement backward in {BACKWARDS}, got {backward!r}"
     if chunk_size != C:
         return f"the Mosaic GPU kernels use chunk_size={C}, got {chunk_size}"
     if not static_scale:
@@ -75,6 +79,10 @@ def supports(*, K: int, V: int, dtype, chunk_size: int, scalar_gates: bool, stat
         return f"the Mosaic GPU kernels take bf16 or fp16 inputs, got {jnp.dtype(dtype).name}"
     if K not in HEAD_DIMS or V != K:
         return f"the Mosaic GPU kernels take K = V in {HEAD_DIMS}, got K={K}, V={V}"
+    if backward == "wy" and K > 128:
+        return ("the Mosaic GPU kernels have the seven-product backward (backward='wy') at K = V "
+                f"<= 128 only (the whole-width per-chunk gradient kernel), got K={K}; the blocked "
+                "K = 256 kernel implements the ReWY backward only")
     return options_reason(chunk_size=chunk_size, static_scale=static_scale, backward=backward)
 
 
@@ -120,7 +128,9 @@ def _gate_grad(dG, u, sds, g2):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def delta_rule(q, k, v, g, beta, h0, meta, scale: float, policy: str, cfg: config.Config,
                interpret: bool):
-    """DeltaNet (``g`` None) or GDN on the Mosaic GPU kernels, differentiable (ReWY backward).
+    """DeltaNet (``g`` None) or GDN on the Mosaic GPU kernels, differentiable: the ReWY backward,
+    or the seven-product one where ``cfg.chunk_backward.backward`` is "wy" (the reverse state
+    pass is the same in both: it gives Λ = Aᵀ dR, the wy form's dZ).
 
     q, k: [B, T, H, K], v: [B, T, H, V] (bf16/fp16, one dtype); g, beta: [B, T, H] fp32
     (g ≤ 0, already clamped); h0: [B, H, K, V] fp32. ``scale`` multiplies q. ``policy``:

@@ -23,6 +23,24 @@ register layout): the kernel writes their per-row parts ``u_s = t_s ⟨(R dSᵀ)
 (rewy-math §4–6: the scalar-gate reduction takes dG from the key-gradient products, so no
 K Kᵀ Gram is recomputed for it.)
 
+The seven-product form (``ChunkBackwardConfig.backward = "wy"``, the whole-width kernel only):
+the standard WY backward's products in the same kernel, for the ablation against ReWY. With
+A = T0 ⊙ D (the gated inverse, rewy-math §2; it replaces T0 in SMEM), Z = β V, Ē = βγ K,
+P̃ = scale·(Q Kᵀ ⊙ D)_{j ≤ i} and K_tail = t ⊙ K (:func:`_wy_products`):
+
+    dR    = P̃ᵀ dO + K_tail dS            (dU; the shared reverse pass emits Λ, not dR)
+    dW    = −dR S0ᵀ
+    dA    = dR Zᵀ + dW Ēᵀ                (the inverse's adjoint; β, βγ scale its columns)
+    dT    = −(Aᵀ dA Aᵀ)_{j < i}          (in place of ReWY's −(Λ Rᵀ)_{j < i})
+    dĒ    = Aᵀ dW + dT K̄                 (Aᵀ dW in place of ReWY's −Λ S0ᵀ)
+    dZ    = Aᵀ dR = Λ                    (not formed again: the reverse state pass's Λ, shared
+                                          with ReWY, gives dv and dβ's ⟨v, Λ⟩)
+
+Everything after dT and dĒ's state part (dq, dk, dβ, dG, the Gram terms, R, dP = dO Rᵀ) is the
+ReWY body's code, and the wy body stages its tiles in the ReWY kernel's SMEM buffers, so the
+scratch is the same. Products per chunk (one WGMMA each, the sds diagonals aside): ReWY 11 in 6
+round trips, wy 18 in 10 (docs/mosaic-gpu.md).
+
 Two kernels (config.ChunkBackwardConfig.block): up to K = 128 (``block=None``) the whole-width
 kernel :func:`chunk_backward` holds every operand whole in SMEM (``[64, K]`` tiles, S0ᵀ and dSᵀ
 ``[V, K]``): the program timed on the H100. At K = V = 256 that is 551,168 B of SMEM, so
@@ -96,7 +114,8 @@ def _launch(body, out_type, scratch, grid, interpret, *args):
 def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: float,
                    cfg: ChunkBackwardConfig = ChunkBackwardConfig(), interpret=None):
     """``(dq, dk, dv, dbeta)`` and, with a gate, ``(dG, u, sds)``; see the module docstring.
-    ``cfg.block`` 64 (K = 256) runs the blocked kernel, ``None`` the whole-width one."""
+    ``cfg.block`` 64 (K = 256) runs the blocked kernel, ``None`` the whole-width one;
+    ``cfg.backward`` "wy" the whole-width kernel's seven-product body (same operands, outputs)."""
     B, Tp, H, K = k.shape
     V = v.shape[-1]
     N = Tp // C
@@ -105,7 +124,11 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
 
     if K != V:
         raise ValueError(f"chunk_backward needs K == V (dq reuses a [C, V] tile), got K={K}, V={V}")
+    wy = cfg.backward == "wy"
     if cfg.block is not None and cfg.block < K:
+        if wy:
+            raise ValueError("the blocked per-chunk gradient kernel (K = 256) has the ReWY backward "
+                             "only; backward='wy' needs the whole-width kernel (K <= 128)")
         return _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, scale=scale,
                                        bk=cfg.block, interpret=interpret)
     out_type = _out_types(k, v, gated)
@@ -155,21 +178,30 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
             ks0 = ks0 * rows_of(gam_r, (C, V))
         w = stage(w_st, plgpu.load(v_s, layout=WGMMA).astype(F32) - ks0)
         beta_c = plgpu.load(b_s, layout=COLS)
-        ag = stage(cc_a, plgpu.load(t_s, layout=WGMMA).astype(F32) * decay * cols_of(beta_c, (C, C)))
-        r = stage(r_st, mma(ag, w, (C, V)))
-
-        # The three ReWY products (Λ = Aᵀ dR came from the reverse pass): Λ Rᵀ, Λ S0ᵀ, and dO Rᵀ.
+        # K and Q are read from SMEM where each use needs them (not held in registers across
+        # the kernel: at K = 128 a [C, K] fp32 tile is 64 registers per thread).
+        k_f = lambda: plgpu.load(k_s, layout=WGMMA).astype(F32)  # noqa: E731
         # Products are grouped so that each group costs one tensor-core round trip (this kernel
         # is latency-bound: one warpgroup per chunk). Signs ride on staged operands: the tiles
         # below hold −dT ⊙ D and −β K, so that every sum shares one accumulator; a negated
         # accumulator is never used (it gave zeros on sm_90 with jax 0.11.2 in jla's kernels).
-        lr, dor = mma_group(((((lam_s, r.T),), (C, C)), (((do_s, r.T),), (C, C))))
-        ndt_d = stage(cc_a, jnp.where(strict, lr, 0.0) * decay)  # −dT ⊙ D
-        da_d = stage(cc_b, dor * (decay * scale))  # scale·(dA ⊙ D) (D is 0 above the diagonal)
-        # K and Q are read from SMEM where each use needs them (not held in registers across
-        # the kernel: at K = 128 a [C, K] fp32 tile is 64 registers per thread).
-        k_f = lambda: plgpu.load(k_s, layout=WGMMA).astype(F32)  # noqa: E731
-        nbk = stage(bk_st, k_f() * rows_of(beta_r * -1.0, (C, K)))  # −β K
+        if wy:
+            ndt_d, da_d = _wy_products(
+                w, beta_c, decay, strict, scale, gated, k_f, tail_r if gated else None,
+                q_s=q_s, k_s=k_s, v_s=v_s, do_s=do_s, s0_s=s0_s, ds_s=ds_s, t_s=t_s, g_s=g_s,
+                w_st=w_st, r_st=r_st, cc_a=cc_a, cc_b=cc_b, bk_st=bk_st)
+            r = r_st
+            e_pair = (t_s.T, bk_st)  # Aᵀ (dR S0ᵀ) = −Aᵀ dW, the state part of −dĒ
+            nbk = None  # −β K goes to bk_st once that product has read dR S0ᵀ there
+        else:
+            ag = stage(cc_a, plgpu.load(t_s, layout=WGMMA).astype(F32) * decay * cols_of(beta_c, (C, C)))
+            r = stage(r_st, mma(ag, w, (C, V)))
+            # The three ReWY products (Λ = Aᵀ dR came from the reverse pass): Λ Rᵀ, Λ S0ᵀ, and dO Rᵀ.
+            lr, dor = mma_group(((((lam_s, r.T),), (C, C)), (((do_s, r.T),), (C, C))))
+            ndt_d = stage(cc_a, jnp.where(strict, lr, 0.0) * decay)  # −dT ⊙ D
+            da_d = stage(cc_b, dor * (decay * scale))  # scale·(dA ⊙ D) (D is 0 above the diagonal)
+            nbk = stage(bk_st, k_f() * rows_of(beta_r * -1.0, (C, K)))  # −β K
+            e_pair = (lam_s, s0_s)  # Λ S0ᵀ, the state part of −dĒ
 
         # dq = scale·Γ dO S0ᵀ + scale·(dA ⊙ D) K, and its gate term ⟨q, dq⟩.
         dos0, dak = mma_group(((((do_s, s0_s),), (C, K)), (((da_d, k_s),), (C, K))))
@@ -178,10 +210,12 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
         w_st[...] = dq.astype(dtype)  # w is consumed: its tile carries dq out (K == V)
         # The erase-side terms e_r = −γ_r (Λ S0ᵀ)_r + ((dT ⊙ D) K)_r: dk = β e + ..., dβ = ⟨k, e⟩ + ⟨v, Λ⟩.
         if gated:
-            ls0, ndtk = mma_group(((((lam_s, s0_s),), (C, K)), (((ndt_d, k_s),), (C, K))))
+            ls0, ndtk = mma_group((((e_pair,), (C, K)), (((ndt_d, k_s),), (C, K))))
             e = (ls0 * rows_of(gam_r, (C, K)) + ndtk) * -1.0
         else:
-            e = mma_sum(((lam_s, s0_s), (ndt_d, k_s)), (C, K)) * -1.0
+            e = mma_sum((e_pair, (ndt_d, k_s)), (C, K)) * -1.0
+        if nbk is None:  # wy: bk_st held dR S0ᵀ until the product above
+            nbk = stage(bk_st, k_f() * rows_of(beta_r * -1.0, (C, K)))  # −β K
         ke = jnp.sum(k_f() * e, axis=1)
         lam_f = plgpu.load(lam_s, layout=WGMMA).astype(F32)
         db = ke + jnp.sum(plgpu.load(v_s, layout=WGMMA).astype(F32) * lam_f, axis=1)
@@ -217,6 +251,50 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
 
     return _launch(body, out_type, scratch, (B, H, N), interpret,
                    q, k, v, do, lam, states, dstates, t0, beta, *([g2] if gated else []))
+
+
+def _wy_products(w, beta_c, decay, strict, scale, gated: bool, k_f, tail_r, *, q_s, k_s, v_s, do_s,
+                 s0_s, ds_s, t_s, g_s, w_st, r_st, cc_a, cc_b, bk_st):
+    """The chunk-local products of the seven-product (``backward="wy"``) body, up to −dT ⊙ D.
+
+    In: ``w`` = W = V − Γ K S0 staged in ``w_st`` ``[C, V]``; ``beta_c`` (COLS), ``decay`` D and
+    ``strict`` ``[C, C]`` registers; ``tail_r`` t (ROWS, None without a gate); the chunk's SMEM
+    operands as in the kernel body. Out, in SMEM: ``cc_a`` −dT ⊙ D and ``cc_b`` scale·(dP ⊙ D)
+    ``[C, C]`` (returned, as the ReWY body leaves them); R in ``r_st``, A = T0 ⊙ D in ``t_s``
+    (T0 replaced), dR S0ᵀ = −dW in ``bk_st`` ``[C, K]`` (the kernel's e product reads the last
+    two, Aᵀ (dR S0ᵀ) = −dĒ's state part); ``w_st`` holds dR, free once this returns.
+
+    Every tile staged here is ``[C, C]`` or takes the place of one the ReWY body stages, so the
+    scratch (SMEM) is the ReWY kernel's; no ``[C, K]`` fp32 tile lives across a product.
+    """
+    V, K = w_st.shape[-1], k_s.shape[-1]
+    a_f = plgpu.load(t_s, layout=WGMMA).astype(F32) * decay  # A = T0 ⊙ D, the gated inverse
+    ag = stage(cc_a, a_f * cols_of(beta_c, (C, C)))  # Ag = A diag(β): R = A (Z − Ē S0) = Ag W
+    a = stage(t_s, a_f)
+    # R and the query-key Gram (for P̃ of dR), one round trip.
+    r, qk = mma_group(((((ag, w),), (C, V)), (((q_s, k_s.T),), (C, C))))
+    r = stage(r_st, r)
+    p = stage(cc_a, qk * (decay * scale))  # P̃ = scale·(Q Kᵀ ⊙ D), j ≤ i (Ag is done)
+    # dR = P̃ᵀ dO + K_tail dS: what the standard backward's state pass hands the WY products
+    # (the shared reverse pass here emits Λ = Aᵀ dR instead, so the wy body forms dR again).
+    kt = stage(bk_st, k_f() * rows_of(tail_r, (C, K))) if gated else k_s  # K_tail = t ⊙ K
+    dr, dor = mma_group(((((p.T, do_s), (kt, ds_s.T)), (C, V)), (((do_s, r.T),), (C, C))))
+    dr = stage(w_st, dr)  # W is done
+    da_d = stage(cc_b, dor * (decay * scale))  # scale·(dP ⊙ D), dP = dO Rᵀ (as in ReWY)
+    dws0 = stage(bk_st, mma(dr, s0_s, (C, K)))  # dR S0ᵀ = −dW
+    # The inverse's adjoint dA = dR Zᵀ + dW Ēᵀ, Z = diag(β) V and Ē = diag(β γ) K: the diagonal
+    # factors scale dA's columns, so the products read V and K as they are in SMEM.
+    drv, dwk = mma_group(((((dr, v_s.T),), (C, C)), (((dws0, k_s.T),), (C, C))))
+    if gated:
+        gam_c = jnp.exp2(plgpu.load(g_s, layout=COLS))
+        da = drv * cols_of(beta_c, (C, C)) + dwk * cols_of(beta_c * gam_c * -1.0, (C, C))
+    else:
+        da = (drv + dwk * -1.0) * cols_of(beta_c, (C, C))
+    da = stage(cc_a, da)  # P̃ is done
+    # dT = −tril(Aᵀ dA Aᵀ, −1): two dependent [C, C] products.
+    ada = stage(cc_a, mma(a.T, da, (C, C)))
+    ndt = mma(ada, a.T, (C, C))
+    return stage(cc_a, jnp.where(strict, ndt, 0.0) * decay), da_d  # −dT ⊙ D
 
 
 class _TileRing:

@@ -12,6 +12,7 @@ there (docs/mosaic-gpu.md, "K = V = 256").
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from pallas_kernels.mosaic_gpu.common import C
 
@@ -70,13 +71,20 @@ class ChunkBackwardConfig:
         whole in SMEM). 64: the blocked kernel of K = 256, which forms R, dT, dA per 64 value
         columns and dq, dk per 64 key columns, streaming S0ᵀ and dSᵀ as ``[64, 64]`` tiles
         through a two-slot TMA ring (chunk_backward.py, "Tiling").
+    backward: the products the whole-width kernel issues. "rewy": the reduced backward (Λ Rᵀ and
+        Λ S0ᵀ beside the Gram terms); "wy": the standard seven-product WY backward (dR, dW, the
+        inverse's adjoint dA, Aᵀ dW, Aᵀ dA Aᵀ), same gradients, kept for the ablation
+        (chunk_backward.py, "The seven-product form"). The blocked kernel has "rewy" only.
     """
 
     block: int | None = None
+    backward: Literal["rewy", "wy"] = "rewy"
 
     def __post_init__(self):
         if self.block not in (None, 64):
             raise ValueError(f"ChunkBackwardConfig.block must be None or 64, got {self.block}")
+        if self.backward not in ("rewy", "wy"):
+            raise ValueError(f"ChunkBackwardConfig.backward must be 'rewy' or 'wy', got {self.backward!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,16 +146,20 @@ def _deepest(fits, shallowest: int = 2) -> int:
     raise ValueError("no Mosaic GPU tiling fits SMEM")
 
 
-def default_config(K: int, V: int, itemsize: int) -> Config:
+def default_config(K: int, V: int, itemsize: int, backward: Literal["rewy", "wy"] = "rewy") -> Config:
     """The defaults: the deepest input pipeline that fits SMEM, per kernel. K ≤ 128: whole-width
     tiles and at least two stages (the tilings timed on the H100); K = 256: the register state
     in blocks of :func:`k_block_for`, whatever depth fits (one stage: a whole chunk's q and k
-    are 64 KB there) and the blocked per-chunk gradient kernel."""
+    are 64 KB there) and the blocked per-chunk gradient kernel. ``backward`` picks the
+    per-chunk gradient kernel's products (:class:`ChunkBackwardConfig`; "wy" at K ≤ 128 only)."""
     if K <= 128:
         fwd = _deepest(lambda s: forward_smem_bytes(K, 64, s, itemsize, True) <= SMEM_BUDGET)
         bwd = _deepest(lambda s: state_backward_smem_bytes(K, 64, s, itemsize) <= SMEM_BUDGET)
         return Config(forward=PassConfig(block_v=64, stages=fwd),
-                      state_backward=PassConfig(block_v=64, stages=bwd))
+                      state_backward=PassConfig(block_v=64, stages=bwd),
+                      chunk_backward=ChunkBackwardConfig(backward=backward))
+    if backward != "rewy":
+        raise ValueError(f"the blocked per-chunk gradient kernel (K = {K}) has the ReWY backward only")
     kb = k_block_for(K)
     fwd = _deepest(lambda s: forward_smem_bytes(K, 64, s, itemsize, True, kb) <= SMEM_BUDGET, 1)
     bwd = _deepest(lambda s: state_backward_smem_bytes(K, 64, s, itemsize, kb) <= SMEM_BUDGET, 1)

@@ -53,6 +53,9 @@ def supports(*, K: int, V: int, dtype, chunk_size: int, static_scale: bool, back
     reason = api.options_reason(chunk_size=chunk_size, static_scale=static_scale, backward=backward)
     if reason is not None:
         return reason
+    if backward != "rewy":
+        return ("the Mosaic GPU KDA/GDN2 kernels implement the ReWY backward only (backward='rewy'); "
+                "the seven-product form is in the DeltaNet/GDN kernels")
     if packed:
         return "the Mosaic GPU KDA/GDN2 kernels do not take packed sequences (cu_seqlens) yet"
     return None
