@@ -8,6 +8,7 @@ against rewy-math §8's bf16 thresholds.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -102,6 +103,41 @@ def _grads(op, x, cts, **kw):
     pytest.param("gdn", "save", "mild", 150, 7, 2, 256, BF16, marks=needs_pool_threads),
 ])
 def test_interpret_matches_float64(op, policy, decay, T, seed, n_seq, D, dtype):
+    _check_against_float64(op, policy, decay, T, seed, n_seq, D, dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op,policy,decay,T,seed,D", [
+    ("gdn", "save", "strong", 100, 10, 64),
+    ("deltanet", "recompute", None, 130, 11, 64),
+    ("gdn", "save", "strong", 150, 12, 128),
+    ("deltanet", "save", None, 100, 13, 128),
+    ("gdn", "recompute", "reset", 140, 14, 64),
+])
+def test_chunk_backward_two_warpgroups_interpret(monkeypatch, op, policy, decay, T, seed, D):
+    """The two-warpgroup per-chunk gradient kernel (ChunkBackwardConfig(warpgroups=2)) in the
+    whole pipeline, every gradient against float64 (T not a multiple of 64, h0, β in [0, 2])."""
+    default = config.default_config
+
+    def two_wg(*a, **kw):
+        cfg = default(*a, **kw)
+        return dataclasses.replace(cfg, chunk_backward=config.ChunkBackwardConfig(warpgroups=2))
+
+    from pallas_kernels.mosaic_gpu import chunk_backward as cb_module
+
+    kernel, ran = cb_module._chunk_backward_2wg, []
+
+    def counted(*a, **kw):
+        ran.append(True)
+        return kernel(*a, **kw)
+
+    monkeypatch.setattr(config, "default_config", two_wg)
+    monkeypatch.setattr(cb_module, "_chunk_backward_2wg", counted)
+    _check_against_float64(op, policy, decay, T, seed, None, D, BF16)
+    assert ran, "the two-warpgroup kernel did not run"
+
+
+def _check_against_float64(op, policy, decay, T, seed, n_seq, D, dtype):
     x, cts, cu = _case(op, T, D, seed, decay, n_seq, dtype)
     names, f = _grads(op, x, cts, backend="mosaic_gpu", interpret=True, policy=policy, cu_seqlens=cu)
     cast = {"q": dtype, "k": dtype, "v": dtype}
@@ -183,6 +219,21 @@ def test_kernels_lower_for_cuda(D, gated, packed):
                     (cbwd, [s["tok"]] * 5 + [s["states"]] * 2 + [s["t0"], s["vec"], s["vec"]])):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text, f
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("gated", [True, False])
+def test_chunk_backward_two_warpgroups_lowers_for_cuda(D, gated):
+    """The two-warpgroup per-chunk gradient kernel lowers to Mosaic GPU for sm_90 on this CPU."""
+    s = _structs(2, 256, 2, D)
+    cfg = config.ChunkBackwardConfig(warpgroups=2)
+
+    def cbwd(q, k, v, do, lam, st, dst, t0, g2, b):
+        return chunk_backward(q, k, v, do, lam, st, dst, t0, g2 if gated else None, b, scale=0.1, cfg=cfg)
+
+    args = [s["tok"]] * 5 + [s["states"]] * 2 + [s["t0"], s["vec"], s["vec"]]
+    text = jax.jit(cbwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 def test_supports_says_why_not():
