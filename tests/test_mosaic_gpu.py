@@ -307,6 +307,17 @@ def test_default_config_fits_smem(D):
     assert (f.key_block(D), s.key_block(D)) == ((64, 64) if D == 256 else (D, D))
     for size, stages in ((fwd, f.stages), (sbwd, s.stages)):  # one more stage would not fit
         assert stages == 4 or size(stages + 1) > config.SMEM_BUDGET
+    assert cb.warpgroups == 1  # the default stays the one-warpgroup kernel
+    if D <= 128:  # the two-warpgroup split (whole width) fits too
+        assert config.chunk_backward_smem_bytes(D, 2, None, warpgroups=2) <= config.SMEM_BUDGET
+
+
+def test_chunk_backward_config_warpgroups():
+    """warpgroups is 1 or 2, and 2 is the whole-width kernel only."""
+    assert config.ChunkBackwardConfig(warpgroups=2).warpgroups == 2
+    for bad in (dict(warpgroups=3), dict(warpgroups=2, block=64)):
+        with pytest.raises(ValueError):
+            config.ChunkBackwardConfig(**bad)
 
 
 def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):

@@ -40,6 +40,11 @@ loads per chunk (phase A, then passes 1 and 2, less the tiles shared where one p
 the next begins; the two passes keep dq's sum apart from those of e and R dSᵀ) and dSᵀ's
 16 tiles one load each. No tile wider than ``[64, 64]`` fp32 lives in registers.
 
+``warpgroups=2`` (K ≤ 128) selects :func:`_chunk_backward_2wg`, the whole-width kernel split
+over two warpgroups of one CTA (WG0: R, dT, dA, dq; WG1: dk, dv and the row sums; at most two
+live fp32 ``[C, K]`` tiles in each instead of three), for an A/B timing against the default
+one-warpgroup kernel (``benchmarks/mosaic_kernels.py --parts``).
+
 Reads:  q, k [B, Tp, H, K]; v, do, lam [B, Tp, H, V]; states, dstates [B, H, N, V, K];
         t0 [B, H, Tp, C]; g2, beta [B, H, Tp] fp32.
 Writes: dq, dk [B, Tp, H, K]; dv [B, Tp, H, V] (input dtype); dbeta [B, H, Tp] fp32; with a
