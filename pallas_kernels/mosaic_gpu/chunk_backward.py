@@ -469,7 +469,9 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
     sums (at K = 128 a tile is 64 registers a thread: ptxas reported 255 registers and, for GDN,
     252 bytes of spills on the H100), and as the only warpgroup of its SM (its SMEM allows one
     CTA) it waits out every tensor-core round trip alone. Here each warpgroup holds at most two
-    such tiles, and the work of dk that does not need R overlaps the chain that forms R.
+    such tiles, and the work of dk that does not need R overlaps the chain that forms R. The
+    inputs land in four groups (barriers), in the order of first use, so that each warpgroup
+    starts before all ~150 KB (K = 128) have arrived: k, S0ᵀ, β, g | v, T0 | Λ, dO | dSᵀ, q.
 
     WG0 (the chain: R, dT, dA, dq; it also issues the TMA loads):
         R = Ag (V − Γ K S0)                   (Ag in place of T0)        -> R staged, ``r_ready``
@@ -478,7 +480,8 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
         dq = scale·Γ dO S0ᵀ + (dA ⊙ D) K      (two accumulators, one round trip)
         ⟨q, dq⟩ (fp32 row vector) to SMEM                                 -> ``rows_ready`` (GDN)
     WG1 (dk, dv and the row sums):
-        before R:      −βK staged; ⟨v, Λ⟩; e0 = −γ Λ S0ᵀ (with the sds diagonals: one round trip)
+        before R:      −βK staged; e0 = −γ Λ S0ᵀ; ⟨v, Λ⟩; (GDN) sds, the diagonals of the
+                       S0ᵀ dS strips (one round trip)
         after R:       acc = β e0 + t ⊙ R dSᵀ,  u = ⟨k, t ⊙ R dSᵀ⟩;  dv = β Λ into V's buffer
                        (WG0 read V before it staged R)
         after dT, dA:  e1 = (dT ⊙ D) K,  acc += β e1;   dK̄' = (dT ⊙ D)ᵀ βK + scale·(dA ⊙ D)ᵀ Q
@@ -487,8 +490,8 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
 
     Live fp32 registers a thread at K = 128 (a ``[C, K]`` tile 64, a ``[C, C]`` tile 32), counted
     from the live tiles, not from a compiled kernel: WG0 ≤ 128 (K S0 beside the loaded V; Λ Rᵀ,
-    dO Rᵀ and D; dq's two accumulators), WG1 ≤ 128 (the Λ S0ᵀ accumulator beside the two sds
-    diagonals; then one held tile, e0 or acc, beside one fresh accumulator), against ≈ 192 in
+    dO Rᵀ and D; dq's two accumulators), WG1 ≤ 128 (one held tile, e0 or acc, beside one fresh
+    accumulator or the two [C, C] sds diagonals), against ≈ 192 in
     the one-warpgroup kernel (e and its two fresh accumulators). At K = 64 half. No
     set_max_registers: with 256 threads each may use 255.
 
@@ -516,14 +519,18 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
         b_s=vec, g_s=vec, db_s=vec, dg_s=vec, u_s=vec, qdq_s=vec, sds_s=plgpu.SMEM((V,), F32),
         w_st=smem((C, V), dtype), r_st=smem((C, V), dtype), cc_a=smem((C, C), dtype),
         cc_b=smem((C, C), dtype), bk_st=smem((C, K), dtype),
-        # The inputs in two groups: what R needs (k, S0ᵀ, v, T0, β, g), then Λ, dO, dSᵀ, q.
-        bar_a=plgpu.Barrier(num_arrivals=5 + gated), bar_b=plgpu.Barrier(num_arrivals=4),
+        # The inputs arrive in four groups, in the order of first use, so that work starts
+        # before the CTA's ~150 KB of inputs have all landed: k, S0ᵀ, β, g (K S0; −βK); v, T0
+        # (the rest of R); Λ, dO (Λ S0ᵀ, the Gram products); dSᵀ, q.
+        bar_k=plgpu.Barrier(num_arrivals=3 + gated), bar_v=plgpu.Barrier(num_arrivals=2),
+        bar_l=plgpu.Barrier(num_arrivals=2), bar_b=plgpu.Barrier(num_arrivals=2),
         r_ready=plgpu.Barrier(), cc_ready=plgpu.Barrier(), rows_ready=plgpu.Barrier(),
         done=plgpu.Barrier(num_arrivals=2),
     )
 
     def body(*refs, q_s, k_s, v_s, do_s, lam_s, s0_s, ds_s, t_s, b_s, g_s, db_s, dg_s, u_s, qdq_s,
-             sds_s, w_st, r_st, cc_a, cc_b, bk_st, bar_a, bar_b, r_ready, cc_ready, rows_ready, done):
+             sds_s, w_st, r_st, cc_a, cc_b, bk_st, bar_k, bar_v, bar_l, bar_b, r_ready, cc_ready,
+             rows_ready, done):
         refs = list(refs)
         q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref = (refs.pop(0) for _ in range(9))
         g_ref = refs.pop(0) if gated else None
@@ -550,20 +557,23 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
 
         @pl.when(wg == 0)
         def _chain():
-            for src, dst in ((k_ref.at[b, rows, h], k_s), (st_ref.at[b, h, n], s0_s),
-                             (v_ref.at[b, rows, h], v_s), (t_ref.at[b, h, rows], t_s),
-                             (b_ref.at[b, h, rows], b_s)) + (((g_ref.at[b, h, rows], g_s),) if gated else ()):
-                plgpu.copy_gmem_to_smem(src, dst, bar_a)
-            for src, dst in ((lam_ref.at[b, rows, h], lam_s), (do_ref.at[b, rows, h], do_s),
-                             (dst_ref.at[b, h, n], ds_s), (q_ref.at[b, rows, h], q_s)):
-                plgpu.copy_gmem_to_smem(src, dst, bar_b)
-            plgpu.barrier_wait(bar_a)
+            groups = ((bar_k, ((k_ref.at[b, rows, h], k_s), (st_ref.at[b, h, n], s0_s),
+                               (b_ref.at[b, h, rows], b_s))
+                       + (((g_ref.at[b, h, rows], g_s),) if gated else ())),
+                      (bar_v, ((v_ref.at[b, rows, h], v_s), (t_ref.at[b, h, rows], t_s))),
+                      (bar_l, ((lam_ref.at[b, rows, h], lam_s), (do_ref.at[b, rows, h], do_s))),
+                      (bar_b, ((dst_ref.at[b, h, n], ds_s), (q_ref.at[b, rows, h], q_s))))
+            for bar, copies in groups:
+                for src, dst in copies:
+                    plgpu.copy_gmem_to_smem(src, dst, bar)
+            plgpu.barrier_wait(bar_k)
             _, g_row, gam_r, _ = row_vectors()
 
             # R = Ag (V − Γ K S0), recomputed from the saved chunk start state; Ag replaces T0.
             ks0 = mma(k_s, s0_s.T, (C, V))
             if gated:
                 ks0 = ks0 * rows_of(gam_r, (C, V))
+            plgpu.barrier_wait(bar_v)
             w = stage(w_st, plgpu.load(v_s, layout=WGMMA).astype(F32) - ks0)
             beta_c = plgpu.load(b_s, layout=COLS)
             ag = stage(t_s, plgpu.load(t_s, layout=WGMMA).astype(F32) * decay_tile(g_row)
@@ -574,7 +584,7 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
             # Λ Rᵀ and dO Rᵀ in one round trip. The staged tiles hold −dT ⊙ D (the sign rides on
             # the operand: a negated accumulator gave zeros on sm_90 with jax 0.11.2 in jla's
             # kernels) and scale·(dA ⊙ D).
-            plgpu.barrier_wait(bar_b)
+            plgpu.barrier_wait(bar_l)
             lr, dor = mma_group(((((lam_s, r.T),), (C, C)), (((do_s, r.T),), (C, C))))
             decay = decay_tile(g_row)
             strict = iota((C, C), 0) > iota((C, C), 1)
@@ -588,6 +598,7 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
             dos0, dak = mma_group(((((do_s, s0_s),), (C, K)), (((cc_b, k_s),), (C, K))))
             dq = dos0 * (rows_of(gam_r * scale, (C, K)) if gated else scale) + dak
             if gated:
+                plgpu.barrier_wait(bar_b)  # q
                 qdq_s[...] = jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * dq, axis=1)
             w_st[...] = dq.astype(dtype)  # W is consumed: its tile carries dq out (K == V)
             plgpu.commit_smem()
@@ -598,25 +609,27 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
 
         @pl.when(wg == 1)
         def _keys():
-            plgpu.barrier_wait(bar_a)
+            plgpu.barrier_wait(bar_k)
             beta_r, _, gam_r, tail_r = row_vectors()
             nbk = stage(bk_st, k_f() * rows_of(beta_r * -1.0, (C, K)))  # −β K
-            plgpu.barrier_wait(bar_b)
+            # The erase-side terms e = e0 + e1, e0 = −γ Λ S0ᵀ, e1 = (dT ⊙ D) K:
+            # dk = β e + dK̄, dβ = ⟨k, e⟩ + ⟨v, Λ⟩.
+            plgpu.barrier_wait(bar_l)
+            e0 = mma(lam_s, s0_s, (C, K)) * (rows_of(gam_r * -1.0, (C, K)) if gated else -1.0)
+            ke = jnp.sum(k_f() * e0, axis=1)
+            plgpu.barrier_wait(bar_v)
             v_lam = jnp.sum(plgpu.load(v_s, layout=WGMMA).astype(F32)
                             * plgpu.load(lam_s, layout=WGMMA).astype(F32), axis=1)  # ⟨v, Λ⟩ of dβ
-            # Λ S0ᵀ and (GDN) sds_v = Σ_k S0ᵀ_vk dSᵀ_vk, the diagonal of S0ᵀ dS per 64-row strip
-            # (two [V, K] fp32 tiles in registers would take 256 registers), in one round trip.
-            strips = [pl.ds(v0, C) for v0 in range(0, V, C)] if gated else []
-            ls0, *diags = mma_group([(((lam_s, s0_s),), (C, K))]
-                                    + [(((s0_s.at[sl], ds_s.at[sl].T),), (C, C)) for sl in strips])
+            plgpu.barrier_wait(bar_b)
             if gated:
+                # sds_v = Σ_k S0ᵀ_vk dSᵀ_vk: the diagonal of S0ᵀ dS per 64-row strip, on the
+                # tensor cores (two [V, K] fp32 tiles in registers would take 256 registers), in
+                # one round trip while WG0 still forms R.
+                strips = [pl.ds(v0, C) for v0 in range(0, V, C)]
+                diags = mma_group([(((s0_s.at[sl], ds_s.at[sl].T),), (C, C)) for sl in strips])
                 diag_mask = iota((C, C), 0) == iota((C, C), 1)
                 for sl, d in zip(strips, diags):
                     sds_s[sl] = jnp.sum(jnp.where(diag_mask, d, 0.0), axis=1)
-            # The erase-side terms e = e0 + e1, e0 = −γ Λ S0ᵀ, e1 = (dT ⊙ D) K:
-            # dk = β e + dK̄, dβ = ⟨k, e⟩ + ⟨v, Λ⟩.
-            e0 = ls0 * (rows_of(gam_r * -1.0, (C, K)) if gated else -1.0)
-            ke = jnp.sum(k_f() * e0, axis=1)
 
             plgpu.barrier_wait(r_ready)
             rds = mma(r_st, ds_s, (C, K))
