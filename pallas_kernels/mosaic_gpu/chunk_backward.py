@@ -480,7 +480,7 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
         dq = scale·Γ dO S0ᵀ + (dA ⊙ D) K      (two accumulators, one round trip)
         ⟨q, dq⟩ (fp32 row vector) to SMEM                                 -> ``rows_ready`` (GDN)
     WG1 (dk, dv and the row sums):
-        before R:      −βK staged; e0 = −γ Λ S0ᵀ; ⟨v, Λ⟩; (GDN) sds, the diagonals of the
+        before R:      −βK staged; ⟨v, Λ⟩; e0 = −γ Λ S0ᵀ; (GDN) sds, the diagonals of the
                        S0ᵀ dS strips (one round trip)
         after R:       acc = β e0 + t ⊙ R dSᵀ,  u = ⟨k, t ⊙ R dSᵀ⟩;  dv = β Λ into V's buffer
                        (WG0 read V before it staged R)
@@ -612,14 +612,15 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
             plgpu.barrier_wait(bar_k)
             beta_r, _, gam_r, tail_r = row_vectors()
             nbk = stage(bk_st, k_f() * rows_of(beta_r * -1.0, (C, K)))  # −β K
+            plgpu.barrier_wait(bar_v)
+            plgpu.barrier_wait(bar_l)
+            # ⟨v, Λ⟩ of dβ, before any tile is held (V and Λ are loaded whole for it)
+            v_lam = jnp.sum(plgpu.load(v_s, layout=WGMMA).astype(F32)
+                            * plgpu.load(lam_s, layout=WGMMA).astype(F32), axis=1)
             # The erase-side terms e = e0 + e1, e0 = −γ Λ S0ᵀ, e1 = (dT ⊙ D) K:
             # dk = β e + dK̄, dβ = ⟨k, e⟩ + ⟨v, Λ⟩.
-            plgpu.barrier_wait(bar_l)
             e0 = mma(lam_s, s0_s, (C, K)) * (rows_of(gam_r * -1.0, (C, K)) if gated else -1.0)
             ke = jnp.sum(k_f() * e0, axis=1)
-            plgpu.barrier_wait(bar_v)
-            v_lam = jnp.sum(plgpu.load(v_s, layout=WGMMA).astype(F32)
-                            * plgpu.load(lam_s, layout=WGMMA).astype(F32), axis=1)  # ⟨v, Λ⟩ of dβ
             plgpu.barrier_wait(bar_b)
             if gated:
                 # sds_v = Σ_k S0ᵀ_vk dSᵀ_vk: the diagonal of S0ᵀ dS per 64-row strip, on the
