@@ -107,16 +107,18 @@ def test_interpret_matches_float64(op, policy, decay, T, seed, n_seq, D, dtype):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("op,policy,decay,T,seed,D", [
-    ("gdn", "save", "strong", 100, 10, 64),
-    ("deltanet", "recompute", None, 130, 11, 64),
-    ("gdn", "save", "strong", 150, 12, 128),
-    ("deltanet", "save", None, 100, 13, 128),
-    ("gdn", "recompute", "reset", 140, 14, 64),
+@pytest.mark.parametrize("op,policy,decay,T,seed,D,dtype", [
+    ("gdn", "save", "strong", 100, 10, 64, BF16),
+    ("deltanet", "recompute", None, 130, 11, 64, BF16),
+    ("gdn", "save", "strong", 150, 12, 128, BF16),
+    ("deltanet", "save", None, 100, 13, 128, BF16),
+    ("gdn", "recompute", "reset", 140, 14, 64, BF16),
+    ("gdn", "save", "strong", 90, 15, 128, F16),
 ])
-def test_chunk_backward_two_warpgroups_interpret(monkeypatch, op, policy, decay, T, seed, D):
+def test_chunk_backward_two_warpgroups_interpret(monkeypatch, op, policy, decay, T, seed, D, dtype):
     """The two-warpgroup per-chunk gradient kernel (ChunkBackwardConfig(warpgroups=2)) in the
-    whole pipeline, every gradient against float64 (T not a multiple of 64, h0, β in [0, 2])."""
+    whole pipeline, every gradient against float64 (T not a multiple of 64, h0 and a final-state
+    cotangent, β in [0, 2], strong decays and near-resets for GDN; bf16 and one fp16 case)."""
     default = config.default_config
 
     def two_wg(*a, **kw):
@@ -133,7 +135,7 @@ def test_chunk_backward_two_warpgroups_interpret(monkeypatch, op, policy, decay,
 
     monkeypatch.setattr(config, "default_config", two_wg)
     monkeypatch.setattr(cb_module, "_chunk_backward_2wg", counted)
-    _check_against_float64(op, policy, decay, T, seed, None, D, BF16)
+    _check_against_float64(op, policy, decay, T, seed, None, D, dtype)
     assert ran, "the two-warpgroup kernel did not run"
 
 
