@@ -132,6 +132,18 @@ def parts(op, s: Shape):
     wy_cfg = config.default_config(s.D, s.D, 2, backward="wy").chunk_backward
     cbw = jax.jit(lambda *a: chunk_backward(*a, scale=scale, cfg=wy_cfg))
     out["chunk backward wy"] = time_ms(lambda: cbw(qp, kp, vp, o, lam, states, dst, t0, g2, bh))
+    if s.D <= 128:  # the two-warpgroup split of the whole-width kernel (A/B in one process)
+        cfg2 = config.ChunkBackwardConfig(warpgroups=2)
+        cb2 = jax.jit(lambda *a: chunk_backward(*a, scale=scale, cfg=cfg2))
+        out["chunk backward (2 WGs)"] = time_ms(lambda: cb2(qp, kp, vp, o, lam, states, dst, t0, g2, bh))
+        # the same outputs on the GPU (in the interpreter they agree to fp32 reassociation):
+        # rms of the difference over the rms of the one-warpgroup kernel's output (over 1 if 0)
+        one, two = (f(qp, kp, vp, o, lam, states, dst, t0, g2, bh) for f in (cb, cb2))
+        names = ("dq", "dk", "dv", "dbeta", "dG", "u", "sds")
+        rms = lambda x: float(jnp.sqrt(jnp.mean(jnp.asarray(x, jnp.float32) ** 2)))  # noqa: E731
+        print(dict(kind="check", op=op, part="chunk backward (2 WGs) vs 1 WG",
+                   **{n: rms(jnp.asarray(b, jnp.float32) - jnp.asarray(a, jnp.float32)) / (rms(a) or 1.0)
+                      for n, a, b in zip(names, one, two)}), flush=True)
     return out
 
 

@@ -8,6 +8,7 @@ against rewy-math §8's bf16 thresholds.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -103,6 +104,78 @@ def _grads(op, x, cts, **kw):
 ])
 def test_interpret_matches_float64(op, policy, decay, T, seed, n_seq, D, dtype):
     _check_against_float64(op, policy, decay, T, seed, n_seq, D, dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op,policy,decay,T,seed,D,dtype", [
+    ("gdn", "save", "strong", 100, 10, 64, BF16),
+    ("deltanet", "recompute", None, 130, 11, 64, BF16),
+    ("gdn", "save", "strong", 150, 12, 128, BF16),
+    ("deltanet", "save", None, 100, 13, 128, BF16),
+    ("gdn", "recompute", "reset", 140, 14, 64, BF16),
+    ("gdn", "save", "strong", 90, 15, 128, F16),
+])
+def test_chunk_backward_two_warpgroups_interpret(monkeypatch, op, policy, decay, T, seed, D, dtype):
+    """The two-warpgroup per-chunk gradient kernel (ChunkBackwardConfig(warpgroups=2)) in the
+    whole pipeline, every gradient against float64 (T not a multiple of 64, h0 and a final-state
+    cotangent, β in [0, 2], strong decays and near-resets for GDN; bf16 and one fp16 case)."""
+    default = config.default_config
+
+    def two_wg(*a, **kw):
+        cfg = default(*a, **kw)
+        return dataclasses.replace(cfg, chunk_backward=config.ChunkBackwardConfig(warpgroups=2))
+
+    from pallas_kernels.mosaic_gpu import chunk_backward as cb_module
+
+    kernel, ran = cb_module._chunk_backward_2wg, []
+
+    def counted(*a, **kw):
+        ran.append(True)
+        return kernel(*a, **kw)
+
+    monkeypatch.setattr(config, "default_config", two_wg)
+    monkeypatch.setattr(cb_module, "_chunk_backward_2wg", counted)
+    _check_against_float64(op, policy, decay, T, seed, None, D, dtype)
+    assert ran, "the two-warpgroup kernel did not run"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("gated", [True, False])
+def test_chunk_backward_two_warpgroups_matches_one(D, gated):
+    """Kernel against kernel in the interpreter: the two-warpgroup split gives the one-warpgroup
+    kernel's dq, dk, dv, dβ and (GDN) dG, u, sds up to fp32 reassociation (random operands,
+    strong decays, β in [0, 2]; u and sds, which XLA folds into dg, are checked directly here)."""
+    rng = np.random.default_rng(20 + D + gated)
+    B, N, H = 1, 2, 2
+    T = N * 64
+    tok = lambda: jnp.asarray(rng.standard_normal((B, T, H, D)) * 0.5, BF16)  # noqa: E731
+    states = lambda: jnp.asarray(rng.standard_normal((B, H, N, D, D)) * 0.3, BF16)  # noqa: E731
+    q, k, v, do, lam = (tok() for _ in range(5))
+    s0, ds = states(), states()
+    t0 = jnp.asarray(np.tril(rng.standard_normal((B, H, T, 64)) * 0.3), BF16)
+    beta = jnp.asarray(rng.uniform(0, 2, (B, H, T)), jnp.float32)
+    g2 = None
+    if gated:  # log2 cumulative gates within each chunk, down to about −4·64/ln 2
+        g = rng.uniform(-4.0, 0, (B, H, N, 64)) / np.log(2)
+        g2 = jnp.asarray(np.cumsum(g, -1).reshape(B, H, T), jnp.float32)
+    ip = compat.interpret_params(True)
+
+    def run(wg):
+        with compat.x32():
+            return chunk_backward(q, k, v, do, lam, s0, ds, t0, g2, beta, scale=0.1, interpret=ip,
+                                  cfg=config.ChunkBackwardConfig(warpgroups=wg))
+
+    names = ["dq", "dk", "dv", "dbeta"] + (["dG", "u", "sds"] if gated else [])
+    one, two = run(1), run(2)
+    assert len(one) == len(two) == len(names)
+    for name, a, b in zip(names, one, two):
+        a, b = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (a, b))
+        assert np.all(np.isfinite(b)), name
+        r = ratio(b, a)
+        # (seen: 0 for dq, dv, u, sds; dk ≤ 5e-6, a few bf16 roundings flipped by the reassociated
+        # fp32 sum; dβ, dG ≤ 1.2e-7)
+        assert r < (1e-4 if name in ("dq", "dk", "dv") else 1e-6), (name, r)
 
 
 def _interpret_outputs(op, x, cts, cu, dtype, **kw):
@@ -266,6 +339,21 @@ def test_kernels_lower_for_cuda(D, gated, packed):
         assert "mosaic_gpu" in text, f
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("gated", [True, False])
+def test_chunk_backward_two_warpgroups_lowers_for_cuda(D, gated):
+    """The two-warpgroup per-chunk gradient kernel lowers to Mosaic GPU for sm_90 on this CPU."""
+    s = _structs(2, 256, 2, D)
+    cfg = config.ChunkBackwardConfig(warpgroups=2)
+
+    def cbwd(q, k, v, do, lam, st, dst, t0, g2, b):
+        return chunk_backward(q, k, v, do, lam, st, dst, t0, g2 if gated else None, b, scale=0.1, cfg=cfg)
+
+    args = [s["tok"]] * 5 + [s["states"]] * 2 + [s["t0"], s["vec"], s["vec"]]
+    text = jax.jit(cbwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 def test_supports_says_why_not():
     from pallas_kernels.mosaic_gpu import api
 
@@ -300,6 +388,17 @@ def test_default_config_fits_smem(D):
     assert (f.key_block(D), s.key_block(D)) == ((64, 64) if D == 256 else (D, D))
     for size, stages in ((fwd, f.stages), (sbwd, s.stages)):  # one more stage would not fit
         assert stages == 4 or size(stages + 1) > config.SMEM_BUDGET
+    assert cb.warpgroups == 1  # the default stays the one-warpgroup kernel
+    if D <= 128:  # the two-warpgroup split (whole width) fits too
+        assert config.chunk_backward_smem_bytes(D, 2, None, warpgroups=2) <= config.SMEM_BUDGET
+
+
+def test_chunk_backward_config_warpgroups():
+    """warpgroups is 1 or 2, and 2 is the whole-width kernel only."""
+    assert config.ChunkBackwardConfig(warpgroups=2).warpgroups == 2
+    for bad in (dict(warpgroups=3), dict(warpgroups=2, block=64)):
+        with pytest.raises(ValueError):
+            config.ChunkBackwardConfig(**bad)
 
 
 def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):

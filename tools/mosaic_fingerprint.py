@@ -8,12 +8,13 @@ Each case is the jaxpr of the kernel call (the kernel body, grid, scratch and co
 included; no source locations, unlike the lowered module), traced on the CPU, not run: how a
 change to the shared kernel code shows that it leaves the kernels the GPU has timed and checked
 unchanged (the scalar-gate pipeline at K = V in {64, 128}: T0, fused forward, reverse state
-pass, per-chunk gradients (ReWY, and the seven-product "-wy" body); gated and not, packed and
-not, both policies' forward; and the vector-gate kernels of KDA/GDN2).
+pass, per-chunk gradients (ReWY on one or two warpgroups, and the seven-product "-wy" body);
+gated and not, packed and not, both policies' forward; and the vector-gate kernels of KDA/GDN2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -67,6 +68,14 @@ def cases():
                                                   cfg=cb_cfg)
                         out.append((f"chunk_backward-{tag}" + ("-wy" if bw == "wy" else ""), cbwd,
                                     [tok] * 5 + [states] * 2 + [t0, vec, vec]))
+                    # the two-warpgroup variant (ChunkBackwardConfig.warpgroups=2), for A/B timing
+                    cfg2 = dataclasses.replace(cfg.chunk_backward, warpgroups=2)
+
+                    def cbwd2(q, k, v, do, lam, s0, ds, t, g, b, pick=pick, cfg2=cfg2):
+                        return chunk_backward(q, k, v, do, lam, s0, ds, t, pick(g), b, scale=0.1,
+                                              cfg=cfg2)
+                    out.append((f"chunk_backward_2wg-{tag}", cbwd2,
+                                [tok] * 5 + [states] * 2 + [t0, vec, vec]))
         out.append((f"chunk_inverse-D{D}", lambda k, b: chunk_inverse(k, b),
                     [S((2, 256, 2, D), BF16), S((2, 2, 256), f32)]))
     return out

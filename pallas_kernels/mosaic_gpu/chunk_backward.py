@@ -58,6 +58,11 @@ loads per chunk (phase A, then passes 1 and 2, less the tiles shared where one p
 the next begins; the two passes keep dq's sum apart from those of e and R dSᵀ) and dSᵀ's
 16 tiles one load each. No tile wider than ``[64, 64]`` fp32 lives in registers.
 
+``warpgroups=2`` (K ≤ 128) selects :func:`_chunk_backward_2wg`, the whole-width kernel split
+over two warpgroups of one CTA (WG0: R, dT, dA, dq; WG1: dk, dv and the row sums; at most two
+live fp32 ``[C, K]`` tiles in each instead of three), for an A/B timing against the default
+one-warpgroup kernel (``benchmarks/mosaic_kernels.py --parts``).
+
 Reads:  q, k [B, Tp, H, K]; v, do, lam [B, Tp, H, V]; states, dstates [B, H, N, V, K];
         t0 [B, H, Tp, C]; g2, beta [B, H, Tp] fp32.
 Writes: dq, dk [B, Tp, H, K]; dv [B, Tp, H, V] (input dtype); dbeta [B, H, Tp] fp32; with a
@@ -74,8 +79,8 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, ROWS, WGMMA, causal_decay, cols_of, iota, key_block, mma, mma_group, mma_sum,
-    rows_of, smem, stage)
+    C, COLS, F32, ROWS, WGMMA, causal_decay, cols_of, finish_together, iota, key_block, mma,
+    mma_group, mma_sum, rows_of, smem, stage)
 from pallas_kernels.mosaic_gpu.config import ChunkBackwardConfig
 
 
@@ -115,7 +120,8 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
                    cfg: ChunkBackwardConfig = ChunkBackwardConfig(), interpret=None):
     """``(dq, dk, dv, dbeta)`` and, with a gate, ``(dG, u, sds)``; see the module docstring.
     ``cfg.block`` 64 (K = 256) runs the blocked kernel, ``None`` the whole-width one;
-    ``cfg.backward`` "wy" the whole-width kernel's seven-product body (same operands, outputs)."""
+    ``cfg.backward`` "wy" the whole-width kernel's seven-product body (same operands, outputs);
+    ``cfg.warpgroups`` 2 the whole-width ReWY math on two warpgroups (:func:`_chunk_backward_2wg`)."""
     B, Tp, H, K = k.shape
     V = v.shape[-1]
     N = Tp // C
@@ -125,6 +131,9 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
     if K != V:
         raise ValueError(f"chunk_backward needs K == V (dq reuses a [C, V] tile), got K={K}, V={V}")
     wy = cfg.backward == "wy"
+    if cfg.warpgroups == 2:
+        return _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, scale=scale,
+                                   interpret=interpret)
     if cfg.block is not None and cfg.block < K:
         if wy:
             raise ValueError("the blocked per-chunk gradient kernel (K = 256) has the ReWY backward "
@@ -525,3 +534,217 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
 
     return _launch(body, out_type, scratch, (B, H, N), interpret,
                    q, k, v, do, lam, states, dstates, t0, beta, *([g2] if gated else []))
+
+
+def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: float,
+                        interpret=None):
+    """:func:`chunk_backward`'s whole-width kernel (K = V ≤ 128) on two warpgroups of one CTA;
+    same operands, outputs and rounding steps (every product, staged operand and fp32 sum of the
+    one-warpgroup kernel, the row sums only reassociated). One CTA per ``(b, h, chunk)``, 256
+    threads.
+
+    Why: the one-warpgroup kernel keeps up to three fp32 ``[C, K]`` tiles live beside its row
+    sums (at K = 128 a tile is 64 registers a thread: ptxas reported 255 registers and, for GDN,
+    252 bytes of spills on the H100), and as the only warpgroup of its SM (its SMEM allows one
+    CTA) it waits out every tensor-core round trip alone. Here each warpgroup holds at most two
+    such tiles, and the work of dk that does not need R overlaps the chain that forms R. The
+    inputs land in four groups (barriers), in the order of first use, so that each warpgroup
+    starts before all ~150 KB (K = 128) have arrived: k, S0ᵀ, β, g | v, T0 | Λ, dO | dSᵀ, q.
+
+    WG0 (the chain: R, dT, dA, dq; it also issues the TMA loads):
+        R = Ag (V − Γ K S0)                   (Ag in place of T0)        -> R staged, ``r_ready``
+        Λ Rᵀ, dO Rᵀ                           (one round trip)
+        −dT ⊙ D and scale·(dA ⊙ D) staged                                 -> ``cc_ready``
+        dq = scale·Γ dO S0ᵀ + (dA ⊙ D) K      (two accumulators, one round trip)
+        ⟨q, dq⟩ (fp32 row vector) to SMEM                                 -> ``rows_ready`` (GDN)
+    WG1 (dk, dv and the row sums):
+        before R:      −βK staged; ⟨v, Λ⟩; e0 = −γ Λ S0ᵀ; (GDN) sds, the diagonals of the
+                       S0ᵀ dS strips (one round trip)
+        after R:       acc = β e0 + t ⊙ R dSᵀ,  u = ⟨k, t ⊙ R dSᵀ⟩;  dv = β Λ into V's buffer
+                       (WG0 read V before it staged R)
+        after dT, dA:  e1 = (dT ⊙ D) K,  acc += β e1;   dK̄' = (dT ⊙ D)ᵀ βK + scale·(dA ⊙ D)ᵀ Q
+                       dk = acc + dK̄' (= β e + dK̄, e = e0 + e1, dK̄ = dK̄' + t ⊙ R dSᵀ)
+        dβ = ⟨k, e0⟩ + ⟨k, e1⟩ + ⟨v, Λ⟩;   dG = ⟨q, dq⟩ + β⟨k, e⟩ − u − ⟨k, dK̄'⟩
+
+    Live fp32 registers a thread at K = 128 (a ``[C, K]`` tile 64, a ``[C, C]`` tile 32), counted
+    from the live tiles, not from a compiled kernel: WG0 ≤ 128 (K S0 beside the loaded V; Λ Rᵀ,
+    dO Rᵀ and D; dq's two accumulators), WG1 ≤ 128 (one held tile, e0 or acc, beside one fresh
+    accumulator or the two [C, C] sds diagonals), against ≈ 192 in
+    the one-warpgroup kernel (e and its two fresh accumulators). At K = 64 half. No
+    set_max_registers: with 256 threads each may use 255.
+
+    SMEM (config.chunk_backward_smem_bytes(K, itemsize, warpgroups=2)): the one-warpgroup
+    kernel's buffers (q, k, v (then dv), dO, Λ, W (then dq), R, −βK (then dk) ``[C, K]``; S0ᵀ,
+    dSᵀ ``[V, K]``; T0 (then Ag), −dT ⊙ D, dA ⊙ D ``[C, C]``) and six fp32 row vectors plus sds:
+    223,232 B at K = 128 (bf16), 108,288 B at K = 64. Only V's buffer is written by one
+    warpgroup after the other read it (ordered by ``r_ready``); every other hand-over is one
+    write, then a barrier, then reads.
+    """
+    B, Tp, H, K = k.shape
+    V = v.shape[-1]
+    N = Tp // C
+    dtype = k.dtype
+    gated = g2 is not None
+    if K > 128:
+        raise ValueError(f"the two-warpgroup chunk backward is whole-width (K ≤ 128), got K={K}")
+
+    out_type = _out_types(k, v, gated)
+    vec = plgpu.SMEM((C,), F32)
+    scratch = dict(
+        q_s=smem((C, K), dtype), k_s=smem((C, K), dtype), v_s=smem((C, V), dtype),
+        do_s=smem((C, V), dtype), lam_s=smem((C, V), dtype),
+        s0_s=smem((V, K), dtype), ds_s=smem((V, K), dtype), t_s=smem((C, C), dtype),
+        b_s=vec, g_s=vec, db_s=vec, dg_s=vec, u_s=vec, qdq_s=vec, sds_s=plgpu.SMEM((V,), F32),
+        w_st=smem((C, V), dtype), r_st=smem((C, V), dtype), cc_a=smem((C, C), dtype),
+        cc_b=smem((C, C), dtype), bk_st=smem((C, K), dtype),
+        # The inputs arrive in four groups, in the order of first use, so that work starts
+        # before the CTA's ~150 KB of inputs have all landed: k, S0ᵀ, β, g (K S0; −βK); v, T0
+        # (the rest of R); Λ, dO (Λ S0ᵀ, the Gram products); dSᵀ, q.
+        bar_k=plgpu.Barrier(num_arrivals=3 + gated), bar_v=plgpu.Barrier(num_arrivals=2),
+        bar_l=plgpu.Barrier(num_arrivals=2), bar_b=plgpu.Barrier(num_arrivals=2),
+        r_ready=plgpu.Barrier(), cc_ready=plgpu.Barrier(), rows_ready=plgpu.Barrier(),
+        done=plgpu.Barrier(num_arrivals=2),
+    )
+
+    def body(*refs, q_s, k_s, v_s, do_s, lam_s, s0_s, ds_s, t_s, b_s, g_s, db_s, dg_s, u_s, qdq_s,
+             sds_s, w_st, r_st, cc_a, cc_b, bk_st, bar_k, bar_v, bar_l, bar_b, r_ready, cc_ready,
+             rows_ready, done):
+        refs = list(refs)
+        q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref = (refs.pop(0) for _ in range(9))
+        g_ref = refs.pop(0) if gated else None
+        dq_ref, dk_ref, dv_ref, db_ref = refs[:4]
+        dg_ref, u_ref, sds_ref = refs[4:] if gated else (None, None, None)
+        b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+        rows = pl.ds(n * C, C)
+        wg = lax.axis_index("wg")
+
+        def row_vectors():
+            """β, and with a gate G, γ = exp2(G), t = exp2(G_C − G), in ROWS."""
+            beta_r = plgpu.load(b_s, layout=ROWS)
+            if not gated:
+                return beta_r, None, None, None
+            g_row = plgpu.load(g_s, layout=ROWS)
+            return beta_r, g_row, jnp.exp2(g_row), jnp.exp2(g_s[C - 1] - g_row)
+
+        # D is formed where it is used (for Ag, then for dT ⊙ D and dA ⊙ D), not held across
+        # the products between: one [C, C] fp32 tile, 32 registers.
+        decay_tile = lambda g_row: (causal_decay(g_row, plgpu.load(g_s, layout=COLS), strict=False)  # noqa: E731
+                                    if gated else causal_decay(None, None, strict=False))
+        # K (and Q) are read from SMEM where each use needs them, not held in registers.
+        k_f = lambda: plgpu.load(k_s, layout=WGMMA).astype(F32)  # noqa: E731
+
+        @pl.when(wg == 0)
+        def _chain():
+            groups = ((bar_k, ((k_ref.at[b, rows, h], k_s), (st_ref.at[b, h, n], s0_s),
+                               (b_ref.at[b, h, rows], b_s))
+                       + (((g_ref.at[b, h, rows], g_s),) if gated else ())),
+                      (bar_v, ((v_ref.at[b, rows, h], v_s), (t_ref.at[b, h, rows], t_s))),
+                      (bar_l, ((lam_ref.at[b, rows, h], lam_s), (do_ref.at[b, rows, h], do_s))),
+                      (bar_b, ((dst_ref.at[b, h, n], ds_s), (q_ref.at[b, rows, h], q_s))))
+            for bar, copies in groups:
+                for src, dst in copies:
+                    plgpu.copy_gmem_to_smem(src, dst, bar)
+            plgpu.barrier_wait(bar_k)
+            _, g_row, gam_r, _ = row_vectors()
+
+            # R = Ag (V − Γ K S0), recomputed from the saved chunk start state; Ag replaces T0.
+            ks0 = mma(k_s, s0_s.T, (C, V))
+            if gated:
+                ks0 = ks0 * rows_of(gam_r, (C, V))
+            plgpu.barrier_wait(bar_v)
+            w = stage(w_st, plgpu.load(v_s, layout=WGMMA).astype(F32) - ks0)
+            beta_c = plgpu.load(b_s, layout=COLS)
+            ag = stage(t_s, plgpu.load(t_s, layout=WGMMA).astype(F32) * decay_tile(g_row)
+                       * cols_of(beta_c, (C, C)))
+            r = stage(r_st, mma(ag, w, (C, V)))
+            plgpu.barrier_arrive(r_ready)  # R is in SMEM, and V has been read (WG1 writes dv there)
+
+            # Λ Rᵀ and dO Rᵀ in one round trip. The staged tiles hold −dT ⊙ D (the sign rides on
+            # the operand: a negated accumulator gave zeros on sm_90 with jax 0.11.2 in jla's
+            # kernels) and scale·(dA ⊙ D).
+            plgpu.barrier_wait(bar_l)
+            lr, dor = mma_group(((((lam_s, r.T),), (C, C)), (((do_s, r.T),), (C, C))))
+            decay = decay_tile(g_row)
+            strict = iota((C, C), 0) > iota((C, C), 1)
+            cc_a[...] = (jnp.where(strict, lr, 0.0) * decay).astype(dtype)  # −dT ⊙ D
+            cc_b[...] = (dor * (decay * scale)).astype(dtype)  # D is 0 above the diagonal
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(cc_ready)
+
+            # dq = scale·Γ dO S0ᵀ + scale·(dA ⊙ D) K (the Γ scaling keeps two accumulators), and
+            # its gate term ⟨q, dq⟩ for WG1's dG.
+            dos0, dak = mma_group(((((do_s, s0_s),), (C, K)), (((cc_b, k_s),), (C, K))))
+            dq = dos0 * (rows_of(gam_r * scale, (C, K)) if gated else scale) + dak
+            if gated:
+                plgpu.barrier_wait(bar_b)  # q
+                qdq_s[...] = jnp.sum(plgpu.load(q_s, layout=WGMMA).astype(F32) * dq, axis=1)
+            w_st[...] = dq.astype(dtype)  # W is consumed: its tile carries dq out (K == V)
+            plgpu.commit_smem()
+            if gated:
+                plgpu.barrier_arrive(rows_ready)
+            plgpu.copy_smem_to_gmem(w_st, dq_ref.at[b, rows, h])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 1)
+        def _keys():
+            plgpu.barrier_wait(bar_k)
+            beta_r, _, gam_r, tail_r = row_vectors()
+            nbk = stage(bk_st, k_f() * rows_of(beta_r * -1.0, (C, K)))  # −β K
+            plgpu.barrier_wait(bar_v)
+            plgpu.barrier_wait(bar_l)
+            # ⟨v, Λ⟩ of dβ, before any tile is held (V and Λ are loaded whole for it)
+            v_lam = jnp.sum(plgpu.load(v_s, layout=WGMMA).astype(F32)
+                            * plgpu.load(lam_s, layout=WGMMA).astype(F32), axis=1)
+            # The erase-side terms e = e0 + e1, e0 = −γ Λ S0ᵀ, e1 = (dT ⊙ D) K:
+            # dk = β e + dK̄, dβ = ⟨k, e⟩ + ⟨v, Λ⟩.
+            e0 = mma(lam_s, s0_s, (C, K)) * (rows_of(gam_r * -1.0, (C, K)) if gated else -1.0)
+            ke = jnp.sum(k_f() * e0, axis=1)
+            plgpu.barrier_wait(bar_b)
+            if gated:
+                # sds_v = Σ_k S0ᵀ_vk dSᵀ_vk: the diagonal of S0ᵀ dS per 64-row strip, on the
+                # tensor cores (two [V, K] fp32 tiles in registers would take 256 registers), in
+                # one round trip while WG0 still forms R.
+                strips = [pl.ds(v0, C) for v0 in range(0, V, C)]
+                diags = mma_group([(((s0_s.at[sl], ds_s.at[sl].T),), (C, C)) for sl in strips])
+                diag_mask = iota((C, C), 0) == iota((C, C), 1)
+                for sl, d in zip(strips, diags):
+                    sds_s[sl] = jnp.sum(jnp.where(diag_mask, d, 0.0), axis=1)
+
+            plgpu.barrier_wait(r_ready)
+            rds = mma(r_st, ds_s, (C, K))
+            if gated:
+                rds = rds * rows_of(tail_r, (C, K))  # t ⊙ R dSᵀ
+                u = jnp.sum(k_f() * rds, axis=1)
+            acc = e0 * rows_of(beta_r, (C, K)) + rds
+            v_s[...] = (plgpu.load(lam_s, layout=WGMMA).astype(F32) * rows_of(beta_r, (C, V))).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, h])  # dv = β Λ
+
+            plgpu.barrier_wait(cc_ready)
+            e1 = mma(cc_a, k_s, (C, K)) * -1.0
+            ke = ke + jnp.sum(k_f() * e1, axis=1)
+            acc = acc + e1 * rows_of(beta_r, (C, K))
+            # dK̄' = (dT ⊙ D)ᵀ (β K) + scale·(dA ⊙ D)ᵀ Q (the signs of −dT ⊙ D and −βK cancel).
+            kbar = mma_sum(((cc_a.T, nbk), (cc_b.T, q_s)), (C, K))
+            if gated:
+                k_kbar = jnp.sum(k_f() * kbar, axis=1)
+            bk_st[...] = (acc + kbar).astype(dtype)  # dk; −β K was consumed by the product above
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(bk_st, dk_ref.at[b, rows, h])
+            db_s[...] = ke + v_lam
+            if gated:
+                # dG_r = ⟨q_r, dq_r⟩ + β_r ⟨k_r, e_r⟩ − ⟨k_r, dK̄_r⟩; the last row adds the state
+                # terms (from u and sds, in XLA).
+                plgpu.barrier_wait(rows_ready)
+                dg_s[...] = plgpu.load(qdq_s, layout=ROWS) + beta_r * ke - (u + k_kbar)
+                u_s[...] = u
+            plgpu.commit_smem()
+            _send_row_vectors(((db_s, db_ref), (dg_s, dg_ref), (u_s, u_ref)), (sds_s, sds_ref), b, h, n,
+                              rows, gated)
+
+        finish_together(done)
+
+    return plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
+        num_threads=2, thread_name="wg", compiler_params=compat.compiler_params(), interpret=interpret,
+    )(q, k, v, do, lam, states, dstates, t0, beta, *([g2] if gated else []))

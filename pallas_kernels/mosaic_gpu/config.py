@@ -75,16 +75,27 @@ class ChunkBackwardConfig:
         Λ S0ᵀ beside the Gram terms); "wy": the standard seven-product WY backward (dR, dW, the
         inverse's adjoint dA, Aᵀ dW, Aᵀ dA Aᵀ), same gradients, kept for the ablation
         (chunk_backward.py, "The seven-product form"). The blocked kernel has "rewy" only.
+    warpgroups: 1 = the one-warpgroup whole-width kernel (the default, timed on the H100);
+        2 = the same math split over two warpgroups of one CTA (chunk_backward.py,
+        ``_chunk_backward_2wg``: WG0 the R / dT / dA / dq chain, WG1 dk and the per-row sums),
+        so that each holds fewer live fp32 tiles. Whole width only (``block`` None, K ≤ 128).
     """
 
     block: int | None = None
     backward: Literal["rewy", "wy"] = "rewy"
+    warpgroups: int = 1
 
     def __post_init__(self):
         if self.block not in (None, 64):
             raise ValueError(f"ChunkBackwardConfig.block must be None or 64, got {self.block}")
         if self.backward not in ("rewy", "wy"):
             raise ValueError(f"ChunkBackwardConfig.backward must be 'rewy' or 'wy', got {self.backward!r}")
+        if self.warpgroups not in (1, 2):
+            raise ValueError(f"ChunkBackwardConfig.warpgroups must be 1 or 2, got {self.warpgroups}")
+        if self.warpgroups == 2 and self.block is not None:
+            raise ValueError("ChunkBackwardConfig.warpgroups=2 is the whole-width kernel (block None)")
+        if self.warpgroups == 2 and self.backward != "rewy":
+            raise ValueError("ChunkBackwardConfig.warpgroups=2 has the ReWY backward only")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +130,12 @@ def state_backward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int,
     return stages * per_stage + fixed
 
 
-def chunk_backward_smem_bytes(K: int, itemsize: int, block: int | None = None) -> int:
-    """SMEM the per-chunk gradient kernel needs (its scratch list, see chunk_backward)."""
-    vecs = 5 * C * 4 + K * 4  # β, g, dβ, dG, u; sds
+def chunk_backward_smem_bytes(K: int, itemsize: int, block: int | None = None,
+                              warpgroups: int = 1) -> int:
+    """SMEM the per-chunk gradient kernel needs (its scratch list, see chunk_backward). The
+    two-warpgroup kernel has the whole-width buffers and one more fp32 row vector (⟨q, dq⟩,
+    handed from WG0 to WG1)."""
+    vecs = (5 + (warpgroups == 2)) * C * 4 + K * 4  # β, g, dβ, dG, u (+ ⟨q, dq⟩); sds
     if block is None:  # q, k, v, dO, Λ, W, R, βK [C, K]; S0ᵀ, dSᵀ [K, K]; T0, two [C, C]
         return 8 * C * K * itemsize + 2 * K * K * itemsize + 3 * C * C * itemsize + vecs
     slots = min(2, (K // block) ** 2)
