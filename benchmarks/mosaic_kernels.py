@@ -108,7 +108,7 @@ def parts(op, s: Shape):
 
     x = make(op, s)
     scale = s.D ** -0.5
-    cfg = config.default_config(s.D, s.D, 2)
+    cfg = config.default_config(s.D, s.D, 2, heads=s.B * s.H, gated=op == "gdn")
     qp, kp, vp, t0, g2, bh = jax.jit(api.prepare)(x["q"], x["k"], x["v"], x["g"], x["beta"])
     out = {}
     out["prepare (with T0)"] = time_ms(lambda: jax.jit(api.prepare)(x["q"], x["k"], x["v"], x["g"], x["beta"]))
@@ -123,25 +123,33 @@ def parts(op, s: Shape):
     rec = jax.jit(lambda *a: fused_forward(*a, None, scale=scale, cfg=cfg.forward, out_final=False,
                                            save_states=True, out_o=False))
     out["state recompute (no output)"] = time_ms(lambda: rec(qp, kp, vp, t0, g2, bh))
+    # the forward's other layouts (default_config picks by grid size): A/B in one process
+    for name, fc in (("value rows, 64 columns", config.default_config(s.D, s.D, 2).forward),
+                     ("key rows, 32 columns, 2 stages", config.PassConfig(block_v=32, stages=2, key_rows=True))):
+        if fc != cfg.forward:
+            alt = jax.jit(lambda *a, fc=fc: fused_forward(*a, None, scale=scale, cfg=fc, out_final=True,
+                                                          save_states=False))
+            out[f"fused forward ({name})"] = time_ms(lambda: alt(qp, kp, vp, t0, g2, bh))
     sb = jax.jit(lambda *a: state_backward(*a, None, scale=scale, cfg=cfg.state_backward))
     lam, dst, _ = sb(qp, kp, o, t0, g2, bh)
     out["state backward"] = time_ms(lambda: sb(qp, kp, o, t0, g2, bh))
     cb = jax.jit(lambda *a: chunk_backward(*a, scale=scale, cfg=cfg.chunk_backward))
     out["chunk backward"] = time_ms(lambda: cb(qp, kp, vp, o, lam, states, dst, t0, g2, bh))
     # the seven-product body (backward="wy") on the same operands: the ReWY ablation's kernel
-    wy_cfg = config.default_config(s.D, s.D, 2, backward="wy").chunk_backward
+    wy_cfg = config.default_config(s.D, s.D, 2, backward="wy", heads=s.B * s.H).chunk_backward
     cbw = jax.jit(lambda *a: chunk_backward(*a, scale=scale, cfg=wy_cfg))
     out["chunk backward wy"] = time_ms(lambda: cbw(qp, kp, vp, o, lam, states, dst, t0, g2, bh))
     if s.D <= 128:  # the two-warpgroup split of the whole-width kernel (A/B in one process)
-        cfg2 = config.ChunkBackwardConfig(warpgroups=2)
+        n_wg = 3 - cfg.chunk_backward.warpgroups  # the count the default does not take
+        cfg2 = config.ChunkBackwardConfig(warpgroups=n_wg)
         cb2 = jax.jit(lambda *a: chunk_backward(*a, scale=scale, cfg=cfg2))
-        out["chunk backward (2 WGs)"] = time_ms(lambda: cb2(qp, kp, vp, o, lam, states, dst, t0, g2, bh))
+        out[f"chunk backward ({n_wg} WGs)"] = time_ms(lambda: cb2(qp, kp, vp, o, lam, states, dst, t0, g2, bh))
         # the same outputs on the GPU (in the interpreter they agree to fp32 reassociation):
-        # rms of the difference over the rms of the one-warpgroup kernel's output (over 1 if 0)
+        # rms of the difference over the rms of the default kernel's output (over 1 if 0)
         one, two = (f(qp, kp, vp, o, lam, states, dst, t0, g2, bh) for f in (cb, cb2))
         names = ("dq", "dk", "dv", "dbeta", "dG", "u", "sds")
         rms = lambda x: float(jnp.sqrt(jnp.mean(jnp.asarray(x, jnp.float32) ** 2)))  # noqa: E731
-        print(dict(kind="check", op=op, part="chunk backward (2 WGs) vs 1 WG",
+        print(dict(kind="check", op=op, part=f"chunk backward: {n_wg} WGs vs the default",
                    **{n: rms(jnp.asarray(b, jnp.float32) - jnp.asarray(a, jnp.float32)) / (rms(a) or 1.0)
                       for n, a, b in zip(names, one, two)}), flush=True)
     return out

@@ -203,7 +203,8 @@ def mosaic_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
             call.b.astype(jnp.float32), w, call.h0, float(call.scale), policy, call.g_bound,
             vector_api.default_config(K, V, call.g_bound), bool(interpret))
     cfg = config.default_config(call.q.shape[-1], call.v.shape[-1], jnp.dtype(dtype).itemsize,
-                                backward)
+                                backward, heads=call.q.shape[0] * call.q.shape[2],
+                                gated=call.g_in is not None)
     g = None if call.g_in is None else call.g
     xs = [call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), g,
           call.b.astype(jnp.float32)]

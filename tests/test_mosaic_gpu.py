@@ -25,7 +25,10 @@ from pallas_kernels.mosaic_gpu.state_backward import state_backward
 from rewy_jax import chunk_delta_rule, chunk_gated_delta_rule
 from rewy_jax.testing import ratio, tolerance
 
-needs_interpreter = pytest.mark.skipif(not compat.has_interpreter(),
+# REWY_MOSAIC_ON_GPU=1 runs the same cases compiled on an sm_90 GPU instead of interpreted
+# (docs/mosaic-gpu.md, "Checking on a GPU").
+INTERPRET = os.environ.get("REWY_MOSAIC_ON_GPU") != "1"
+needs_interpreter = pytest.mark.skipif(INTERPRET and not compat.has_interpreter(),
                                        reason="the Mosaic GPU interpreter needs jax >= 0.12")
 
 BF16 = jnp.bfloat16
@@ -41,12 +44,30 @@ def _schedulable_cpus() -> int:
 
 # The GPU interpreter runs each warpgroup as a host thread whose barrier waits block inside XLA
 # host callbacks, and XLA may run those on its CPU intra-op pool (one thread per schedulable
-# CPU). At K = V = 256 it does so for the serial kernels' three warpgroups: on a 2-CPU machine two
-# blocked waits held both pool threads and the third warpgroup never ran (a deadlock of the
-# simulation, not of the kernel: the same cases pass when the process sees 3 or more CPUs).
+# CPU). At K = V = 256, and in the key-rows forward at K = 128 or with packed sequences, it does
+# so for the serial kernels' three warpgroups: on a 2-CPU machine two blocked waits held both pool
+# threads and the third warpgroup never ran (a deadlock of the simulation, not of the kernel: the
+# same cases pass when the process sees 3 or more CPUs, e.g. under an LD_PRELOAD shim whose
+# sched_getaffinity reports four, and on the GPU).
 needs_pool_threads = pytest.mark.skipif(
-    _schedulable_cpus() < 3, reason="the GPU interpreter deadlocks at K = 256 with < 3 CPUs "
-                                    "(XLA's intra-op pool is held by blocked warpgroup barriers)")
+    INTERPRET and _schedulable_cpus() < 3,
+    reason="the GPU interpreter deadlocks in these cases with < 3 CPUs "
+           "(XLA's intra-op pool is held by blocked warpgroup barriers)")
+
+
+@pytest.fixture(autouse=True)
+def _forward_layout(request, monkeypatch):
+    """Pins the fused forward's layout, which ``config.default_config`` picks from the grid size
+    (key rows with 32 value columns where that fits one wave, as at these small shapes): the
+    value-rows layout, or the key-rows one for tests marked ``key_rows``, so each is tested
+    on purpose."""
+    default = config.default_config
+    heads = 1 if request.node.get_closest_marker("key_rows") else None
+
+    def pinned(*a, **kw):
+        return default(*a, **{**kw, "heads": heads})
+
+    monkeypatch.setattr(config, "default_config", pinned)
 
 
 def _case(op, T, D, seed, decay, n_seq=None, dtype=BF16):
@@ -101,6 +122,17 @@ def _grads(op, x, cts, **kw):
     pytest.param("deltanet", "recompute", None, 130, 6, None, 256, BF16, marks=needs_pool_threads),
     # packed: the per-block loads and stores of the states at sequence starts and ends
     pytest.param("gdn", "save", "mild", 150, 7, 2, 256, BF16, marks=needs_pool_threads),
+    # the key-rows forward (32 value columns per CTA): its 64-row state blocks, h0 and final state
+    # in [K, V] layout, packed resets and ends. (At K = 128 and packed the interpreter deadlocks
+    # with < 3 CPUs, as at K = 256.)
+    pytest.param("gdn", "save", "strong", 100, 20, None, 64, BF16, marks=pytest.mark.key_rows),
+    pytest.param("deltanet", "recompute", None, 130, 21, None, 64, BF16, marks=pytest.mark.key_rows),
+    pytest.param("gdn", "recompute", "reset", 150, 22, None, 128, BF16,
+                 marks=[pytest.mark.key_rows, needs_pool_threads]),
+    pytest.param("gdn", "save", "mild", 150, 23, 3, 64, BF16,
+                 marks=[pytest.mark.key_rows, needs_pool_threads]),
+    pytest.param("deltanet", "save", None, 100, 24, None, 128, F16,
+                 marks=[pytest.mark.key_rows, needs_pool_threads]),
 ])
 def test_interpret_matches_float64(op, policy, decay, T, seed, n_seq, D, dtype):
     _check_against_float64(op, policy, decay, T, seed, n_seq, D, dtype)
@@ -159,7 +191,7 @@ def test_chunk_backward_two_warpgroups_matches_one(D, gated):
     if gated:  # log2 cumulative gates within each chunk, down to about −4·64/ln 2
         g = rng.uniform(-4.0, 0, (B, H, N, 64)) / np.log(2)
         g2 = jnp.asarray(np.cumsum(g, -1).reshape(B, H, T), jnp.float32)
-    ip = compat.interpret_params(True)
+    ip = compat.interpret_params(INTERPRET)
 
     def run(wg):
         with compat.x32():
@@ -181,7 +213,7 @@ def test_chunk_backward_two_warpgroups_matches_one(D, gated):
 def _interpret_outputs(op, x, cts, cu, dtype, **kw):
     """o, the final state and every gradient of the Mosaic GPU op in the interpreter
     (``kw``: policy, backward), by name, as float64 arrays."""
-    names, f = _grads(op, x, cts, backend="mosaic_gpu", interpret=True, cu_seqlens=cu, **kw)
+    names, f = _grads(op, x, cts, backend="mosaic_gpu", interpret=INTERPRET, cu_seqlens=cu, **kw)
     cast = {"q": dtype, "k": dtype, "v": dtype}
     args = [jnp.asarray(x[n], cast.get(n, jnp.float32)) for n in names]
     (o, fin), vjp = jax.vjp(f, *args)
@@ -255,7 +287,7 @@ def test_chunk_inverse_interpret(K):
     k = np.asarray(jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), BF16).astype(jnp.float32))
     beta = rng.uniform(0, 2, (B, H, T))
     got = chunk_inverse(jnp.asarray(k, BF16), jnp.asarray(beta, jnp.float32),
-                        interpret=compat.interpret_params(True))
+                        interpret=compat.interpret_params(INTERPRET))
     got = np.asarray(got.astype(jnp.float32), np.float64).reshape(B, H, T // 64, 64, 64)
     kc = np.swapaxes(k.astype(np.float64), 1, 2).reshape(B, H, T // 64, 64, K)
     L = np.eye(64) + np.tril(np.einsum("bhnik,bhnjk->bhnij", kc, kc), -1) * beta.reshape(B, H, -1, 64, 1)

@@ -12,6 +12,7 @@ rewy-math §8's bf16 bound (ratio ≤ 5e-3); the backward cases (through ``chunk
 
 from __future__ import annotations
 
+import os
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +27,10 @@ from pallas_kernels.mosaic_gpu.vector_prep import prepare_vector
 from rewy_jax.reference import reference_general
 from rewy_jax.testing import ratio, tolerance
 
-needs_interpreter = pytest.mark.skipif(not compat.has_interpreter(),
+# REWY_MOSAIC_ON_GPU=1 runs the same cases compiled on an sm_90 GPU instead of interpreted
+# (docs/mosaic-gpu.md, "Checking on a GPU").
+INTERPRET = os.environ.get("REWY_MOSAIC_ON_GPU") != "1"
+needs_interpreter = pytest.mark.skipif(INTERPRET and not compat.has_interpreter(),
                                        reason="the Mosaic GPU interpreter needs jax >= 0.12")
 
 BF16 = jnp.bfloat16
@@ -80,7 +84,7 @@ def test_vector_forward_matches_float64(op, D, T, H, gates, seed):
     x = _case(op, T, H, D, seed, gates)
     bound = -5.0 if gates == "bounded" else None
     o, fin = vector_forward(*(jnp.asarray(x[n], BF16) for n in "qkv"), jnp.asarray(x["g"], jnp.float32),
-                            h0=jnp.asarray(x["h0"], jnp.float32), gate_lower_bound=bound, interpret=True,
+                            h0=jnp.asarray(x["h0"], jnp.float32), gate_lower_bound=bound, interpret=INTERPRET,
                             **_gate_kwargs(x, jnp.float32))
     erase, write = (x["beta"], x["beta"]) if op == "kda" else (x["b"], x["w"])
     ref_args = (x["q"], x["k"], x["v"], x["g"], erase, write)
@@ -108,7 +112,7 @@ def test_vector_chunk_matches_chunk_algebra(op, centred):
     args = prepare_vector(*(jnp.asarray(x[n], BF16) for n in "qkv"), jnp.asarray(x["g"], jnp.float32),
                           gate_lower_bound=-5.0 if centred else None, **_gate_kwargs(x, jnp.float32))
     with compat.x32():
-        got = vector_chunk(*args, scale=scale, centred=centred, interpret=compat.interpret_params(True))
+        got = vector_chunk(*args, scale=scale, centred=centred, interpret=compat.interpret_params(INTERPRET))
     got = [np.asarray(jnp.asarray(a, jnp.float32), np.float64)[0, 0].reshape(T // 64, 64, -1) for a in got]
     erase = x["beta"][..., None] * x["k"] if op == "kda" else x["b"] * x["k"]
     write = x["beta"][..., None] * x["v"] if op == "kda" else x["w"] * x["v"]
@@ -195,7 +199,7 @@ def _check_backward(op, D, T, H, gates, seed, policy):
     bound = -5.0 if gates == "bounded" else None
     rng = np.random.default_rng(seed + 100)
     cts = dict(o=rng.standard_normal((1, T, H, D)), final=rng.standard_normal((1, H, D, D)))
-    names, f = _op_grads(op, x, bound, backend="mosaic_gpu", interpret=True, policy=policy)
+    names, f = _op_grads(op, x, bound, backend="mosaic_gpu", interpret=INTERPRET, policy=policy)
     cast = {"q": BF16, "k": BF16, "v": BF16}
     args = [jnp.asarray(x[n], cast.get(n, jnp.float32)) for n in names]
     (o, fin), vjp = jax.vjp(f, *args)

@@ -18,6 +18,8 @@ from pallas_kernels.mosaic_gpu.common import C
 
 # SMEM a CTA may use on sm_90 (227 KB), less room for the barriers and the compiler's scratch.
 SMEM_BUDGET = 220 * 1024
+# SMs of the Hopper GPUs these kernels target (H100 SXM and H200: 132), for one-wave grid choices.
+SMS = 132
 # fp32 registers a thread of a serial pass's state warpgroup may spend on its register state and
 # the fresh accumulator of the state update (of the 232 it gets; the rest holds addresses,
 # scalars and the chunk's [64, 64] tiles). Over 255 a thread, Mosaic silently gave zeros on
@@ -113,8 +115,10 @@ def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_st
     state buffer holds one ``[block_v, k_block]`` block (``None``: the whole ``[block_v, K]``)."""
     # per stage: q, k, v, Ag_hi (T0's buffer), Ag_lo, β and g
     per_stage = 2 * C * K * itemsize + C * block_v * itemsize + 2 * C * C * itemsize + 2 * C * 4
-    # the published state (2 halves), R (2), the output/P tile (2), the W stage; the fp32 state
+    # the published state (2 halves), R (2), the output/P tile (2), the W stage; the fp32 state;
+    # P's own [C, C] tile when it does not fit the output tile (block_v < C)
     fixed = 2 * block_v * K * itemsize + 5 * C * block_v * itemsize
+    fixed += C * C * itemsize if block_v < C else 0
     fixed += block_v * (k_block or K) * 4 if with_state else 0
     return stages * per_stage + fixed
 
@@ -160,18 +164,36 @@ def _deepest(fits, shallowest: int = 2) -> int:
     raise ValueError("no Mosaic GPU tiling fits SMEM")
 
 
-def default_config(K: int, V: int, itemsize: int, backward: Literal["rewy", "wy"] = "rewy") -> Config:
+def default_config(K: int, V: int, itemsize: int, backward: Literal["rewy", "wy"] = "rewy",
+                   heads: int | None = None, gated: bool = False, sms: int = SMS) -> Config:
     """The defaults: the deepest input pipeline that fits SMEM, per kernel. K ≤ 128: whole-width
     tiles and at least two stages (the tilings timed on the H100); K = 256: the register state
     in blocks of :func:`k_block_for`, whatever depth fits (one stage: a whole chunk's q and k
     are 64 KB there) and the blocked per-chunk gradient kernel. ``backward`` picks the
-    per-chunk gradient kernel's products (:class:`ChunkBackwardConfig`; "wy" at K ≤ 128 only)."""
+    per-chunk gradient kernel's products (:class:`ChunkBackwardConfig`; "wy" at K ≤ 128 only).
+
+    ``heads``: the call's B·H (None: unknown). The fused forward's serial chain is latency-bound
+    (on the H100 its time did not change from 32 to 128 CTAs), so where 32 value columns per CTA
+    still fit one wave on ``sms`` SMs it takes the key-rows layout with ``block_v = 32``: twice
+    the CTAs, each chain step half the work (GDN forward at the anchor 155 → 123 µs); beyond one
+    wave the 64-column value-rows layout (at 256 CTAs on 132 SMs key rows took 238 µs, value
+    rows 149). Its pipeline is two stages deep (three: GDN 130 µs, two: 126).
+
+    ``gated`` (GDN) at K = 128: the per-chunk gradients on two warpgroups (GDN 0.213 → 0.169 ms
+    at the anchor on the H100; DeltaNet, without the gate's live tiles, 0.178 → 0.214, so it
+    keeps one)."""
     if K <= 128:
-        fwd = _deepest(lambda s: forward_smem_bytes(K, 64, s, itemsize, True) <= SMEM_BUDGET)
+        if heads is not None and heads * (V // 32) <= sms:
+            fwd_cfg = PassConfig(block_v=32, key_rows=True, stages=2)
+        else:
+            fwd_cfg = PassConfig(block_v=64, stages=_deepest(
+                lambda s: forward_smem_bytes(K, 64, s, itemsize, True) <= SMEM_BUDGET))
         bwd = _deepest(lambda s: state_backward_smem_bytes(K, 64, s, itemsize) <= SMEM_BUDGET)
-        return Config(forward=PassConfig(block_v=64, stages=fwd),
+        return Config(forward=fwd_cfg,
                       state_backward=PassConfig(block_v=64, stages=bwd),
-                      chunk_backward=ChunkBackwardConfig(backward=backward))
+                      chunk_backward=ChunkBackwardConfig(
+                          backward=backward,
+                          warpgroups=2 if gated and K == 128 and backward == "rewy" else 1))
     if backward != "rewy":
         raise ValueError(f"the blocked per-chunk gradient kernel (K = {K}) has the ReWY backward only")
     kb = k_block_for(K)
