@@ -77,10 +77,12 @@ class ChunkBackwardConfig:
         Λ S0ᵀ beside the Gram terms); "wy": the standard seven-product WY backward (dR, dW, the
         inverse's adjoint dA, Aᵀ dW, Aᵀ dA Aᵀ), same gradients, kept for the ablation
         (chunk_backward.py, "The seven-product form"). The blocked kernel has "rewy" only.
-    warpgroups: 1 = the one-warpgroup whole-width kernel (the default, timed on the H100);
+    warpgroups: 1 = the one-warpgroup whole-width kernel (DeltaNet's, and every K but 128);
         2 = the same math split over two warpgroups of one CTA (chunk_backward.py,
         ``_chunk_backward_2wg``: WG0 the R / dT / dA / dq chain, WG1 dk and the per-row sums),
-        so that each holds fewer live fp32 tiles. Whole width only (``block`` None, K ≤ 128).
+        so that each holds fewer live fp32 tiles: GDN's at K = 128, where the gate's tiles made
+        the one-warpgroup kernel spill (:func:`default_config` has the H100 times). Whole width
+        and ReWY only (``block`` None, K ≤ 128).
     """
 
     block: int | None = None
