@@ -54,6 +54,16 @@ def cases():
                         return fused_forward(q, k, v, t, pick(g), b, h0, scale=0.1, cfg=cfg.forward,
                                              out_final=True, save_states=save, meta=meta)
                     out.append((f"forward-{tag}-save{int(save)}", fwd, [tok] * 3 + [t0, vec, vec, st]))
+                # the key-rows layout (32 value columns: the default where the grid fits one
+                # wave), with its states-only recompute
+                kr = config.default_config(D, D, 2, heads=1).forward
+                for save, out_o in ((False, True), (True, True), (True, False)):
+                    def fwd_kr(q, k, v, t, g, b, h0, save=save, out_o=out_o, pick=pick, meta=meta, kr=kr):
+                        return fused_forward(None if not out_o else q, k, v, t, pick(g), b, h0, scale=0.1,
+                                             cfg=kr, out_final=out_o, save_states=save, meta=meta,
+                                             out_o=out_o)
+                    out.append((f"forward_key_rows-{tag}-save{int(save)}-o{int(out_o)}", fwd_kr,
+                                [tok] * 3 + [t0, vec, vec, st]))
 
                 def sbwd(q, k, do, t, g, b, df, pick=pick, meta=meta, slots=slots):
                     return state_backward(q, k, do, t, pick(g), b, df, scale=0.1,

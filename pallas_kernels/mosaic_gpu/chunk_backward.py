@@ -98,6 +98,16 @@ def _out_types(k, v, gated: bool):
     return out
 
 
+def _whole_width_refs(refs, gated: bool):
+    """The whole-width kernels' refs in order: q, k, v, dO, Λ, S0ᵀ, dSᵀ, T0, β, g (None without a
+    gate), then dq, dk, dv, dβ, dG, u, sds (the last three None without a gate)."""
+    refs = list(refs)
+    ins = [refs.pop(0) for _ in range(9)]
+    g_ref = refs.pop(0) if gated else None
+    outs = refs[:4] + (refs[4:] if gated else [None, None, None])
+    return (*ins, g_ref, *outs)
+
+
 def _send_row_vectors(per_token, per_chunk, b, h, n, rows, gated: bool) -> None:
     """The chunk's fp32 row vectors from SMEM to HBM, then waits for every store: dβ and, with a
     gate, dG and u (``per_token``: (SMEM, GMEM) pairs in that order; ``rows``: the chunk's
@@ -155,11 +165,8 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
 
     def body(*refs, q_s, k_s, v_s, do_s, lam_s, s0_s, ds_s, t_s, b_s, g_s, db_s, dg_s, u_s, sds_s,
              w_st, r_st, cc_a, cc_b, bk_st, bar):
-        refs = list(refs)
-        q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref = (refs.pop(0) for _ in range(9))
-        g_ref = refs.pop(0) if gated else None
-        dq_ref, dk_ref, dv_ref, db_ref = refs[:4]
-        dg_ref, u_ref, sds_ref = refs[4:] if gated else (None, None, None)
+        (q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref, g_ref,
+         dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _whole_width_refs(refs, gated)
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
         for src, dst in ((q_ref.at[b, rows, h], q_s), (k_ref.at[b, rows, h], k_s),
@@ -396,11 +403,8 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
 
     def body(*refs, k_s, vr_s, do_s, lam_s, t_s, da_s, w_st, q_st, bk_st, dv_st, s0_t, ds_t, b_s,
              g_s, db_s, dg_s, u_s, sds_s, bar, q_bar, s0_bar, ds_bar):
-        refs = list(refs)
-        q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref = (refs.pop(0) for _ in range(9))
-        g_ref = refs.pop(0) if gated else None
-        dq_ref, dk_ref, dv_ref, db_ref = refs[:4]
-        dg_ref, u_ref, sds_ref = refs[4:] if gated else (None, None, None)
+        (q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref, g_ref,
+         dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _whole_width_refs(refs, gated)
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
         for src, dst in ((k_ref.at[b, rows, h], k_s), (v_ref.at[b, rows, h], vr_s),
@@ -610,11 +614,8 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
     def body(*refs, q_s, k_s, v_s, do_s, lam_s, s0_s, ds_s, t_s, b_s, g_s, db_s, dg_s, u_s, qdq_s,
              sds_s, w_st, r_st, cc_a, cc_b, bk_st, bar_k, bar_v, bar_l, bar_b, r_ready, cc_ready,
              rows_ready, done):
-        refs = list(refs)
-        q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref = (refs.pop(0) for _ in range(9))
-        g_ref = refs.pop(0) if gated else None
-        dq_ref, dk_ref, dv_ref, db_ref = refs[:4]
-        dg_ref, u_ref, sds_ref = refs[4:] if gated else (None, None, None)
+        (q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref, g_ref,
+         dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _whole_width_refs(refs, gated)
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
         wg = lax.axis_index("wg")

@@ -135,51 +135,21 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
 
             memory_warpgroup(copies, N, stages, in_bar, in_free)
 
-        def _state_chain_key_rows():
-            plgpu.set_max_registers(232, action="increase")
-            # S [K, bv] as K/64 register tiles [64, bv] (key rows j·64 onwards); h0 and the final
-            # state in [.., K, V] layout.
-            rows_j = lambda j: pl.ds(j * C, C)  # noqa: E731
-            src = (lambda j: h0_ref.at[b, h, rows_j(j), vcols]) if has_h0 and not packed else None
-            s0 = start_state(state_s, src, state_bar, (C, bv), nkb)
+        # WG0's state layout (PassConfig.key_rows): where block j of a state lives in GMEM, how
+        # the blocks are published as Sᵀ [bv, K], and the chunk's three chain products.
+        if key_rows:  # S [K, bv] as K/64 register tiles [64, bv] (key rows j·64 onwards)
+            tile = (C, bv)
 
-            def publish(ref, s_blocks):
-                """S into ``ref [bv, K]`` as Sᵀ (the layout WG1, the chain and TMA read)."""
-                for j, x in enumerate(s_blocks):
+            def state_view(ref, i, j):  # h0 and the final state are [.., K, V] here
+                return ref.at[i, h, pl.ds(j * C, C), vcols]
+
+            def publish(ref, blocks):
+                for j, x in enumerate(blocks):
                     key_block(ref, j, C).T[...] = x.astype(dtype)
                 plgpu.commit_smem()
                 return ref
 
-            def step(n, s_blk):
-                slot, half = lax.rem(n, stages), lax.rem(n, 2)
-                plgpu.barrier_wait(in_bar.at[slot])
-
-                @pl.when(n >= 2)
-                def _():  # WG1 is done with the tiles published two chunks ago
-                    plgpu.barrier_wait(s_free.at[half])
-
-                if packed:  # a sequence starts here: its initial state replaces the carry
-                    reset, seq = meta_s[slot, 0], meta_s[slot, 1]
-                    blocks = []
-                    for j in range(nkb):
-                        if j:  # every thread has read block j − 1 before TMA overwrites it
-                            plgpu.commit_smem()
-
-                        @pl.when(reset == 1)
-                        def _():
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a final store read it
-                            plgpu.copy_gmem_to_smem(h0_ref.at[seq, h, rows_j(j), vcols], state_s,
-                                                    state_bar)
-                            plgpu.barrier_wait(state_bar)
-
-                        blocks.append(jnp.where(reset == 1, plgpu.load(state_s, layout=WGMMA), s_blk[j]))
-                    s_blk = tuple(blocks)
-
-                if save_states:  # the TMA store of chunk n − 2's state has read s_pub[half]
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                s_lo = publish(s_pub.at[half], s_blk)  # the chunk start state, for WG1 and the chain
-                if save_states:
-                    plgpu.copy_smem_to_gmem(s_pub.at[half], st_ref.at[b, h, n, vcols])
+            def update(slot, half, s_lo, s):
                 pred = mma(k_s.at[slot], s_lo.T, (C, bv))  # K S [C, bv]
                 v_c = plgpu.load(v_s.at[slot], layout=WGMMA).astype(F32)
                 if gated:
@@ -202,30 +172,44 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                     tail, decay_c = r_pub.at[half], None
                 upd = mma_group(tuple((((key_block(k_s.at[slot], j, C).T, tail),), (C, bv))
                                       for j in range(nkb)))
-                s_new = tuple(u + (x if decay_c is None else x * decay_c) for u, x in zip(upd, s_blk))
-                if packed and out_final:  # a sequence ends here: store its final state
-                    end, seq = meta_s[slot, 2], meta_s[slot, 1]
+                return tuple(u + (x if decay_c is None else x * decay_c) for u, x in zip(upd, s))
+        else:  # Sᵀ [bv, K] as nkb register tiles [bv, kb] (key columns j·kb onwards)
+            tile = (bv, kb)
 
-                    @pl.when(end == 1)
-                    def _():  # (an earlier sequence's final store may still read state_s)
-                        store_state(state_s, s_new, lambda j: fin_ref.at[seq, h, rows_j(j), vcols],
-                                    wait_first=True)
-                plgpu.barrier_arrive(in_free.at[slot])
-                return s_new
+            def state_view(ref, i, j):
+                return key_block(ref.at[i, h, vcols], j, kb)
 
-            s_blk = lax.fori_loop(0, N, step, s0)
-            for n in range(max(N - 2, 0), N):  # observe WG1's last releases of the published tiles
-                plgpu.barrier_wait(s_free.at[n % 2])
-            if out_final and not packed:  # no earlier store read state_s
-                store_state(state_s, s_blk, lambda j: fin_ref.at[b, h, rows_j(j), vcols],
-                            wait_first=False)
-            plgpu.wait_smem_to_gmem(0)
+            def publish(ref, blocks):
+                return stage_blocks(ref, blocks, kb)
 
+            def update(slot, half, s_lo, s_t):
+                pred = mma(s_lo, k_s.at[slot].T, (bv, C))  # (Sᵀ Kᵀ) [BV, C]
+                v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32)
+                if gated:
+                    g_col = plgpu.load(g_s.at[slot], layout=COLS)
+                    g_last = g_s[slot, C - 1]
+                    w_t = v_t - pred * cols_of(jnp.exp2(g_col), (bv, C))
+                else:
+                    w_t = v_t - pred
+                plgpu.barrier_wait(ag_ready.at[slot])
+                w_s = stage(w_stage, w_t)  # Rᵀ = Wᵀ (Ag_hi + Ag_lo)ᵀ
+                r_t = mma_sum(((w_s, t_s.at[slot].T), (w_s, tl_s.at[slot].T)), (bv, C))
+                r_pub.at[half].T[...] = r_t.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(s_ready.at[half])
+                # The state update, one key block at a time (one fresh [BV, kb] accumulator live).
+                if gated:
+                    tail = stage(w_stage, r_t * cols_of(jnp.exp2(g_last - g_col), (bv, C)))
+                    return tuple(mma(tail, key_block(k_s.at[slot], j, kb), (bv, kb),
+                                     acc=s_t[j] * jnp.exp2(g_last)) for j in range(nkb))
+                return tuple(mma(r_pub.at[half].T, key_block(k_s.at[slot], j, kb), (bv, kb),
+                                 acc=s_t[j]) for j in range(nkb))
+
+        @pl.when(wg == 0)
         def _state_chain():
             plgpu.set_max_registers(232, action="increase")
-            # The state is a tuple of nkb register tiles [BV, kb] (key columns j·kb onwards).
-            src = (lambda j: key_block(h0_ref.at[b, h, vcols], j, kb)) if has_h0 and not packed else None
-            s0 = start_state(state_s, src, state_bar, (bv, kb), nkb)
+            src = (lambda j: state_view(h0_ref, b, j)) if has_h0 and not packed else None
+            s0 = start_state(state_s, src, state_bar, tile, nkb)
 
             def step(n, s_t):
                 slot, half = lax.rem(n, stages), lax.rem(n, 2)
@@ -245,8 +229,7 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                         @pl.when(reset == 1)
                         def _():
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a final store read it
-                            plgpu.copy_gmem_to_smem(key_block(h0_ref.at[seq, h, vcols], j, kb),
-                                                    state_s, state_bar)
+                            plgpu.copy_gmem_to_smem(state_view(h0_ref, seq, j), state_s, state_bar)
                             plgpu.barrier_wait(state_bar)
 
                         blocks.append(jnp.where(reset == 1, plgpu.load(state_s, layout=WGMMA), s_t[j]))
@@ -254,37 +237,16 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
 
                 if save_states:  # the TMA store of chunk n − 2's state has read s_pub[half]
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                s_lo = stage_blocks(s_pub.at[half], s_t, kb)  # the chunk start state, for WG1 and the chain
+                s_lo = publish(s_pub.at[half], s_t)  # the chunk start state, for WG1 and the chain
                 if save_states:
                     plgpu.copy_smem_to_gmem(s_pub.at[half], st_ref.at[b, h, n, vcols])
-                pred = mma(s_lo, k_s.at[slot].T, (bv, C))  # (Sᵀ Kᵀ) [BV, C]
-                v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32)
-                if gated:
-                    g_col = plgpu.load(g_s.at[slot], layout=COLS)
-                    g_last = g_s[slot, C - 1]
-                    w_t = v_t - pred * cols_of(jnp.exp2(g_col), (bv, C))
-                else:
-                    w_t = v_t - pred
-                plgpu.barrier_wait(ag_ready.at[slot])
-                w_s = stage(w_stage, w_t)  # Rᵀ = Wᵀ (Ag_hi + Ag_lo)ᵀ
-                r_t = mma_sum(((w_s, t_s.at[slot].T), (w_s, tl_s.at[slot].T)), (bv, C))
-                r_pub.at[half].T[...] = r_t.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(s_ready.at[half])
-                # The state update, one key block at a time (one fresh [BV, kb] accumulator live).
-                if gated:
-                    tail = stage(w_stage, r_t * cols_of(jnp.exp2(g_last - g_col), (bv, C)))
-                    s_new = tuple(mma(tail, key_block(k_s.at[slot], j, kb), (bv, kb),
-                                      acc=s_t[j] * jnp.exp2(g_last)) for j in range(nkb))
-                else:
-                    s_new = tuple(mma(r_pub.at[half].T, key_block(k_s.at[slot], j, kb), (bv, kb),
-                                      acc=s_t[j]) for j in range(nkb))
+                s_new = update(slot, half, s_lo, s_t)
                 if packed and out_final:  # a sequence ends here: store its final state
                     end, seq = meta_s[slot, 2], meta_s[slot, 1]
 
                     @pl.when(end == 1)
                     def _():  # (an earlier sequence's final store may still read state_s)
-                        store_state(state_s, s_new, lambda j: key_block(fin_ref.at[seq, h, vcols], j, kb),
+                        store_state(state_s, s_new, lambda j: state_view(fin_ref, seq, j),
                                     wait_first=True)
                 plgpu.barrier_arrive(in_free.at[slot])
                 return s_new
@@ -293,11 +255,9 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
             for n in range(max(N - 2, 0), N):  # observe WG1's last releases of the published tiles
                 plgpu.barrier_wait(s_free.at[n % 2])
             if out_final and not packed:  # no earlier store read state_s
-                store_state(state_s, s_t, lambda j: key_block(fin_ref.at[b, h, vcols], j, kb),
-                            wait_first=False)
+                store_state(state_s, s_t, lambda j: state_view(fin_ref, b, j), wait_first=False)
             plgpu.wait_smem_to_gmem(0)
 
-        pl.when(wg == 0)(_state_chain_key_rows if key_rows else _state_chain)
 
         @pl.when(wg == 1)
         def _output():
