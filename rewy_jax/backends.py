@@ -198,18 +198,20 @@ def mosaic_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
 
         K, V = call.q.shape[-1], call.v.shape[-1]
         w = None if call.w is call.b else call.w.astype(jnp.float32)
-        return vector_api.vector_delta_rule(
-            call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), call.g,
-            call.b.astype(jnp.float32), w, call.h0, float(call.scale), policy, call.g_bound,
-            vector_api.default_config(K, V, call.g_bound), bool(interpret))
-    cfg = config.default_config(call.q.shape[-1], call.v.shape[-1], jnp.dtype(dtype).itemsize,
-                                backward, heads=call.q.shape[0] * call.q.shape[2],
-                                gated=call.g_in is not None)
-    g = None if call.g_in is None else call.g
-    xs = [call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), g,
-          call.b.astype(jnp.float32)]
-    run = lambda xs, h0, meta: api.delta_rule(*xs, h0, meta, float(call.scale), policy, cfg,  # noqa: E731
-                                              bool(interpret))
+        xs = [call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), call.g,
+              call.b.astype(jnp.float32), w]
+        vcfg = vector_api.default_config(K, V, call.g_bound)
+        run = lambda xs, h0, meta: vector_api.vector_delta_rule(  # noqa: E731
+            *xs, h0, meta, float(call.scale), policy, call.g_bound, vcfg, bool(interpret))
+    else:
+        cfg = config.default_config(call.q.shape[-1], call.v.shape[-1], jnp.dtype(dtype).itemsize,
+                                    backward, heads=call.q.shape[0] * call.q.shape[2],
+                                    gated=call.g_in is not None)
+        g = None if call.g_in is None else call.g
+        xs = [call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), g,
+              call.b.astype(jnp.float32)]
+        run = lambda xs, h0, meta: api.delta_rule(*xs, h0, meta, float(call.scale), policy, cfg,  # noqa: E731
+                                                  bool(interpret))
     if call.cu_seqlens is None:
         return run(xs, call.h0, None)
     # Packed sequences: re-laid so that each starts on a chunk boundary (rewy_jax.layout).

@@ -36,6 +36,22 @@ needs_interpreter = pytest.mark.skipif(INTERPRET and not compat.has_interpreter(
 BF16 = jnp.bfloat16
 
 
+def _schedulable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# As in tests/test_mosaic_gpu.py: the GPU interpreter runs each warpgroup as a host thread whose
+# barrier waits may block XLA's intra-op pool (one thread per schedulable CPU); with < 3 CPUs some
+# 3-warpgroup cases deadlock in the simulation (they pass with 3 or more CPUs and on the GPU).
+needs_pool_threads = pytest.mark.skipif(
+    INTERPRET and _schedulable_cpus() < 3,
+    reason="the GPU interpreter deadlocks in these cases with < 3 CPUs "
+           "(XLA's intra-op pool is held by blocked warpgroup barriers)")
+
+
 def _gates(rng, shape, kind):
     if kind == "bounded":
         g = -rng.uniform(0, 5, shape)
@@ -49,20 +65,24 @@ def _gates(rng, shape, kind):
     return g
 
 
-def _case(op, T, H, D, seed, gates):
-    """float64 arrays (q, k, v bf16-representable; q, k unit rows as the layers feed them)."""
+def _case(op, T, H, D, seed, gates, n_seq=None):
+    """float64 arrays (q, k, v bf16-representable; q, k unit rows as the layers feed them);
+    ``n_seq``: that many packed sequences of random lengths (h0 per sequence, and ``cu``)."""
     rng = np.random.default_rng(seed)
     r16 = lambda x: np.asarray(jnp.asarray(x, BF16).astype(jnp.float64))  # noqa: E731
     nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     B = 1
     x = dict(q=r16(nrm(rng.standard_normal((B, T, H, D)))), k=r16(nrm(rng.standard_normal((B, T, H, D)))),
              v=r16(rng.standard_normal((B, T, H, D))), g=_gates(rng, (B, T, H, D), gates),
-             h0=rng.standard_normal((B, H, D, D)) * 0.3)
+             h0=rng.standard_normal((B if n_seq is None else n_seq, H, D, D)) * 0.3)
     if op == "kda":
         x["beta"] = rng.uniform(0, 2, (B, T, H))
     else:
         x["b"] = rng.uniform(0, 2, (B, T, H, D))
         x["w"] = rng.uniform(0, 2, (B, T, H, D))
+    if n_seq is not None:
+        cuts = np.sort(rng.choice(np.arange(1, T), n_seq - 1, replace=False))
+        x["cu"] = np.concatenate([[0], cuts, [T]]).astype(np.int32)
     return x
 
 
@@ -192,19 +212,22 @@ def _op_grads(op, x, bound, **kw):
     return names, f
 
 
-def _check_backward(op, D, T, H, gates, seed, policy):
+def _check_backward(op, D, T, H, gates, seed, policy, n_seq=None):
     """Every output and gradient of the Mosaic GPU op (interpreter) against the float64
-    reference; returns the ratios."""
-    x = _case(op, T, H, D, seed, gates)
+    reference; returns the ratios. ``n_seq``: packed sequences (cu_seqlens, h0 and the final
+    state's cotangent per sequence)."""
+    x = _case(op, T, H, D, seed, gates, n_seq)
     bound = -5.0 if gates == "bounded" else None
     rng = np.random.default_rng(seed + 100)
-    cts = dict(o=rng.standard_normal((1, T, H, D)), final=rng.standard_normal((1, H, D, D)))
-    names, f = _op_grads(op, x, bound, backend="mosaic_gpu", interpret=INTERPRET, policy=policy)
+    cts = dict(o=rng.standard_normal((1, T, H, D)), final=rng.standard_normal((x["h0"].shape[0], H, D, D)))
+    cu = x.get("cu")
+    names, f = _op_grads(op, x, bound, backend="mosaic_gpu", interpret=INTERPRET, policy=policy,
+                         cu_seqlens=None if cu is None else jnp.asarray(cu))
     cast = {"q": BF16, "k": BF16, "v": BF16}
     args = [jnp.asarray(x[n], cast.get(n, jnp.float32)) for n in names]
     (o, fin), vjp = jax.vjp(f, *args)
     grads = vjp((jnp.asarray(cts["o"], BF16), jnp.asarray(cts["final"], jnp.float32)))
-    _, fref = _op_grads(op, x, bound, backend="reference")
+    _, fref = _op_grads(op, x, bound, backend="reference", cu_seqlens=cu)
     (ro, rfin), rvjp = jax.vjp(fref, *[jnp.asarray(x[n], jnp.float64) for n in names])
     rgrads = rvjp((jnp.asarray(cts["o"]), jnp.asarray(cts["final"], rfin.dtype)))
     key = lambda n: "dinitial_state" if n == "h0" else f"d{n}"  # noqa: E731
@@ -231,6 +254,52 @@ def test_vector_backward_matches_float64(op, D, T, H, gates, seed, policy):
     ratios = _check_backward(op, D, T, H, gates, seed, policy)
     bad = {n: r for n, r in ratios.items() if r > tolerance(n, BF16)}
     assert not bad, f"ratios over rewy-math §8 bf16 bounds: {bad} (all: {ratios})"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op,T,H,gates,seed,policy", [
+    ("kda", 200, 1, "strong", 20, "save"),
+    ("gdn2", 170, 1, "bounded", 21, "recompute"),
+])
+def test_vector_packed_matches_float64(op, T, H, gates, seed, policy):
+    """Packed sequences (cu_seqlens: 3 of random lengths, h0 and a final-state cotangent per
+    sequence) at D = 64: every output and gradient against the float64 reference, through
+    api.pack's layout (each sequence re-laid on a chunk boundary, zero rows between) and the serial
+    kernels' per-chunk (reset, slot, end)."""
+    ratios = _check_backward(op, 64, T, H, gates, seed, policy, n_seq=3)
+    bad = {n: r for n, r in ratios.items() if r > tolerance(n, BF16)}
+    assert not bad, f"ratios over rewy-math §8 bf16 bounds: {bad} (all: {ratios})"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_vector_serial_kernels_lower_for_cuda_packed(D):
+    """The two serial vector kernels with packed sequences (meta, h0 / final / d(final) / dh0 per
+    slot) lower to Mosaic GPU for sm_90 on this CPU (both forward variants)."""
+    from pallas_kernels.mosaic_gpu.common import META
+    from pallas_kernels.mosaic_gpu.vector_state_backward import vector_state_backward
+
+    S = jax.ShapeDtypeStruct
+    B, T, H, n_slots = 1, 256, 2, 3
+    f32 = jnp.float32
+    g2, head = S((B, H, T, D), f32), S((B, H, T, D), BF16)
+    cc, slots, tok = S((B, H, T, 64), BF16), S((n_slots, H, D, D), f32), S((B, T, H, D), BF16)
+    meta = S((T // 64, META), jnp.int32)
+    cfg = config.default_vector_config(D, D, 2, False)
+    cases = (
+        (lambda w, u, qg, kt, p, g, h0, m: vector_state_output(w, u, qg, kt, p, g, h0, cfg=cfg,
+                                                                out_final=True, meta=m),
+         (head, head, head, head, cc, g2, slots, meta)),
+        (lambda w, u, qg, kt, p, g, h0, m: vector_state_output(w, u, qg, kt, p, g, h0, cfg=cfg,
+                                                                out_final=False, save_states=True, meta=m),
+         (head, head, head, head, cc, g2, slots, meta)),
+        (lambda *a: vector_state_backward(*a[:-1], cfg=cfg.state_backward, meta=a[-1], n_slots=n_slots),
+         (head, head, head, cc, tok, g2, slots, meta)),
+        (lambda *a: vector_state_backward(*a[:-1], None, cfg=cfg.state_backward, meta=a[-1], n_slots=n_slots),
+         (head, head, head, cc, tok, g2, meta)),
+    )
+    for f, args in cases:
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -282,10 +351,11 @@ def test_vector_supports_says_why_not():
     if compat.has_interpreter():
         assert vector_api.supports(**common) is None
         assert vector_api.supports(**{**common, "K": 64, "V": 64}) is None
+        assert vector_api.supports(**{**common, "packed": True}) is None  # cu_seqlens: api.pack
     for change, words in ((dict(dtype=jnp.float16), "bf16"), (dict(dtype=jnp.float32), "bf16"),
                           (dict(K=256, V=256), "K = V"), (dict(K=128, V=64), "K = V"),
                           (dict(chunk_size=32), "chunk_size"), (dict(backward="wy"), "ReWY"),
-                          (dict(static_scale=False), "scale"), (dict(packed=True), "cu_seqlens")):
+                          (dict(static_scale=False), "scale")):
         reason = vector_api.supports(**{**common, **change})
         assert reason is not None and words in reason, (change, reason)
     assert "sm_90" in vector_api.supports(**{**common, "interpret": False})
@@ -293,7 +363,7 @@ def test_vector_supports_says_why_not():
 
 def test_vector_dispatch_on_hopper(monkeypatch):
     """On an sm_90 GPU, backend="mosaic_gpu" serves bf16 KDA and GDN2 at K = V in {64, 128} and
-    says why it refuses fp32, K = 256, packed and fp16 calls; backend=None does not take these
+    says why it refuses fp32, K = 256 and fp16 calls (packed ones it serves); backend=None does not take these
     kernels for vector gates (slower than pallas_gpu so far) (the GPU is faked, nothing runs)."""
     import rewy_jax
     from pallas_kernels.mosaic_gpu import api
@@ -324,8 +394,9 @@ def test_vector_dispatch_on_hopper(monkeypatch):
         for D in (64, 128):
             assert picked(op, D, name="mosaic_gpu") is backends.mosaic_gpu_impl, (op, D)
             assert picked(op, D) is not backends.mosaic_gpu_impl, (op, D)
-        for kw, words in ((dict(dtype=jnp.float32), "bf16"), (dict(D=256), "K"),
-                          (dict(cu=jnp.asarray([0, 30, 64], jnp.int32)), "cu_seqlens")):
+            cu = jnp.asarray([0, 30, 64], jnp.int32)
+            assert picked(op, D, cu=cu, name="mosaic_gpu") is backends.mosaic_gpu_impl, (op, D)
+        for kw, words in ((dict(dtype=jnp.float32), "bf16"), (dict(D=256), "K")):
             with pytest.raises(NotImplementedError, match=words):
                 picked(op, **{"D": 128, **kw}, name="mosaic_gpu")
         with pytest.raises(NotImplementedError, match="fp16 would need"):

@@ -14,7 +14,9 @@ Pipeline (each stage's module docstring gives its shapes):
                               each chunk, ⟨dS, S0⟩ per channel)
 
 :func:`supports` says which calls it serves (``None``) or why not; :func:`vector_delta_rule` is
-the differentiable op.
+the differentiable op. Packed sequences (cu_seqlens) take the scalar path's layout: api.pack
+re-lays them on chunk boundaries and builds the per-chunk (reset, slot, end) ``meta`` that the two
+serial kernels read; the per-chunk kernels need nothing (padding rows are zeros).
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ F32 = jnp.float32
 def supports(*, K: int, V: int, dtype, chunk_size: int, static_scale: bool, backward: str,
              packed: bool, interpret: bool) -> str | None:
     """``None`` when the vector-gate kernels serve such a call (KDA: g [B,T,H,K], β [B,T,H];
-    GDN2: g, b [B,T,H,K], w [B,T,H,V]), else the reason they do not."""
+    GDN2: g, b [B,T,H,K], w [B,T,H,V]), else the reason they do not. ``packed`` (cu_seqlens)
+    calls are served too (api.pack's layout)."""
+    del packed
     reason = api.device_reason(interpret)
     if reason is not None:
         return reason
@@ -56,8 +60,6 @@ def supports(*, K: int, V: int, dtype, chunk_size: int, static_scale: bool, back
     if backward != "rewy":
         return ("the Mosaic GPU KDA/GDN2 kernels implement the ReWY backward only (backward='rewy'); "
                 "the seven-product form is in the DeltaNet/GDN kernels")
-    if packed:
-        return "the Mosaic GPU KDA/GDN2 kernels do not take packed sequences (cu_seqlens) yet"
     return None
 
 
@@ -80,8 +82,8 @@ def _chunk_products(q, k, v, g, b, w, scale, bound, cfg, interpret, save):
     return prep, chunk
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def vector_delta_rule(q, k, v, g, b, w, h0, scale: float, policy: str, gate_lower_bound,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
+def vector_delta_rule(q, k, v, g, b, w, h0, meta, scale: float, policy: str, gate_lower_bound,
                       cfg: config.VectorConfig, interpret: bool):
     """KDA (``w`` None, ``b`` = β [B, T, H]) or GDN2 (``b`` [B, T, H, K], ``w`` [B, T, H, V]) on
     the Mosaic GPU kernels, differentiable with the ReWY backward.
@@ -89,21 +91,24 @@ def vector_delta_rule(q, k, v, g, b, w, h0, scale: float, policy: str, gate_lowe
     q, k: [B, T, H, K], v: [B, T, H, V] bf16; g: [B, T, H, K] fp32 (≤ 0, already clamped to the
     floor or ``gate_lower_bound``); b, w fp32; h0: [B, H, K, V] fp32. ``scale`` multiplies q.
     ``policy``: "save" keeps A, the chunk start states and R for the backward, "recompute" reruns
-    the forward's kernels there. Returns ``(o [B, T, H, V], final [B, H, K, V] fp32)``.
+    the forward's kernels there. ``meta``: None, or packed sequences (B = 1, each sequence starting
+    on a chunk boundary, :func:`api.pack`): int32 ``[N, META]`` per chunk (reset, slot, end, 0...),
+    and h0 is ``[n_slots, H, K, V]``. Returns ``(o [B, T, H, V], final [B or n_slots, H, K, V]
+    fp32)``.
     """
-    return _forward(q, k, v, g, b, w, h0, scale, policy, gate_lower_bound, cfg, interpret)[0]
+    return _forward(q, k, v, g, b, w, h0, meta, scale, policy, gate_lower_bound, cfg, interpret)[0]
 
 
-def _forward(q, k, v, g, b, w, h0, scale, policy, bound, cfg, interpret):
+def _forward(q, k, v, g, b, w, h0, meta, scale, policy, bound, cfg, interpret):
     T = q.shape[1]
     save = policy == "save"
     with compat.x32():
         prep, chunk = _chunk_products(q, k, v, g, b, w, scale, bound, cfg, interpret, save)
         h0t = jnp.swapaxes(h0.astype(F32), -1, -2)
         outs = vector_state_output(*chunk[:5], prep[3], h0t, cfg=cfg, out_final=True, save_states=save,
-                                   interpret=compat.interpret_params(interpret))
+                                   meta=meta, interpret=compat.interpret_params(interpret))
     saved = (prep, chunk, outs[2], outs[3]) if save else None
-    res = (q, k, v, g, b, w, h0, saved)
+    res = (q, k, v, g, b, w, h0, meta, saved)
     return (outs[0][:, :T], jnp.swapaxes(outs[1], -1, -2)), res
 
 
@@ -113,7 +118,7 @@ def _backward(scale, policy, bound, cfg, interpret, res, cts):
 
 
 def _backward_x32(scale, bound, cfg, interpret, res, cts):
-    q, k, v, g, b, w, h0, saved = res
+    q, k, v, g, b, w, h0, meta, saved = res
     do, dfinal = cts
     B, T, H, K = k.shape
     ip = compat.interpret_params(interpret)
@@ -121,7 +126,7 @@ def _backward_x32(scale, bound, cfg, interpret, res, cts):
         prep, chunk = _chunk_products(q, k, v, g, b, w, scale, bound, cfg, interpret, True)
         h0t = jnp.swapaxes(h0.astype(F32), -1, -2)
         _, _, states, r = vector_state_output(*chunk[:5], prep[3], h0t, cfg=cfg, out_final=False,
-                                              save_states=True, interpret=ip)
+                                              save_states=True, meta=meta, interpret=ip)
     else:
         prep, chunk, states, r = saved
     qp, kp, _, g2, erase = prep
@@ -131,7 +136,7 @@ def _backward_x32(scale, bound, cfg, interpret, res, cts):
     dop = pad_time(do.astype(kp.dtype), Tp)
     dfinal_t = jnp.swapaxes(dfinal.astype(F32), -1, -2)
     dr, dstates, dh0t = vector_state_backward(kt, w_, qg, p, dop, g2, dfinal_t, cfg=cfg.state_backward,
-                                              interpret=ip)
+                                              meta=meta, n_slots=h0.shape[0], interpret=ip)
     lam, dq, dk_raw, de, pairs, yk = vector_chunk_backward(
         qp, kp, _erase_tokens(erase, kp), g2, dop, dr, r, states, dstates, a_hi, a_lo, scale=scale,
         centred=cfg.centred, interpret=ip)
@@ -159,7 +164,7 @@ def _backward_x32(scale, bound, cfg, interpret, res, cts):
         db = de * kf
         dw = lam * vf
     dh0 = jnp.swapaxes(dh0t, -1, -2)
-    return (dq[:, :T], dk.astype(k.dtype), dv.astype(v.dtype), dg, db, dw, dh0)
+    return (dq[:, :T], dk.astype(k.dtype), dv.astype(v.dtype), dg, db, dw, dh0, None)
 
 
 vector_delta_rule.defvjp(_forward, _backward)

@@ -29,6 +29,13 @@ Reads:  w, kt, qg [B, H, Tp, K]; u [B, H, Tp, V]; p [B, H, Tp, C]; g2 [B, H, Tp,
 Writes: o [B, Tp, H, V]; final state ᵀ [B, H, V, K] fp32 (optional); with ``save_states`` (for the
         backward) WG0 also stores each chunk's start state ᵀ [B, H, N, V, K] and R [B, Tp, H, V]
         (input dtype) from the tiles it publishes anyway.
+
+Packed sequences (``meta``), as in forward.py: B = 1, every sequence starts on a chunk boundary
+(the caller re-lays them, rewy_jax.layout), and ``meta [N, META]`` int32 holds per chunk (reset,
+slot, end, 0...): at a reset chunk WG0 loads its start state from ``h0t[slot]``, after an end
+chunk it stores the state to ``final[slot]``; ``h0t`` and the final states are
+``[n_slots, H, V, K]``. Padding rows between sequences are zeros (k = v = 0, gates 0: W, U,
+K_tail rows 0 and 2^{G} = 1), so they leave the state unchanged.
 """
 
 from __future__ import annotations
@@ -41,8 +48,8 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, WGMMA, cols_of, finish_together, memory_warpgroup, mma, mma_sum, smem, stage,
-    start_state)
+    C, COLS, F32, META, WGMMA, cols_of, finish_together, memory_warpgroup, mma, mma_sum, smem, stage,
+    start_state, store_state)
 from pallas_kernels.mosaic_gpu.config import VectorConfig, default_vector_config
 from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
 from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, prepare_vector
@@ -51,12 +58,13 @@ HEAD_DIMS = (64, 128)
 
 
 def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_final: bool,
-                        save_states: bool = False, interpret=None):
+                        save_states: bool = False, meta=None, interpret=None):
     """``(o [B, Tp, H, V], final ᵀ [B, H, V, K] fp32 | None)``, and with ``save_states`` also
     ``(states [B, H, N, V, K], r [B, Tp, H, V])`` in the input dtype: each chunk's start state
     (transposed, as published for the output warpgroup) and its residual R, which the backward
     reads (vector_chunk_backward.py). See the module docstring. ``h0t`` is ``None`` for a zero
-    initial state."""
+    initial state; ``meta``: packed sequences (module docstring), with ``h0t`` and the final
+    states per slot."""
     B, H, Tp, K = w.shape
     V = u.shape[-1]
     N = Tp // C
@@ -65,10 +73,13 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
     n_out = cfg.out_buffers
     dtype = w.dtype
     has_h0 = h0t is not None
+    packed = meta is not None
+    if packed and not (B == 1 and has_h0):
+        raise ValueError("packed sequences need B == 1 and per-sequence initial states h0t")
 
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dtype)]
     if out_final:
-        out_type.append(jax.ShapeDtypeStruct((B, H, V, K), F32))
+        out_type.append(jax.ShapeDtypeStruct(h0t.shape if packed else (B, H, V, K), F32))
     if save_states:
         out_type += [jax.ShapeDtypeStruct((B, H, N, V, K), dtype), jax.ShapeDtypeStruct((B, Tp, H, V), dtype)]
     scratch = dict(
@@ -76,18 +87,21 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
         u_s=smem((stages, C, bv), dtype), p_s=smem((stages, C, C), dtype),
         gl_s=plgpu.SMEM((stages, K), F32),
         s_pub=smem((2, bv, K), dtype), r_pub=smem((2, C, bv), dtype), o_out=smem((n_out, C, bv), dtype),
-        in_bar=plgpu.Barrier(num_arrivals=6, num_barriers=stages),
+        in_bar=plgpu.Barrier(num_arrivals=6 + packed, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2),
         state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
     )
     if has_h0 or out_final:
         scratch["state_s"] = smem((bv, K), F32)
+    if packed:
+        scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
     def body(*refs, w_s, kt_s, qg_s, u_s, p_s, gl_s, s_pub, r_pub, o_out, in_bar, in_free,
-             s_ready, s_free, state_bar, done, state_s=None):
+             s_ready, s_free, state_bar, done, state_s=None, meta_s=None):
         refs = list(refs)
         w_ref, u_ref, qg_ref, kt_ref, p_ref, g_ref = (refs.pop(0) for _ in range(6))
+        meta_ref = refs.pop(0) if packed else None
         h0_ref = refs.pop(0) if has_h0 else None
         o_ref = refs.pop(0)
         fin_ref = refs.pop(0) if out_final else None
@@ -104,13 +118,15 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
                             (qg_ref.at[b, h, rows], qg_s), (u_ref.at[b, h, rows, vcols], u_s),
                             (p_ref.at[b, h, rows], p_s))
                 yield g_ref.at[b, h, n * C + C - 1], gl_s
+                if packed:
+                    yield meta_ref.at[n], meta_s
 
             memory_warpgroup(copies, N, stages, in_bar, in_free)
 
         @pl.when(wg == 0)
         def _state_chain():
             plgpu.set_max_registers(232, action="increase")
-            src = (lambda j: h0_ref.at[b, h, vcols]) if has_h0 else None
+            src = (lambda j: h0_ref.at[b, h, vcols]) if has_h0 and not packed else None
             (s0,) = start_state(state_s, src, state_bar, (bv, K))
 
             def step(n, s_t):
@@ -120,6 +136,17 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
                 @pl.when(n >= 2)
                 def _():  # WG1 is done with the tiles published two chunks ago
                     plgpu.barrier_wait(s_free.at[half])
+
+                if packed:  # a sequence starts here: its initial state replaces the carry
+                    reset, seq = meta_s[slot, 0], meta_s[slot, 1]
+
+                    @pl.when(reset == 1)
+                    def _():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a final store read it
+                        plgpu.copy_gmem_to_smem(h0_ref.at[seq, h, vcols], state_s, state_bar)
+                        plgpu.barrier_wait(state_bar)
+
+                    s_t = jnp.where(reset == 1, plgpu.load(state_s, layout=WGMMA), s_t)
 
                 if save_states:  # the stores from this half, two chunks ago, have read it
                     plgpu.wait_smem_to_gmem(2, wait_read_only=True)
@@ -135,13 +162,19 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
                     plgpu.copy_smem_to_gmem(r_pub.at[half], r_ref.at[b, pl.ds(n * C, C), h, vcols])
                 decay = cols_of(jnp.exp2(plgpu.load(gl_s.at[slot], layout=COLS)), (bv, K))  # 2^{G_C} per key
                 s_new = mma(r_pub.at[half].T, kt_s.at[slot], (bv, K), acc=s_t * decay)
+                if packed and out_final:  # a sequence ends here: store its final state
+                    end, seq = meta_s[slot, 2], meta_s[slot, 1]
+
+                    @pl.when(end == 1)
+                    def _():  # (an earlier sequence's final store may still read state_s)
+                        store_state(state_s, (s_new,), lambda j: fin_ref.at[seq, h, vcols], wait_first=True)
                 plgpu.barrier_arrive(in_free.at[slot])
                 return s_new
 
             s_t = lax.fori_loop(0, N, step, s0)
             for n in range(max(N - 2, 0), N):  # observe WG1's last releases of the published tiles
                 plgpu.barrier_wait(s_free.at[n % 2])
-            if out_final:
+            if out_final and not packed:  # no earlier store read state_s
                 state_s[...] = s_t
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(state_s, fin_ref.at[b, h, vcols])
@@ -170,7 +203,7 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
 
         finish_together(done)
 
-    args = [w, u, qg, kt, p, g2] + ([h0t] if has_h0 else [])
+    args = [w, u, qg, kt, p, g2] + ([meta] if packed else []) + ([h0t] if has_h0 else [])
     outs = plgpu.kernel(
         body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
         grid_names=("b", "h", "v"), num_threads=3, thread_name="wg",

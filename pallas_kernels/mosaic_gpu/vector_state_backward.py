@@ -31,6 +31,11 @@ Reads:  kt, w, qg [B, H, Tp, K]; p [B, H, Tp, C]; do [B, Tp, H, V]; g2 [B, H, Tp
         C − 1 of each chunk); dfinal ᵀ [B, H, V, K] fp32 (optional).
 Writes: dr [B, Tp, H, V]; dstates [B, H, N, V, K] (each chunk's end cotangent, transposed; input
         dtype); dh0 ᵀ [B, H, V, K] fp32.
+
+Packed sequences (``meta [N, META]`` int32 per chunk (reset, slot, end, 0...), B = 1, as in
+vector_forward.py and the scalar state_backward.py): at an end chunk the carried cotangent is
+replaced by the final-state cotangent of its slot (zero without one); after a reset chunk the
+start-state cotangent goes to ``dh0[slot]`` (``[n_slots, H, V, K]``).
 """
 
 from __future__ import annotations
@@ -43,14 +48,16 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, cols_of, finish_together, memory_warpgroup, mma_sum, smem, stage,
-    start_state)
+    C, COLS, F32, META, WGMMA, cols_of, finish_together, memory_warpgroup, mma_sum, smem, stage,
+    start_state, store_state)
 from pallas_kernels.mosaic_gpu.config import PassConfig
 
 
-def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, interpret=None):
+def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, meta=None,
+                          n_slots: int = 0, interpret=None):
     """``(dr [B, Tp, H, V], dstates [B, H, N, V, K], dh0 ᵀ [B, H, V, K] fp32)``; see the module
-    docstring. ``dfinal_t`` is ``None`` when the final state has no cotangent."""
+    docstring. ``dfinal_t`` is ``None`` when the final state has no cotangent; with ``meta``
+    (packed sequences) dfinal_t and dh0 are ``[n_slots, H, V, K]``."""
     B, H, Tp, K = w.shape
     V = do.shape[-1]
     N = Tp // C
@@ -58,10 +65,13 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, in
     stages = cfg.stages
     dtype = w.dtype
     has_df = dfinal_t is not None
+    packed = meta is not None
+    if packed and B != 1:
+        raise ValueError("packed sequences need B == 1")
 
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), dtype),
                 jax.ShapeDtypeStruct((B, H, N, V, K), dtype),
-                jax.ShapeDtypeStruct((B, H, V, K), F32))
+                jax.ShapeDtypeStruct((n_slots, H, V, K) if packed else (B, H, V, K), F32))
     scratch = dict(
         kt_s=smem((stages, C, K), dtype), w_s=smem((stages, C, K), dtype), qg_s=smem((stages, C, K), dtype),
         p_s=smem((stages, C, C), dtype), do_s=smem((stages, C, bv), dtype), gl_s=plgpu.SMEM((stages, K), F32),
@@ -69,15 +79,18 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, in
         # has the next chunk's first product to finish before the tile is rewritten.
         ds_pub=smem((bv, K), dtype), ndr_s=smem((bv, C), dtype), dr_out=smem((C, bv), dtype),
         state_s=smem((bv, K), F32),
-        in_bar=plgpu.Barrier(num_arrivals=6, num_barriers=stages),
+        in_bar=plgpu.Barrier(num_arrivals=6 + packed, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=2),
     )
+    if packed:
+        scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
     def body(*refs, kt_s, w_s, qg_s, p_s, do_s, gl_s, ds_pub, ndr_s, dr_out, state_s, in_bar, in_free,
-             state_bar, done):
+             state_bar, done, meta_s=None):
         refs = list(refs)
         kt_ref, w_ref, qg_ref, p_ref, do_ref, g_ref = (refs.pop(0) for _ in range(6))
+        meta_ref = refs.pop(0) if packed else None
         df_ref = refs.pop(0) if has_df else None
         dr_ref, dst_ref, dh0_ref = refs
         b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
@@ -93,19 +106,33 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, in
                             (qg_ref.at[b, h, rows], qg_s), (p_ref.at[b, h, rows], p_s),
                             (do_ref.at[b, rows, h, vcols], do_s))
                 yield g_ref.at[b, h, n * C + C - 1], gl_s
+                if packed:
+                    yield meta_ref.at[n], meta_s
 
             memory_warpgroup(copies, N, stages, in_bar, in_free)
 
         @pl.when(wg == 0)
         def _chain():
             plgpu.set_max_registers(232, action="increase")
-            src = (lambda j: df_ref.at[b, h, vcols]) if has_df else None
+            src = (lambda j: df_ref.at[b, h, vcols]) if has_df and not packed else None
             (ds0,) = start_state(state_s, src, state_bar, (bv, K))
 
             def step(i, ds_t):
                 slot = lax.rem(i, stages)
                 n = N - 1 - i
                 plgpu.barrier_wait(in_bar.at[slot])
+                if packed:  # a sequence ends here: its final-state cotangent replaces the carry
+                    end, seq = meta_s[slot, 2], meta_s[slot, 1]
+                    if has_df:
+                        @pl.when(end == 1)
+                        def _():
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a dh0 store read it
+                            plgpu.copy_gmem_to_smem(df_ref.at[seq, h, vcols], state_s, state_bar)
+                            plgpu.barrier_wait(state_bar)
+
+                        ds_t = jnp.where(end == 1, plgpu.load(state_s, layout=WGMMA), ds_t)
+                    else:
+                        ds_t = jnp.where(end == 1, 0.0, ds_t)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk i − 1's stores have read
                 ds_lo = stage(ds_pub, ds_t)  # the chunk's end cotangent: operand and output
                 plgpu.copy_smem_to_gmem(ds_pub, dst_ref.at[b, h, n, vcols])
@@ -117,19 +144,26 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, in
                 decay = cols_of(jnp.exp2(plgpu.load(gl_s.at[slot], layout=COLS)), (bv, K))  # 2^{G_C}
                 ds_new = mma_sum(((do_s.at[slot].T, qg_s.at[slot]), (ndr, w_s.at[slot])), (bv, K),
                                  acc=ds_t * decay)
+                if packed:  # a sequence starts here: its initial state's cotangent is done
+                    reset, seq = meta_s[slot, 0], meta_s[slot, 1]
+
+                    @pl.when(reset == 1)
+                    def _():
+                        store_state(state_s, (ds_new,), lambda j: dh0_ref.at[seq, h, vcols], wait_first=True)
                 plgpu.barrier_arrive(in_free.at[slot])
                 return ds_new
 
             ds_t = lax.fori_loop(0, N, step, ds0)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            state_s[...] = ds_t
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(state_s, dh0_ref.at[b, h, vcols])
+            if not packed:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                state_s[...] = ds_t
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(state_s, dh0_ref.at[b, h, vcols])
             plgpu.wait_smem_to_gmem(0)
 
         finish_together(done)
 
-    args = [kt, w, qg, p, do, g2] + ([dfinal_t] if has_df else [])
+    args = [kt, w, qg, p, do, g2] + ([meta] if packed else []) + ([dfinal_t] if has_df else [])
     return plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // bv),
         grid_names=("b", "h", "v"), num_threads=2, thread_name="wg",
