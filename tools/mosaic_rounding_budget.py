@@ -7,7 +7,7 @@ pallas_kernels/mosaic_gpu/forward.py in float64, rounding to bf16 only where the
 (T0 and Ag, the state S read by the products, W = V − K S, R, the decayed Q Kᵀ tile P), one
 point at a time and all together, against the float64 token recurrence (rewy-math §8 ratios).
 """
-import numpy as np, jax.numpy as jnp, sys
+import numpy as np, jax.numpy as jnp
 def bf(x): return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)).astype(np.float64)
 rng = np.random.default_rng(3); T=1024; K=V=64; C=64
 nrm=lambda x: x/np.linalg.norm(x,axis=-1,keepdims=True)
