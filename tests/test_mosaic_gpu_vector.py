@@ -36,22 +36,6 @@ needs_interpreter = pytest.mark.skipif(INTERPRET and not compat.has_interpreter(
 BF16 = jnp.bfloat16
 
 
-def _schedulable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-# As in tests/test_mosaic_gpu.py: the GPU interpreter runs each warpgroup as a host thread whose
-# barrier waits may block XLA's intra-op pool (one thread per schedulable CPU); with < 3 CPUs some
-# 3-warpgroup cases deadlock in the simulation (they pass with 3 or more CPUs and on the GPU).
-needs_pool_threads = pytest.mark.skipif(
-    INTERPRET and _schedulable_cpus() < 3,
-    reason="the GPU interpreter deadlocks in these cases with < 3 CPUs "
-           "(XLA's intra-op pool is held by blocked warpgroup barriers)")
-
-
 def _gates(rng, shape, kind):
     if kind == "bounded":
         g = -rng.uniform(0, 5, shape)

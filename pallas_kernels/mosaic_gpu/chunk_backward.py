@@ -98,9 +98,9 @@ def _out_types(k, v, gated: bool):
     return out
 
 
-def _whole_width_refs(refs, gated: bool):
-    """The whole-width kernels' refs in order: q, k, v, dO, Λ, S0ᵀ, dSᵀ, T0, β, g (None without a
-    gate), then dq, dk, dv, dβ, dG, u, sds (the last three None without a gate)."""
+def _kernel_refs(refs, gated: bool):
+    """Every per-chunk gradient kernel's refs in order: q, k, v, dO, Λ, S0ᵀ, dSᵀ, T0, β, g (None
+    without a gate), then dq, dk, dv, dβ, dG, u, sds (the last three None without a gate)."""
     refs = list(refs)
     ins = [refs.pop(0) for _ in range(9)]
     g_ref = refs.pop(0) if gated else None
@@ -166,7 +166,7 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
     def body(*refs, q_s, k_s, v_s, do_s, lam_s, s0_s, ds_s, t_s, b_s, g_s, db_s, dg_s, u_s, sds_s,
              w_st, r_st, cc_a, cc_b, bk_st, bar):
         (q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref, g_ref,
-         dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _whole_width_refs(refs, gated)
+         dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _kernel_refs(refs, gated)
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
         for src, dst in ((q_ref.at[b, rows, h], q_s), (k_ref.at[b, rows, h], k_s),
@@ -404,7 +404,7 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
     def body(*refs, k_s, vr_s, do_s, lam_s, t_s, da_s, w_st, q_st, bk_st, dv_st, s0_t, ds_t, b_s,
              g_s, db_s, dg_s, u_s, sds_s, bar, q_bar, s0_bar, ds_bar):
         (q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref, g_ref,
-         dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _whole_width_refs(refs, gated)
+         dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _kernel_refs(refs, gated)
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
         for src, dst in ((k_ref.at[b, rows, h], k_s), (v_ref.at[b, rows, h], vr_s),
@@ -615,7 +615,7 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
              sds_s, w_st, r_st, cc_a, cc_b, bk_st, bar_k, bar_v, bar_l, bar_b, r_ready, cc_ready,
              rows_ready, done):
         (q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref, g_ref,
-         dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _whole_width_refs(refs, gated)
+         dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _kernel_refs(refs, gated)
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
         wg = lax.axis_index("wg")

@@ -220,6 +220,27 @@ def store_state(state_s, blocks, dst_of, *, wait_first: bool) -> None:
         plgpu.copy_smem_to_gmem(state_s, dst_of(j))
 
 
+def replace_where(flag, blocks, src_of, state_s, bar):
+    """Packed sequences: where ``flag`` (a chunk's reset or end entry of ``meta``) is 1, the
+    register state ``blocks`` (a tuple of fp32 tiles) give way to block j of ``src_of(j)`` (a
+    GMEM view), loaded through the one-block SMEM buffer ``state_s``; elsewhere they are kept.
+    Each load first waits until earlier TMA stores have read ``state_s`` (a final state or dh0
+    stored from it)."""
+    out = []
+    for j, x in enumerate(blocks):
+        if j:  # every thread has read block j − 1 before TMA overwrites it
+            plgpu.commit_smem()
+
+        @pl.when(flag == 1)
+        def _():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.copy_gmem_to_smem(src_of(j), state_s, bar)
+            plgpu.barrier_wait(bar)
+
+        out.append(jnp.where(flag == 1, plgpu.load(state_s, layout=WGMMA), x))
+    return tuple(out)
+
+
 def stage_blocks(ref, blocks, kb: int):
     """Register tiles ``blocks`` (``[M, kb]`` each) into the columns of SMEM ``ref [M, n·kb]`` in
     ``ref``'s dtype, fenced once for the tensor cores and TMA; returns ``ref`` (:func:`stage`

@@ -44,7 +44,7 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu.common import (
     C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block,
-    memory_warpgroup, mma, mma_group, mma_sum, rows_of, smem, stage, stage_blocks, start_state,
+    memory_warpgroup, mma, mma_group, mma_sum, rows_of, smem, stage, stage_blocks, replace_where, start_state,
     store_state, vectors)
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.config import PassConfig
@@ -221,19 +221,8 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
 
                 if packed:  # a sequence starts here: its initial state replaces the carry
                     reset, seq = meta_s[slot, 0], meta_s[slot, 1]
-                    blocks = []
-                    for j in range(nkb):
-                        if j:  # every thread has read block j − 1 before TMA overwrites it
-                            plgpu.commit_smem()
-
-                        @pl.when(reset == 1)
-                        def _():
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a final store read it
-                            plgpu.copy_gmem_to_smem(state_view(h0_ref, seq, j), state_s, state_bar)
-                            plgpu.barrier_wait(state_bar)
-
-                        blocks.append(jnp.where(reset == 1, plgpu.load(state_s, layout=WGMMA), s_t[j]))
-                    s_t = tuple(blocks)
+                    s_t = replace_where(reset, s_t, lambda j: state_view(h0_ref, seq, j), state_s,
+                                        state_bar)
 
                 if save_states:  # the TMA store of chunk n − 2's state has read s_pub[half]
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)

@@ -42,7 +42,7 @@ from jax import lax
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
     C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block,
-    memory_warpgroup, mma, mma_sum, rows_of, smem, stage, stage_blocks, start_state, store_state,
+    memory_warpgroup, mma, mma_sum, rows_of, smem, stage, stage_blocks, replace_where, start_state, store_state,
     vectors)
 from pallas_kernels.mosaic_gpu.config import PassConfig
 
@@ -168,20 +168,8 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
                 if packed:  # a sequence ends here: its final-state cotangent replaces the carry
                     end, seq = meta_s[slot, 2], meta_s[slot, 1]
                     if has_df:
-                        blocks = []
-                        for j in range(nkb):
-                            if j:  # every thread has read block j − 1 before TMA overwrites it
-                                plgpu.commit_smem()
-
-                            @pl.when(end == 1)
-                            def _():
-                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dh0 store read it
-                                plgpu.copy_gmem_to_smem(key_block(df_ref.at[seq, h, vcols], j, kb),
-                                                        state_s, state_bar)
-                                plgpu.barrier_wait(state_bar)
-
-                            blocks.append(jnp.where(end == 1, plgpu.load(state_s, layout=WGMMA), ds_t[j]))
-                        ds_t = tuple(blocks)
+                        ds_t = replace_where(end, ds_t, lambda j: key_block(df_ref.at[seq, h, vcols], j, kb),
+                                             state_s, state_bar)
                     else:
                         ds_t = tuple(jnp.where(end == 1, 0.0, x) for x in ds_t)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk i − 1's stores have read

@@ -49,7 +49,7 @@ from jax import lax
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
     C, COLS, F32, META, WGMMA, cols_of, finish_together, memory_warpgroup, mma, mma_sum, smem, stage,
-    start_state, store_state)
+    replace_where, start_state, store_state)
 from pallas_kernels.mosaic_gpu.config import VectorConfig, default_vector_config
 from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
 from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, prepare_vector
@@ -139,14 +139,8 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
 
                 if packed:  # a sequence starts here: its initial state replaces the carry
                     reset, seq = meta_s[slot, 0], meta_s[slot, 1]
-
-                    @pl.when(reset == 1)
-                    def _():
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a final store read it
-                        plgpu.copy_gmem_to_smem(h0_ref.at[seq, h, vcols], state_s, state_bar)
-                        plgpu.barrier_wait(state_bar)
-
-                    s_t = jnp.where(reset == 1, plgpu.load(state_s, layout=WGMMA), s_t)
+                    (s_t,) = replace_where(reset, (s_t,), lambda j: h0_ref.at[seq, h, vcols], state_s,
+                                           state_bar)
 
                 if save_states:  # the stores from this half, two chunks ago, have read it
                     plgpu.wait_smem_to_gmem(2, wait_read_only=True)

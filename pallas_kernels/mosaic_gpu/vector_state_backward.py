@@ -48,8 +48,8 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, WGMMA, cols_of, finish_together, memory_warpgroup, mma_sum, smem, stage,
-    start_state, store_state)
+    C, COLS, F32, META, cols_of, finish_together, memory_warpgroup, mma_sum, smem, stage,
+    replace_where, start_state, store_state)
 from pallas_kernels.mosaic_gpu.config import PassConfig
 
 
@@ -124,13 +124,8 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
                 if packed:  # a sequence ends here: its final-state cotangent replaces the carry
                     end, seq = meta_s[slot, 2], meta_s[slot, 1]
                     if has_df:
-                        @pl.when(end == 1)
-                        def _():
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a dh0 store read it
-                            plgpu.copy_gmem_to_smem(df_ref.at[seq, h, vcols], state_s, state_bar)
-                            plgpu.barrier_wait(state_bar)
-
-                        ds_t = jnp.where(end == 1, plgpu.load(state_s, layout=WGMMA), ds_t)
+                        (ds_t,) = replace_where(end, (ds_t,), lambda j: df_ref.at[seq, h, vcols],
+                                                state_s, state_bar)
                     else:
                         ds_t = jnp.where(end == 1, 0.0, ds_t)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk i − 1's stores have read
