@@ -227,8 +227,8 @@ def _mosaic_gpu_supports(call, chunk_size, interpret, backward):
 
 def _mosaic_gpu_auto_supports(call, chunk_size, interpret, backward):
     """What backend=None takes the Mosaic GPU kernels for: DeltaNet and GDN at K = V ≤ 128 (either
-    backward: the seven-product body passed the benchmark's accuracy check on the H100 and is
-    faster than pallas_gpu's). Their KDA/GDN2 kernels are slower than pallas_gpu so far, and the
+    backward: the seven-product body runs in the same kernels and passed the benchmark's accuracy
+    check on the H100). Their KDA/GDN2 kernels are slower than pallas_gpu so far, and the
     K = V = 256 tilings have had one GPU run (DeltaNet timed, accuracy checked only in the GPU
     interpreter; docs/mosaic-gpu.md), so those run only when asked for by name."""
     if _mosaic_gpu_vector_kind(call) is not None:
