@@ -3,7 +3,7 @@
 #
 #   run(command="bash benchmarks/gpu_run.sh --quick", carry=[".whl"], timeout_s=540)
 #
-# Before it, here: `bash ../shared/tools/peer-wheels` (writes ./.whl/, git-ignored).
+# Before it, here: the peers' wheels in ./.whl/ (git-ignored; benchmarks/README.md).
 # It installs the peers' wheels, restores FLA's Triton autotune cache from
 # benchmarks/fla-autotune-cache.tgz (or a carried .tcache/), runs `python -m benchmarks.run "$@"`
 # under a hard timeout with results and the full log in $OUT, and packs every
