@@ -155,6 +155,62 @@ def parts(op, s: Shape):
     return out
 
 
+def vector_parts(op, s: Shape, bound=None, interpret=None):
+    """Each stage of our Mosaic KDA/GDN2 pipeline alone (ms); ``bound``: a declared gate lower
+    bound (the centred frames when it permits them). ``interpret``: GPU interpreter params (the
+    CPU smoke test of this function)."""
+    from pallas_kernels.mosaic_gpu import vector_api as va
+    from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
+    from pallas_kernels.mosaic_gpu.vector_chunk_backward import vector_chunk_backward
+    from pallas_kernels.mosaic_gpu.vector_forward import vector_state_output
+    from pallas_kernels.mosaic_gpu.vector_prep import prepare_vector
+    from pallas_kernels.mosaic_gpu.vector_state_backward import vector_state_backward
+
+    B, T, H, D = s
+    rng = np.random.default_rng(0)
+    nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    q, k = (bf(nrm(rng.standard_normal((B, T, H, D)))) for _ in range(2))
+    v = bf(rng.standard_normal((B, T, H, D)))
+    lo = -1.0 if bound is None else bound / 5
+    g = jnp.asarray(rng.uniform(lo, 0.0, (B, T, H, D)), jnp.float32)
+    kda = op == "kda"
+    b = jnp.asarray(rng.uniform(0, 1, (B, T, H) if kda else (B, T, H, D)), jnp.float32)
+    w = None if kda else jnp.asarray(rng.uniform(0, 1, (B, T, H, D)), jnp.float32)
+    cfg = va.default_config(D, D, bound)
+    scale = D ** -0.5
+    pre = jax.jit(lambda q, k, v, g, b, w: prepare_vector(
+        q, k, v, g, beta=b if kda else None, b=None if kda else b, w=w, gate_lower_bound=bound))
+    prep = pre(q, k, v, g, b, w)
+    out = {"prepare (XLA)": time_ms(lambda: pre(q, k, v, g, b, w))}
+    ch = jax.jit(lambda *a: vector_chunk(*a, scale=scale, centred=cfg.centred, out_inverse=True,
+                                          interpret=interpret))
+    chunk = ch(*prep)
+    out["vector chunk (+ inverse pair)"] = time_ms(lambda: ch(*prep))
+    ch0 = jax.jit(lambda *a: vector_chunk(*a, scale=scale, centred=cfg.centred, interpret=interpret))
+    out["vector chunk (forward only)"] = time_ms(lambda: ch0(*prep))
+    so = jax.jit(lambda *a: vector_state_output(*a, None, cfg=cfg, out_final=True,
+                                                        interpret=interpret))
+    out["state + output"] = time_ms(lambda: so(*chunk[:5], prep[3]))
+    sos = jax.jit(lambda *a: vector_state_output(*a, None, cfg=cfg, out_final=False,
+                                                         save_states=True, interpret=interpret))
+    o, _, states, r = sos(*chunk[:5], prep[3])
+    out["state + output + states, R"] = time_ms(lambda: sos(*chunk[:5], prep[3]))
+    do = (o * 0.01).astype(o.dtype)
+    sb = jax.jit(lambda *a: vector_state_backward(*a, None, cfg=cfg.state_backward,
+                                                          interpret=interpret))
+    qp, kp, _, g2, erase = prep
+    w_, _, qg, kt, p, a_hi, a_lo = chunk
+    dr, dstates, _ = sb(kt, w_, qg, p, do, g2)
+    out["state backward"] = time_ms(lambda: sb(kt, w_, qg, p, do, g2))
+    e = jax.jit(va._erase_tokens)(erase, kp)
+    cb = jax.jit(lambda *a: vector_chunk_backward(*a, scale=scale, centred=cfg.centred,
+                                                          interpret=interpret))
+    args = (qp, kp, e, g2, do, dr, r, states, dstates, a_hi, a_lo)
+    out["chunk backward"] = time_ms(lambda: cb(*args))
+    return out
+
+
 IMPLS = {"ours mosaic": ours,
          "ours mosaic wy": lambda op, x, scale: ours(op, x, scale, backward="wy"),
          "ours mosaic save": lambda op, x, scale: ours(op, x, scale, policy="save"),
@@ -186,12 +242,22 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", action="store_true")
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--vector-parts", action="store_true",
+                    help="only the KDA/GDN2 kernels alone at the anchor (exact gates and g >= -5)")
     ap.add_argument("--impls", default=",".join(IMPLS),
                     help=f"comma list of implementations to time (default: all of {', '.join(IMPLS)})")
     a = ap.parse_args()
     impls = {n: IMPLS[n] for n in a.impls.split(",")}
     rows = []
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
+    if a.vector_parts:
+        for op in ("kda", "gdn2"):
+            for bound in (None, -5.0):
+                for name, ms in vector_parts(op, ANCHOR_SHAPE, bound).items():
+                    rows.append(dict(kind="part_ms", op=f"{op}{'' if bound is None else ' g>=-5'}",
+                                     shape=ANCHOR_SHAPE.label(), part=name, ms=ms))
+                    print(rows[-1], flush=True)
+        a.skip_accuracy, a.shapes, impls = True, "anchor", {}
     if a.parts:
         for op in OPS:
             for name, ms in parts(op, ANCHOR_SHAPE).items():

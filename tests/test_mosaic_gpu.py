@@ -19,7 +19,7 @@ import pytest
 from pallas_kernels.mosaic_gpu import compat, config
 from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
-from pallas_kernels.mosaic_gpu.common import META
+from pallas_kernels.mosaic_gpu.common import META, bit_level_pairs, same_block, upper_half
 from pallas_kernels.mosaic_gpu.forward import fused_forward
 from pallas_kernels.mosaic_gpu.state_backward import state_backward
 from rewy_jax import chunk_delta_rule, chunk_gated_delta_rule
@@ -294,6 +294,22 @@ def test_chunk_inverse_interpret(K):
     ref = np.linalg.inv(L)
     err = np.sqrt(np.mean((got - ref) ** 2)) / np.sqrt(np.mean(ref ** 2))
     assert err < 2e-3, err  # bf16 rounding of the result is ~1e-3; a wrong block is O(1)
+
+
+def test_bit_level_masks():
+    """The bitwise index masks of the recursive block schemes equal their definitions by
+    integer division, at every level of a 64-row chunk; a level that is not a power of two is
+    refused."""
+    r, c = (np.arange(64)[:, None] + 0 * np.arange(64)[None, :]), (0 * np.arange(64)[:, None] + np.arange(64))
+    rj, cj = jnp.asarray(r, jnp.int32), jnp.asarray(c, jnp.int32)
+    for s in (1, 2, 4, 8, 16, 32):
+        want = (r // (2 * s) == c // (2 * s)) & (r % (2 * s) >= s) & (c % (2 * s) < s)
+        np.testing.assert_array_equal(np.asarray(bit_level_pairs(rj, cj, s)), want)
+        np.testing.assert_array_equal(np.asarray(same_block(rj, cj, 2 * s)), r // (2 * s) == c // (2 * s))
+        np.testing.assert_array_equal(np.asarray(upper_half(rj, 2 * s)), r % (2 * s) >= s)
+    assert np.asarray(bit_level_pairs(rj, cj, 1)).sum() == 32  # the 2×2 blocks' one pair each
+    with pytest.raises(ValueError, match="power of two"):
+        bit_level_pairs(rj, cj, 3)
 
 
 def _structs(B, T, H, D):

@@ -31,7 +31,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
-from pallas_kernels.mosaic_gpu.common import C, F32, ROWS, iota, mma, mma_sum, rows_of, smem, stage
+from pallas_kernels.mosaic_gpu.common import (
+    C, F32, ROWS, bit_level_pairs, iota, mma, mma_sum, rows_of, smem, stage)
 
 LEVELS = (2, 4, 8, 16, 32)  # block sizes s merged into 2s (s = 1 needs no product)
 
@@ -58,11 +59,10 @@ def invert_unit_lower(a, x_pair, a_pair, y_pair):
     r, c = iota((C, C), 0), iota((C, C), 1)
     a_split = split_pair(*a_pair, a)
     # Level s = 1: the 2×2 diagonal blocks [[1, 0], [a, 1]] invert to [[1, 0], [−a, 1]].
-    pair = (r // 2 == c // 2) & (r > c)
-    x = jnp.where(r == c, 1.0, 0.0) - jnp.where(pair, a, 0.0)
+    x = jnp.where(r == c, 1.0, 0.0) - jnp.where(bit_level_pairs(r, c, 1), a, 0.0)
     for s in LEVELS:
         # Row in the second half, column in the first half, of the same 2s-block.
-        keep = (r // (2 * s) == c // (2 * s)) & ((r // s) % 2 == 1) & ((c // s) % 2 == 0)
+        keep = bit_level_pairs(r, c, s)
         xs = split_pair(*x_pair, x)
         y = jnp.where(keep, _mm3(xs, a_split), 0.0)  # X A_s
         x = x - _mm3(split_pair(*y_pair, y), xs)  # X − (X A_s) X

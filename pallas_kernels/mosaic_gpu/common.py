@@ -105,6 +105,36 @@ def iota(shape, dim: int) -> jax.Array:
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
 
 
+# Index masks of the recursive (bit-level) block schemes, from bitwise operations on the iota
+# tiles: ``//`` and ``%`` on a register tile are floor division and remainder of signed integers,
+# about ten instructions per element each, and a kernel that formed its masks with them issued
+# more ALU instructions there than anywhere else.
+def _check_pow2(s: int) -> None:
+    if s < 1 or s & (s - 1):
+        raise ValueError(f"a bit level must be a power of two, got {s}")
+
+
+def bit_level_pairs(r, c, s: int):
+    """``(r, c)`` pairs whose indices first differ at bit ``s`` (a power of two), with ``r`` in
+    the upper and ``c`` in the lower half of their ``2s``-row group: the pairs that level ``s``
+    of a recursive block scheme joins (all of them have ``r > c``)."""
+    _check_pow2(s)
+    x = r ^ c
+    return (x >= s) & (x < 2 * s) & ((r & s) != 0)
+
+
+def same_block(r, c, size: int):
+    """``r`` and ``c`` in the same aligned block of ``size`` (a power of two) rows."""
+    _check_pow2(size)
+    return (r ^ c) < size
+
+
+def upper_half(r, size: int):
+    """Rows in the upper half of their aligned ``size``-row group (``r mod size ≥ size/2``)."""
+    _check_pow2(size)
+    return (r & (size // 2)) != 0
+
+
 def rows_of(vec, shape):
     """``vec[i]`` along row ``i`` (``vec`` in ``ROWS``)."""
     return lax.broadcast_in_dim(vec, shape, [0])

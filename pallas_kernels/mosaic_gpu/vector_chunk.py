@@ -82,7 +82,8 @@ from jax import lax
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.chunk_inverse import invert_unit_lower, split_pair
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, ROWS, WGMMA, cols_of, iota, mma_group, put, rows_of, smem, stage)
+    C, COLS, F32, ROWS, WGMMA, bit_level_pairs, cols_of, iota, mma_group, put, rows_of, same_block, smem,
+    stage, upper_half)
 from pallas_kernels.mosaic_gpu.config import PIECE, vector_chunk_staging_tiles
 
 EXACT_LEVELS = (32, 16, 8, 4, 2, 1)
@@ -96,9 +97,9 @@ def _frame_tile(g_piece, size: int, offset: int):
     of r's group, one row read from SMEM per group and selected into its rows."""
     r = iota((C, PIECE), 0)
     tile = None
-    for grp in range(C // size):
+    for grp in range(C // size):  # ascending: each group overwrites the rows from its start on
         row = cols_of(plgpu.load(g_piece.at[grp * size + offset], layout=COLS), (C, PIECE))
-        tile = row if tile is None else jnp.where(r // size == grp, row, tile)
+        tile = row if tile is None else jnp.where(r >= grp * size, row, tile)
     return tile
 
 
@@ -169,7 +170,8 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
             ``Σ_j E_x,j Y_jᵀ`` and ``Σ_j Q_x,j Y_jᵀ`` (T and P share Y). ``masked``: bit-level
             frames (x side only on rows ≥ the frame, y side only on rows below it: every factor
             ≤ 1); else centred (both sides on every row)."""
-            up = (iota((C, PIECE), 0) % size) >= offset
+            assert 2 * offset == size  # the frame row starts the group's upper half
+            up = upper_half(iota((C, PIECE), 0), size)
             t_pairs, p_pairs = [], []
             for j in range(nk):
                 xe_s, xq_s, y_s = tiles[3 * j:3 * j + 3]
@@ -184,11 +186,10 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
             return [(tuple(t_pairs), (C, C)), (tuple(p_pairs), (C, C))]
 
         # (select of the pairs a level keeps, group size, frame row, masked)
-        levels = [((r // (2 * lev) == c // (2 * lev)) & (r % (2 * lev) >= lev) & (c % (2 * lev) < lev),
-                   2 * lev, lev, True)  # pairs first differing at bit `lev`: r upper, s lower half
+        levels = [(bit_level_pairs(r, c, lev), 2 * lev, lev, True)  # r upper, s lower half
                   for lev in (CENTRED_LEVELS if centred else EXACT_LEVELS)]
         if centred:  # the diagonal sub-chunk blocks (select, not multiply: cross-block entries may be inf)
-            levels.append(((r // SUB == c // SUB) & (c < r), SUB, MID, False))
+            levels.append((same_block(r, c, SUB) & (c < r), SUB, MID, False))
         # As many levels per round trip as the staging tiles hold (3·K/64 operands a level): the
         # levels are independent, so their products go together (two: K = 64, and KDA at 128).
         per_trip = n_staging // (3 * nk)

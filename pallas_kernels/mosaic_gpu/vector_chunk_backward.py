@@ -64,7 +64,8 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, WGMMA, cols_of, iota, mma_group, put, rows_of, smem)
+    C, COLS, F32, WGMMA, bit_level_pairs, cols_of, iota, mma_group, put, rows_of, same_block, smem,
+    upper_half)
 from pallas_kernels.mosaic_gpu.config import PIECE
 from pallas_kernels.mosaic_gpu.vector_chunk import CENTRED_LEVELS, EXACT_LEVELS, MID, SUB, _frame_tile
 
@@ -166,7 +167,8 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *
             de, dq, dk = acc
             put(dtl_s, jnp.where(pair, load(a_s.at[0]), 0.0))
             put(dal_s, jnp.where(pair, load(a_s.at[1]), 0.0))
-            up = (up_rows % size) >= offset
+            assert 2 * offset == size  # the frame row starts the group's upper half
+            up = upper_half(up_rows, size)
             offsets = lambda: load(g_s) - _frame_tile(g_rows, size, offset)  # noqa: E731  G_r − G_f(r)
             d = offsets()
             if masked:
@@ -190,10 +192,9 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *
 
         acc = (de, dq, dk)
         for lev in (CENTRED_LEVELS if centred else EXACT_LEVELS):
-            pair = (rr // (2 * lev) == cc // (2 * lev)) & (rr % (2 * lev) >= lev) & (cc % (2 * lev) < lev)
-            acc = level(pair, 2 * lev, lev, True, acc)
+            acc = level(bit_level_pairs(rr, cc, lev), 2 * lev, lev, True, acc)
         if centred:  # the diagonal sub-chunk blocks, frame = row 8 (operands ≤ e^40, finite)
-            acc = level((rr // SUB == cc // SUB) & strict, SUB, MID, False, acc)
+            acc = level(same_block(rr, cc, SUB) & strict, SUB, MID, False, acc)
         de, dq, dk = acc
 
         # Outputs, fenced once: de, pairs, dk_raw through the fp32 tiles; dq (scale applied) over q.
