@@ -28,9 +28,9 @@ level one round trip: dT_l K_y, dA_l K_y and dT_lᵀ E_x + dA_lᵀ Q_x (one accu
 WGMMAs in one group.
 
 **Round trips.** Λ is one group (A as hi + lo, every value piece); everything else outside the
-Gram terms (Λ Rᵀ, dO Rᵀ, Λ S0ᵀ, dO S0ᵀ, R dSᵀ) a second; then one per level. Per chunk and key
-piece (counted from the traced program): exact 38 WGMMAs in 8 round trips at D = 128 (before
-grouping 15), 31 in 8 at D = 64 (15); centred 26 in 5 (9), 19 in 5 (9).
+Gram terms (Λ Rᵀ, dO Rᵀ, Λ S0ᵀ, dO S0ᵀ, R dSᵀ) a second; then one per level, and one for dg's
+sums along the chunk (below). Per chunk and key piece (counted from the traced program): exact
+44 WGMMAs in 9 round trips at D = 128, 37 in 9 at D = 64; centred 32 in 6, 25 in 6.
 
 The gate gradient's sums along the chunk, ``dgc_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} (y ⊙ k)_s``,
 are one more round trip at the end: two 0/1 triangular ``[C, C]`` tiles times ``pairs`` and
