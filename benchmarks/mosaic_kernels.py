@@ -155,10 +155,11 @@ def parts(op, s: Shape):
     return out
 
 
-def vector_parts(op, s: Shape, bound=None, interpret=None):
-    """Each stage of our Mosaic KDA/GDN2 pipeline alone (ms); ``bound``: a declared gate lower
-    bound (the centred frames when it permits them). ``interpret``: GPU interpreter params (the
-    CPU smoke test of this function)."""
+def vector_parts(op, s: Shape, bound=None, resets=False, interpret=None):
+    """Each stage of our Mosaic KDA/GDN2 pipeline alone (ms). Gates in [−1, 0]; ``bound``: a
+    declared gate lower bound (the centred frames when it permits them); ``resets``: 1% of the
+    gates −inf besides (every chunk takes the exact frames). ``interpret``: GPU interpreter
+    params (the CPU smoke test of this function)."""
     from pallas_kernels.mosaic_gpu import vector_api as va
     from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
     from pallas_kernels.mosaic_gpu.vector_chunk_backward import vector_chunk_backward
@@ -173,7 +174,10 @@ def vector_parts(op, s: Shape, bound=None, interpret=None):
     q, k = (bf(nrm(rng.standard_normal((B, T, H, D)))) for _ in range(2))
     v = bf(rng.standard_normal((B, T, H, D)))
     lo = -1.0 if bound is None else bound / 5
-    g = jnp.asarray(rng.uniform(lo, 0.0, (B, T, H, D)), jnp.float32)
+    g = rng.uniform(lo, 0.0, (B, T, H, D))
+    if resets:
+        g[rng.uniform(size=g.shape) < 0.01] = -np.inf
+    g = jnp.asarray(g, jnp.float32)
     kda = op == "kda"
     b = jnp.asarray(rng.uniform(0, 1, (B, T, H) if kda else (B, T, H, D)), jnp.float32)
     w = None if kda else jnp.asarray(rng.uniform(0, 1, (B, T, H, D)), jnp.float32)
@@ -199,14 +203,14 @@ def vector_parts(op, s: Shape, bound=None, interpret=None):
     do = (o * 0.01).astype(o.dtype)
     sb = jax.jit(lambda *a: vector_state_backward(*a, None, cfg=cfg.state_backward,
                                                           interpret=interpret))
-    qp, kp, _, g2, erase = prep
+    qp, kp, _, g2, erase, flags = prep
     w_, _, qg, kt, p, a_hi, a_lo = chunk
     dr, dstates, _ = sb(kt, w_, qg, p, do, g2)
     out["state backward"] = time_ms(lambda: sb(kt, w_, qg, p, do, g2))
     e = jax.jit(va._erase_tokens)(erase, kp)
     cb = jax.jit(lambda *a: vector_chunk_backward(*a, scale=scale, centred=cfg.centred,
                                                           interpret=interpret))
-    args = (qp, kp, e, g2, do, dr, r, states, dstates, a_hi, a_lo)
+    args = (qp, kp, e, g2, do, dr, r, states, dstates, a_hi, a_lo, flags)
     out["chunk backward"] = time_ms(lambda: cb(*args))
     return out
 
@@ -243,7 +247,8 @@ def main():
     ap.add_argument("--parts", action="store_true")
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--vector-parts", action="store_true",
-                    help="only the KDA/GDN2 kernels alone at the anchor (exact gates and g >= -5)")
+                    help="only the KDA/GDN2 kernels alone at the anchor (gates in [-1, 0] undeclared, "
+                         "the same with 1%% resets, and declared g >= -5)")
     ap.add_argument("--impls", default=",".join(IMPLS),
                     help=f"comma list of implementations to time (default: all of {', '.join(IMPLS)})")
     a = ap.parse_args()
@@ -252,10 +257,9 @@ def main():
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     if a.vector_parts:
         for op in ("kda", "gdn2"):
-            for bound in (None, -5.0):
-                for name, ms in vector_parts(op, ANCHOR_SHAPE, bound).items():
-                    rows.append(dict(kind="part_ms", op=f"{op}{'' if bound is None else ' g>=-5'}",
-                                     shape=ANCHOR_SHAPE.label(), part=name, ms=ms))
+            for bound, resets, tag in ((None, False, ""), (None, True, " resets"), (-5.0, False, " g>=-5")):
+                for name, ms in vector_parts(op, ANCHOR_SHAPE, bound, resets).items():
+                    rows.append(dict(kind="part_ms", op=op + tag, shape=ANCHOR_SHAPE.label(), part=name, ms=ms))
                     print(rows[-1], flush=True)
         a.skip_accuracy, a.shapes, impls = True, "anchor", {}
     if a.parts:

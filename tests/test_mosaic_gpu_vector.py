@@ -4,8 +4,10 @@ reasons and dispatch, all on CPU.
 
 Each interpreted case redraws its inputs: T not a multiple of the chunk, an initial state, β / b
 and w in [0, 2], and per-channel gates that are either strong (most channels mild so the state
-matters, some down to −10, a few −50 and −inf: the exact frames) or declared-bounded (g in
-[−5, 0], a tenth exactly −5: the centred diagonal blocks). o and the final state must meet
+matters, some down to −10, a few −50 and −inf: the exact frames), declared-bounded (g in
+[−5, 0], a tenth exactly −5: the centred diagonal blocks), or mixed (undeclared, in [−1, 0]
+but for a few −inf in the second chunk: that chunk takes the exact frames, the others the
+centred ones, each chosen at run time). o and the final state must meet
 rewy-math §8's bf16 bound (ratio ≤ 5e-3); the backward cases (through ``chunk_kda`` /
 ``chunk_gdn2``, both policies, a final-state cotangent) check every gradient against §8's bounds.
 """
@@ -37,6 +39,11 @@ BF16 = jnp.bfloat16
 
 
 def _gates(rng, shape, kind):
+    if kind == "mixed":  # undeclared, mild (centred chunks) but for the second chunk's resets
+        g = -rng.uniform(0, 1, shape)
+        second = g[:, 64:128]
+        second[rng.uniform(size=second.shape) < 0.02] = -np.inf
+        return g
     if kind == "bounded":
         g = -rng.uniform(0, 5, shape)
         g[rng.uniform(size=shape) < 0.1] = -5.0
@@ -83,6 +90,7 @@ def _gate_kwargs(x, dtype):
     ("gdn2", 64, 150, 1, "bounded", 3),
     ("kda", 128, 70, 1, "strong", 4),
     ("gdn2", 128, 100, 1, "bounded", 5),
+    ("kda", 64, 200, 1, "mixed", 6),
 ])
 def test_vector_forward_matches_float64(op, D, T, H, gates, seed):
     x = _case(op, T, H, D, seed, gates)
@@ -102,6 +110,28 @@ def test_vector_forward_matches_float64(op, D, T, H, gates, seed):
         if r > tolerance(name, BF16):
             bad[name] = r
     assert not bad, f"ratios over rewy-math §8 bf16 bounds: {bad}"
+
+
+def test_centred_chunks():
+    """The per-chunk frame choice: 1 exactly where every 16-row sub-chunk decays by at most
+    CENTRED_MAX_DECAY in every channel (float64 recomputation), both values on mixed gates, and
+    no chunk centred once a sub-chunk holds a reset gate."""
+    from pallas_kernels.mosaic_gpu.vector_prep import CENTRED_MAX_DECAY, centred_chunks
+
+    rng = np.random.default_rng(3)
+    B, T, H, D = 1, 256, 2, 64
+    g = -rng.uniform(0, 1, (B, T, H, D))
+    g[:, 64:128][rng.uniform(size=(B, 64, H, D)) < 0.02] = -np.inf
+    g[:, 140, 0, 5] = -2.6  # chunk 2, head 0: one sub-chunk sums to about 10 more
+    g[:, 192:208, 1, 7] = -2.6  # chunk 3, head 1: a sub-chunk of 16 × −2.6 = −41.6 > −40
+    g2 = prepare_vector(*(jnp.zeros((B, T, H, D), BF16),) * 3, jnp.asarray(g, jnp.float32),
+                        beta=jnp.ones((B, T, H), jnp.float32))[3]
+    flags = np.asarray(centred_chunks(g2))
+    assert flags.shape == (B, H, T // 64, 32) and not flags[..., 1:].any()
+    gc = np.maximum(g, -40.0).reshape(B, T // 16, 16, H, D).sum(2)  # sub-chunk decays (clamped)
+    want = (-gc.reshape(B, T // 64, 4, H, D)).max(axis=(2, 4)) <= CENTRED_MAX_DECAY
+    np.testing.assert_array_equal(flags[..., 0], np.swapaxes(want, 1, 2).astype(np.int32))
+    assert flags[0, :, 1, 0].tolist() == [0, 0] and flags[0, 1, 3, 0] == 0 and flags[0, 0, 0, 0] == 1
 
 
 @needs_interpreter
@@ -141,8 +171,9 @@ def test_vector_kernels_lower_for_cuda(D, op, centred):
     erase = S((B, T, H, D), jnp.float32) if op == "gdn2" else S((B, H, T), jnp.float32)
     cfg = config.default_vector_config(D, D, 2, centred)
     head = S((B, H, T, D), BF16)
-    for f, args in ((lambda q, k, x, g, e: vector_chunk(q, k, x, g, e, scale=0.1, centred=centred),
-                     (tok, tok, tok, g2, erase)),
+    flags = None if centred else S((B, H, T // 64, 32), jnp.int32)
+    for f, args in ((lambda q, k, x, g, e, fl: vector_chunk(q, k, x, g, e, fl, scale=0.1, centred=centred),
+                     (tok, tok, tok, g2, erase, flags)),
                     (lambda w, u, qg, kt, p, g, h0: vector_state_output(w, u, qg, kt, p, g, h0, cfg=cfg,
                                                                          out_final=True),
                      (head, head, head, head, S((B, H, T, 64), BF16), g2, S((B, H, D, D), jnp.float32)))):
@@ -233,6 +264,8 @@ def _check_backward(op, D, T, H, gates, seed, policy, n_seq=None):
     ("gdn2", 64, 90, 1, "bounded", 13, "save"),
     ("kda", 128, 70, 1, "strong", 14, "recompute"),
     ("gdn2", 128, 100, 1, "bounded", 15, "save"),
+    ("kda", 64, 150, 1, "mixed", 16, "recompute"),
+    ("gdn2", 64, 190, 1, "mixed", 17, "save"),
 ])
 def test_vector_backward_matches_float64(op, D, T, H, gates, seed, policy):
     ratios = _check_backward(op, D, T, H, gates, seed, policy)
@@ -301,16 +334,17 @@ def test_vector_backward_kernels_lower_for_cuda(D, centred):
     tok, g2, head = S((B, T, H, D), BF16), S((B, H, T, D), f32), S((B, H, T, D), BF16)
     cc, st, st32 = S((B, H, T, 64), BF16), S((B, H, N, D, D), BF16), S((B, H, D, D), f32)
     cfg = config.default_vector_config(D, D, 2, centred)
+    flags = None if centred else S((B, H, N, 32), jnp.int32)
     cases = (
-        (lambda q, k, x, g, e: vector_chunk(q, k, x, g, e, scale=0.1, centred=centred, out_inverse=True),
-         (tok, tok, tok, g2, S((B, H, T), f32))),
+        (lambda q, k, x, g, e, fl: vector_chunk(q, k, x, g, e, fl, scale=0.1, centred=centred, out_inverse=True),
+         (tok, tok, tok, g2, S((B, H, T), f32), flags)),
         (lambda w, u, qg, kt, p, g, h0: vector_state_output(w, u, qg, kt, p, g, h0, cfg=cfg, out_final=False,
                                                              save_states=True),
          (head, head, head, head, cc, g2, st32)),
         (lambda *a: vector_state_backward(*a, cfg=cfg.state_backward),
          (head, head, head, cc, tok, g2, st32)),
         (lambda *a: vector_chunk_backward(*a, scale=0.1, centred=centred),
-         (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc)),
+         (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags)),
     )
     for f, args in cases:
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

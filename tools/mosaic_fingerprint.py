@@ -111,11 +111,12 @@ def vector_cases():
         for centred in (False, True):
             cfg = config.default_vector_config(D, D, 2, centred)
             tag = f"D{D}-{'centred' if centred else 'exact'}"
+            flags = [] if centred else [S((B, H, N, 32), jnp.int32)]  # per-chunk frames
             for op, erase in (("kda", S((B, H, T), f32)), ("gdn2", S((B, T, H, D), f32))):
                 out.append((f"vector_chunk-{op}-{tag}",
-                            lambda q, k, x, g, e, c=centred: vector_chunk(
-                                q, k, x, g, e, scale=0.1, centred=c, out_inverse=True),
-                            [tok, tok, tok, g2, erase]))
+                            lambda q, k, x, g, e, *fl, c=centred: vector_chunk(
+                                q, k, x, g, e, *fl, scale=0.1, centred=c, out_inverse=True),
+                            [tok, tok, tok, g2, erase] + flags))
             for save in (False, True):
                 out.append((f"vector_state_output-{tag}-save{int(save)}",
                             lambda *a, cfg=cfg, save=save: vector_state_output(
@@ -126,7 +127,7 @@ def vector_cases():
                         [head, head, head, cc, tok, g2, st32]))
             out.append((f"vector_chunk_backward-{tag}",
                         lambda *a, c=centred: vector_chunk_backward(*a, scale=0.1, centred=c),
-                        [tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc]))
+                        [tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc] + flags))
     return out
 
 

@@ -128,7 +128,7 @@ def _backward_x32(scale, bound, cfg, interpret, res, cts):
                                               save_states=True, meta=meta, interpret=ip)
     else:
         prep, chunk, states, r = saved
-    qp, kp, _, g2, erase = prep
+    qp, kp, _, g2, erase, flags = prep
     w_, _, qg, kt, p, a_hi, a_lo = chunk
     Tp = kp.shape[1]
     N = Tp // C
@@ -137,7 +137,7 @@ def _backward_x32(scale, bound, cfg, interpret, res, cts):
     dr, dstates, dh0t = vector_state_backward(kt, w_, qg, p, dop, g2, dfinal_t, cfg=cfg.state_backward,
                                               meta=meta, n_slots=h0.shape[0], interpret=ip)
     lam, dq, dk_raw, de, dgc = vector_chunk_backward(
-        qp, kp, _erase_tokens(erase, kp), g2, dop, dr, r, states, dstates, a_hi, a_lo, scale=scale,
+        qp, kp, _erase_tokens(erase, kp), g2, dop, dr, r, states, dstates, a_hi, a_lo, flags, scale=scale,
         centred=cfg.centred, interpret=ip)
 
     # dg: dg_t = dgc_t (the kernel's sums along the chunk) + 2^{G_C} ⊙ Σ_v dS ⊙ S0, per key

@@ -25,9 +25,12 @@ select keeps the pairs it is exact for:
   every row of that group is the group's row f = start + b: x-side factors ``2^{G_r − G_f}`` on
   upper rows (r ≥ f), y-side ``2^{G_f − G_s}`` on lower rows (s < f), zero elsewhere (masked
   before exp2). Every factor is ≤ 1, so no product overflows, even across groups.
-* centred (``centred=True``, gates declared ≥ −5, vector_prep.py): levels 32 and 16 as above
-  for pairs in different 16-row sub-chunks; the four diagonal sub-chunk blocks in one product
-  with frame = the sub-chunk's row 8 (factors ≤ e^40; cross-block products are discarded).
+* centred: levels 32 and 16 as above for pairs in different 16-row sub-chunks; the four
+  diagonal sub-chunk blocks in one product with frame = the sub-chunk's row 8 (factors ≤ e^40;
+  cross-block products are discarded). Every chunk takes it when the gates are declared ≥ −5
+  (``centred=True``); otherwise each chunk whose sub-chunks decay by at most 40 does, chosen at
+  run time from ``centred_chunks`` (vector_prep.py: the same e^40 bound), and the others take
+  the exact bit levels 8…1 — one branch per CTA, so a chunk costs one set of products.
 * the diagonal of P (r = s, factor 1): one plain ``Q Kᵀ`` product of the unscaled inputs.
 
 So the two Grams cost 6 (exact) or 3 (centred) levels × K/64 pieces × two WGMMAs (T and P
@@ -82,13 +85,14 @@ from jax import lax
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.chunk_inverse import invert_unit_lower, split_pair
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, ROWS, WGMMA, bit_level_pairs, cols_of, iota, mma_group, put, rows_of, same_block, smem,
+    C, COLS, F32, META, ROWS, WGMMA, bit_level_pairs, cols_of, iota, mma_group, put, rows_of, same_block, smem,
     stage, upper_half)
+from pallas_kernels.mosaic_gpu import vector_prep
 from pallas_kernels.mosaic_gpu.config import PIECE, vector_chunk_staging_tiles
 
-EXACT_LEVELS = (32, 16, 8, 4, 2, 1)
-CENTRED_LEVELS = (32, 16)  # pairs in different 16-row sub-chunks; the diagonal blocks centred
-SUB = 16  # rows per sub-chunk of the centred diagonal blocks
+CROSS_LEVELS = (32, 16)  # pairs in different 16-row sub-chunks: bit-level frames in every chunk
+SUB_LEVELS = (8, 4, 2, 1)  # pairs within a sub-chunk, exact frames (chunks not centred)
+SUB = vector_prep.SUB  # rows per sub-chunk of the centred diagonal blocks
 MID = 8  # the centred frame's row within its sub-chunk
 
 
@@ -103,12 +107,14 @@ def _frame_tile(g_piece, size: int, offset: int):
     return tile
 
 
-def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse: bool = False,
-                 interpret=None):
+def vector_chunk(q, k, x, g2, erase, centred_chunks=None, *, scale: float, centred: bool,
+                 out_inverse: bool = False, interpret=None):
     """``(w, u, qg, kt, p)``, and with ``out_inverse`` also ``(a_hi, a_lo)`` [B, H, Tp, C]: the
     chunk inverse A = (I + T)⁻¹ as a bf16 split pair (β not folded in; the backward's
     Λ = Aᵀ dR reads it). See the module docstring. KDA when ``erase`` is β ``[B, H, Tp]``, GDN2
-    when it is b ``[B, Tp, H, K]``."""
+    when it is b ``[B, Tp, H, K]``. ``centred``: every chunk's diagonal sub-chunk blocks centred
+    (a declared gate bound, ``centred_chunks`` None); else ``centred_chunks`` (vector_prep) says
+    per chunk which frames its sub-chunk pairs take."""
     B, Tp, H, K = k.shape
     V = x.shape[-1]
     N = Tp // C
@@ -120,6 +126,8 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
                          f"got K={K}, V={V}")
     if dtype != bf:  # A's split pair is bf16 and multiplies x (U = A Z); W is staged in bf16 tiles
         raise ValueError(f"vector_chunk takes bf16 inputs, got {jnp.dtype(dtype).name}")
+    if centred == (centred_chunks is not None):
+        raise ValueError("vector_chunk takes centred_chunks exactly when centred is False")
     nk, nv = K // PIECE, V // PIECE
     # [C, C] bf16 staging tiles: two Gram levels' operands per round trip where SMEM holds them
     n_staging = vector_chunk_staging_tiles(K, V, jnp.dtype(dtype).itemsize, channel_erase)
@@ -131,16 +139,20 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
         g_rows=plgpu.SMEM((nk, C, PIECE), F32),
         e_s=smem((nk, C, PIECE), F32) if channel_erase else plgpu.SMEM((C,), F32),
         st=smem((n_staging, C, C), bf), out_s=smem((C, C), dtype),
-        bar=plgpu.Barrier(num_arrivals=4 * nk + nv + (nk if channel_erase else 1)),
+        bar=plgpu.Barrier(num_arrivals=4 * nk + nv + (nk if channel_erase else 1) + (not centred)),
     )
+    if not centred:
+        scratch["flag_s"] = plgpu.SMEM((META,), jnp.int32)
     out_type = (jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, V), dtype),
                 jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, K), dtype),
                 jax.ShapeDtypeStruct((B, H, Tp, C), dtype))
     if out_inverse:
         out_type += (jax.ShapeDtypeStruct((B, H, Tp, C), bf), jax.ShapeDtypeStruct((B, H, Tp, C), bf))
 
-    def body(q_ref, k_ref, x_ref, g_ref, e_ref, w_ref, u_ref, qg_ref, kt_ref, p_ref, *inv_refs,
-             q_s, k_s, x_s, g_s, g_rows, e_s, st, out_s, bar):
+    def body(q_ref, k_ref, x_ref, g_ref, e_ref, *refs, q_s, k_s, x_s, g_s, g_rows, e_s, st, out_s, bar,
+             flag_s=None):
+        flag_ref = None if centred else refs[0]
+        w_ref, u_ref, qg_ref, kt_ref, p_ref, *inv_refs = refs[0 if centred else 1:]
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
         for j in range(nk):
@@ -155,6 +167,8 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
             plgpu.copy_gmem_to_smem(x_ref.at[b, rows, h, pl.ds(j * PIECE, PIECE)], x_s.at[j], bar)
         if not channel_erase:
             plgpu.copy_gmem_to_smem(e_ref.at[b, h, rows], e_s, bar)
+        if not centred:
+            plgpu.copy_gmem_to_smem(flag_ref.at[b, h, n], flag_s, bar)
         plgpu.barrier_wait(bar)
 
         r, c = iota((C, C), 0), iota((C, C), 1)
@@ -186,10 +200,10 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
             return [(tuple(t_pairs), (C, C)), (tuple(p_pairs), (C, C))]
 
         # (select of the pairs a level keeps, group size, frame row, masked)
-        levels = [(bit_level_pairs(r, c, lev), 2 * lev, lev, True)  # r upper, s lower half
-                  for lev in (CENTRED_LEVELS if centred else EXACT_LEVELS)]
-        if centred:  # the diagonal sub-chunk blocks (select, not multiply: cross-block entries may be inf)
-            levels.append((same_block(r, c, SUB) & (c < r), SUB, MID, False))
+        bit_levels = lambda levs: [(bit_level_pairs(r, c, lev), 2 * lev, lev, True)  # noqa: E731
+                                   for lev in levs]  # r upper, s lower half
+        # the diagonal sub-chunk blocks (select, not multiply: cross-block entries may be inf)
+        centred_tail = [(same_block(r, c, SUB) & (c < r), SUB, MID, False)]
         # As many levels per round trip as the staging tiles hold (3·K/64 operands a level): the
         # levels are independent, so their products go together (two: K = 64, and KDA at 128).
         per_trip = n_staging // (3 * nk)
@@ -198,20 +212,29 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
         # instead raised o's error from 3.1e-3 to 4.0e-3 in tests/test_mosaic_gpu_vector.py's
         # bounded KDA case).
         qk_spec = [(tuple((q_s.at[j], k_s.at[j].T) for j in range(nk)), (C, C))]
-        t = p = None
-        for first in range(0, len(levels), per_trip):
-            batch = levels[first:first + per_trip]
-            specs = []
-            for i, (_, size, offset, masked) in enumerate(batch):
-                specs += level_operands(size, offset, masked, [st.at[3 * nk * i + m] for m in range(3 * nk)])
-            plgpu.commit_smem()
-            prods = mma_group(specs + (qk_spec if t is None else []))
-            if t is None:  # every entry of T and P comes from exactly one level (or the diagonal)
-                t = jnp.zeros((C, C), F32)
-                p = jnp.where(r == c, prods[-1], 0.0)
-            for i, (keep, *_) in enumerate(batch):
-                t = t + jnp.where(keep, prods[2 * i], 0.0)
-                p = p + jnp.where(keep, prods[2 * i + 1], 0.0)
+        def run(levels, t, p):
+            """The levels' products, ``per_trip`` levels a round trip, summed into T and P."""
+            for first in range(0, len(levels), per_trip):
+                batch = levels[first:first + per_trip]
+                specs = []
+                for i, (_, size, offset, masked) in enumerate(batch):
+                    specs += level_operands(size, offset, masked, [st.at[3 * nk * i + m] for m in range(3 * nk)])
+                plgpu.commit_smem()
+                prods = mma_group(specs + (qk_spec if t is None else []))
+                if t is None:  # every entry of T and P comes from exactly one level (or the diagonal)
+                    t = jnp.zeros((C, C), F32)
+                    p = jnp.where(r == c, prods[-1], 0.0)
+                for i, (keep, *_) in enumerate(batch):
+                    t = t + jnp.where(keep, prods[2 * i], 0.0)
+                    p = p + jnp.where(keep, prods[2 * i + 1], 0.0)
+            return t, p
+
+        t, p = run(bit_levels(CROSS_LEVELS), None, None)
+        if centred:
+            t, p = run(centred_tail, t, p)
+        else:  # this chunk's frames (vector_prep.centred_chunks), one branch for the whole CTA
+            t, p = lax.cond(flag_s[0] == 1, lambda t, p: run(centred_tail, t, p),
+                            lambda t, p: run(bit_levels(SUB_LEVELS), t, p), t, p)
         stage(out_s, p * scale)
         plgpu.copy_smem_to_gmem(out_s, p_ref.at[b, h, rows])
 
@@ -263,4 +286,4 @@ def vector_chunk(q, k, x, g2, erase, *, scale: float, centred: bool, out_inverse
     return plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
         compiler_params=compat.compiler_params(), interpret=interpret,
-    )(q, k, x, g2, erase)
+    )(q, k, x, g2, erase, *(() if centred else (centred_chunks,)))

@@ -20,8 +20,8 @@ state and end cotangent, R its residual (saved by the forward's state pass), and
     pairs = de ⊙ e − dk ⊙ k + dq̃ ⊙ q̃    (each without its bracketed terms)
 
 The four decayed contractions are evaluated in the forward's reference frames
-(vector_chunk.py): per bit level (exact: 32…1; centred: 32, 16, then the 16-row diagonal blocks
-around row 8) the kept pairs (r upper, s lower half of a row group) share the frame row f, so
+(vector_chunk.py, with the same per-chunk choice): per bit level (exact: 32…1; centred: 32, 16,
+then the 16-row diagonal blocks around row 8) the kept pairs (r upper, s lower half of a row group) share the frame row f, so
 ``Σ_s dT_rs k_s D_rs = 2^{G_r − G_f} Σ_s dT_rs (k_s 2^{G_f − G_s})``: the masked [C, C] tile
 times a frame-scaled [C, 64] tile, one WGMMA, then a per-row factor ≤ 1 (≤ e^40 centred). Per
 level one round trip: dT_l K_y, dA_l K_y and dT_lᵀ E_x + dA_lᵀ Q_x (one accumulator), four
@@ -68,10 +68,10 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, WGMMA, bit_level_pairs, cols_of, iota, mma_group, mma_sum, put, rows_of, same_block, smem,
+    C, COLS, F32, META, WGMMA, bit_level_pairs, cols_of, iota, mma_group, mma_sum, put, rows_of, same_block, smem,
     upper_half)
 from pallas_kernels.mosaic_gpu.config import PIECE
-from pallas_kernels.mosaic_gpu.vector_chunk import CENTRED_LEVELS, EXACT_LEVELS, MID, SUB, _frame_tile
+from pallas_kernels.mosaic_gpu.vector_chunk import CROSS_LEVELS, MID, SUB, SUB_LEVELS, _frame_tile
 
 
 def split3(x, refs):
@@ -85,9 +85,10 @@ def split3(x, refs):
     put(refs[2], rest - mid.astype(F32))
 
 
-def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *, scale: float,
-                          centred: bool, interpret=None):
-    """``(lam, dq, dk_raw, de, dgc)``; see the module docstring."""
+def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, centred_chunks=None, *,
+                          scale: float, centred: bool, interpret=None):
+    """``(lam, dq, dk_raw, de, dgc)``; see the module docstring. ``centred`` and
+    ``centred_chunks`` as for vector_chunk.vector_chunk (the same frames per chunk)."""
     B, Tp, H, K = k.shape
     V = do.shape[-1]
     N = Tp // C
@@ -96,6 +97,8 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *
         raise ValueError(f"vector_chunk_backward needs K == V, a multiple of {PIECE}; got K={K}, V={V}")
     if dtype != jnp.bfloat16:  # dgc's bf16 splits reuse the input-dtype staging tiles
         raise ValueError(f"vector_chunk_backward takes bf16 inputs, got {jnp.dtype(dtype).name}")
+    if centred == (centred_chunks is not None):
+        raise ValueError("vector_chunk_backward takes centred_chunks exactly when centred is False")
     nk = nv = K // PIECE
     piece = lambda n: smem((n, C, PIECE), dtype)  # noqa: E731
     scratch = dict(
@@ -103,15 +106,18 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *
         a_s=smem((2, C, C), jnp.bfloat16), q_s=smem((C, PIECE), dtype), k_s=smem((C, PIECE), dtype),
         e_s=smem((C, PIECE), dtype), g_s=smem((C, PIECE), F32), g_rows=plgpu.SMEM((C, PIECE), F32),
         o32=smem((3, C, PIECE), F32),
-        bar=plgpu.Barrier(num_arrivals=5 * nv + 7),
+        bar=plgpu.Barrier(num_arrivals=5 * nv + 7 + (not centred)),
     )
+    if not centred:
+        scratch["flag_s"] = plgpu.SMEM((META,), jnp.int32)
     tok32 = jax.ShapeDtypeStruct((B, Tp, H, K), F32)
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), F32), jax.ShapeDtypeStruct((B, Tp, H, K), dtype),
                 tok32, tok32, tok32)
 
-    def body(q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref,
-             lam_ref, dq_ref, dk_ref, de_ref, dgc_ref,
-             do_s, dr_s, r_s, s0_s, ds_s, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar):
+    def body(q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
+             do_s, dr_s, r_s, s0_s, ds_s, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None):
+        flag_ref = None if centred else refs[0]
+        lam_ref, dq_ref, dk_ref, de_ref, dgc_ref = refs[0 if centred else 1:]
         b, h, nj = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("nj")
         n, j = lax.div(nj, jnp.int32(nk)), lax.rem(nj, jnp.int32(nk))
         rows = pl.ds(n * C, C)
@@ -129,6 +135,8 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *
             plgpu.copy_gmem_to_smem(src.at[b, rows, h, cols], dst, bar)
         plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_s, bar)
         plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_rows, bar)
+        if not centred:
+            plgpu.copy_gmem_to_smem(flag_ref.at[b, h, n], flag_s, bar)
         plgpu.barrier_wait(bar)
 
         load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)  # noqa: E731
@@ -205,11 +213,19 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *
             # centred: fy is formed again from SMEM rather than held beside fx across the wait
             return de + m1 * fx, dq + m2 * fx, dk + m34 * jnp.exp2(-offsets())
 
-        acc = (de, dq, dk)
-        for lev in (CENTRED_LEVELS if centred else EXACT_LEVELS):
-            acc = level(bit_level_pairs(rr, cc, lev), 2 * lev, lev, True, acc)
-        if centred:  # the diagonal sub-chunk blocks, frame = row 8 (operands ≤ e^40, finite)
-            acc = level(same_block(rr, cc, SUB) & strict, SUB, MID, False, acc)
+        def bit_levels(levs, acc):
+            for lev in levs:
+                acc = level(bit_level_pairs(rr, cc, lev), 2 * lev, lev, True, acc)
+            return acc
+
+        def centred_tail(acc):  # the diagonal sub-chunk blocks, frame = row 8 (operands ≤ e^40, finite)
+            return level(same_block(rr, cc, SUB) & strict, SUB, MID, False, acc)
+
+        acc = bit_levels(CROSS_LEVELS, (de, dq, dk))
+        if centred:
+            acc = centred_tail(acc)
+        else:  # the chunk's frames, as in the forward (vector_prep.centred_chunks)
+            acc = lax.cond(flag_s[0] == 1, centred_tail, lambda acc: bit_levels(SUB_LEVELS, acc), acc)
         de, dq, dk = acc
 
         # Outputs, fenced once: de, pairs, dk_raw through the fp32 tiles; dq (scale applied) over q.
@@ -241,4 +257,4 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *
     return plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(B, H, N * nk), grid_names=("b", "h", "nj"),
         compiler_params=compat.compiler_params(), interpret=interpret,
-    )(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo)
+    )(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *(() if centred else (centred_chunks,)))

@@ -19,8 +19,13 @@ a 16-row sub-chunk is its row 8: with every per-token gate ≥ ``CENTRED_MIN_GAT
 is at most e^{8·5} = e^40 ≈ 2e17 (bf16 and fp32 share the exponent range, to 3e38), so the WGMMA
 operands stay finite; kept products equal e^{G_r − G_s} ≤ 1 up to rounding, and the products of
 masked-out pairs (which may overflow to inf in fp32) are discarded by a select, never summed.
-Below that bound only the exact frames are safe, so the centred path is taken only when the
-caller declares ``gate_lower_bound ≥ −5`` (and g is clamped to the bound, as the ops do).
+Below that bound the centred frame is safe only where the gates allow it, so without a declared
+bound every chunk is checked here (:func:`centred_chunks`): a chunk whose 16-row sub-chunks each
+decay by at most 40 in every key channel (the total ``G_{start−1} − G_{end}``, natural units)
+bounds every centred factor by e^40, exactly as the declared bound does, and takes the centred
+diagonal blocks; any other chunk takes the exact bit-level frames (a reset gate, −40 per token,
+forces them). Mild gates, the common case, so cost the centred path's products whether or not a
+bound is declared.
 """
 
 from __future__ import annotations
@@ -28,10 +33,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.chunk_algebra import RESET_GATE, clamp_gates
-from pallas_kernels.mosaic_gpu.common import C
+from pallas_kernels.mosaic_gpu.common import C, META
 from pallas_kernels.mosaic_gpu.prep import LOG2E, head_major, pad_time
 
+SUB = 16  # rows per sub-chunk of the centred diagonal blocks (vector_chunk.py)
+
 CENTRED_MIN_GATE = -5.0
+# The largest total decay of a 16-row sub-chunk (natural units) at which a chunk takes the centred
+# frame: the same e^40 bound on every factor as CENTRED_MIN_GATE gives (8 tokens of −5).
+CENTRED_MAX_DECAY = 40.0
 
 
 def centred_ok(gate_lower_bound) -> bool:
@@ -47,16 +57,30 @@ def log2_chunk_cumsum_vec(g, Tp: int):
     return (jnp.cumsum(gc, axis=3) * LOG2E).reshape(B, H, Tp, K)
 
 
+def centred_chunks(g2):
+    """``[B, H, N, META]`` int32, entry 0 per chunk: 1 where every 16-row sub-chunk of the chunk
+    decays by at most ``CENTRED_MAX_DECAY`` in every key channel (the module docstring), else 0.
+    ``g2``: the log2 chunk cumsums ``[B, H, Tp, K]``."""
+    B, H, Tp, K = g2.shape
+    N = Tp // C
+    ends = g2.reshape(B, H, N, C // SUB, SUB, K)[:, :, :, :, -1]  # G at each sub-chunk's last row
+    starts = jnp.concatenate([jnp.zeros_like(ends[:, :, :, :1]), ends[:, :, :, :-1]], axis=3)
+    ok = jnp.max(starts - ends, axis=(3, 4)) <= CENTRED_MAX_DECAY * LOG2E  # [B, H, N]
+    return jnp.pad(ok.astype(jnp.int32)[..., None], [(0, 0)] * 3 + [(0, META - 1)])
+
+
 def prepare_vector(q, k, v, g, beta=None, b=None, w=None, *, gate_lower_bound=None):
-    """``(q, k, x, g2, erase)`` padded for vector_chunk.vector_chunk; KDA when ``beta`` is given,
-    GDN2 when ``b`` and ``w`` are (see the module docstring for each array)."""
+    """``(q, k, x, g2, erase, flags)`` padded for vector_chunk.vector_chunk; KDA when ``beta`` is
+    given, GDN2 when ``b`` and ``w`` are (see the module docstring for each array). ``flags``:
+    :func:`centred_chunks`, or None where a declared bound centres every chunk."""
     B, T, H, K = k.shape
     Tp = -(-T // C) * C
     dtype = v.dtype
     floor = RESET_GATE if gate_lower_bound is None else float(gate_lower_bound)
     g2 = log2_chunk_cumsum_vec(clamp_gates(g.astype(jnp.float32), floor), Tp)
     q, k = (pad_time(x.astype(dtype), Tp) for x in (q, k))
+    flags = None if centred_ok(gate_lower_bound) else centred_chunks(g2)
     if beta is not None:
-        return q, k, pad_time(v, Tp), g2, head_major(beta, Tp)
+        return q, k, pad_time(v, Tp), g2, head_major(beta, Tp), flags
     z = (w.astype(jnp.float32) * v.astype(jnp.float32)).astype(dtype)
-    return q, k, pad_time(z, Tp), g2, pad_time(b.astype(jnp.float32), Tp)
+    return q, k, pad_time(z, Tp), g2, pad_time(b.astype(jnp.float32), Tp), flags
