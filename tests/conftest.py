@@ -79,8 +79,8 @@ FAST = (
 def pytest_configure(config):
     config.addinivalue_line("markers", "fast: the fast tier, run by `bash scripts/test.sh` "
                                        "(assigned from FAST in tests/conftest.py)")
-    config.addinivalue_line("markers", "key_rows: tests/test_mosaic_gpu.py runs the fused forward "
-                                       "in its key-rows layout (else the value-rows one)")
+    config.addinivalue_line("markers", "key_rows: tests/test_mosaic_gpu.py runs the fused forward and the "
+                                       "reverse state pass in their key-rows layout (else the value-rows one)")
 
 
 def _whole_suite(config) -> bool:

@@ -19,7 +19,7 @@ import pytest
 from pallas_kernels.mosaic_gpu import compat, config
 from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
-from pallas_kernels.mosaic_gpu.common import META, bit_level_pairs, same_block, upper_half
+from pallas_kernels.mosaic_gpu.common import C, META, bit_level_pairs, same_block, upper_half
 from pallas_kernels.mosaic_gpu.forward import fused_forward
 from pallas_kernels.mosaic_gpu.state_backward import state_backward
 from rewy_jax import chunk_delta_rule, chunk_gated_delta_rule
@@ -33,6 +33,7 @@ needs_interpreter = pytest.mark.skipif(INTERPRET and not compat.has_interpreter(
 
 BF16 = jnp.bfloat16
 F16 = jnp.float16
+DEFAULT_CONFIG = config.default_config  # before the autouse fixture pins the layouts
 
 
 def _schedulable_cpus() -> int:
@@ -44,8 +45,8 @@ def _schedulable_cpus() -> int:
 
 # The GPU interpreter runs each warpgroup as a host thread whose barrier waits block inside XLA
 # host callbacks, and XLA may run those on its CPU intra-op pool (one thread per schedulable
-# CPU). At K = V = 256, and in the key-rows forward at K = 128 or with packed sequences, it does
-# so for the serial kernels' three warpgroups: on a 2-CPU machine two blocked waits held both pool
+# CPU). At K = V = 256, in the key-rows forward at K = 128 or with packed sequences, and in the
+# key-rows reverse state pass at every K, it does so for the serial kernels' three warpgroups: on a 2-CPU machine two blocked waits held both pool
 # threads and the third warpgroup never ran (a deadlock of the simulation, not of the kernel: the
 # same cases pass when the process sees 3 or more CPUs, e.g. under an LD_PRELOAD shim whose
 # sched_getaffinity reports four, and on the GPU).
@@ -56,16 +57,18 @@ needs_pool_threads = pytest.mark.skipif(
 
 
 @pytest.fixture(autouse=True)
-def _forward_layout(request, monkeypatch):
-    """Pins the fused forward's layout, which ``config.default_config`` picks from the grid size
-    (key rows with 32 value columns where that fits one wave, as at these small shapes): the
-    value-rows layout, or the key-rows one for tests marked ``key_rows``, so each is tested
-    on purpose."""
+def _state_layouts(request, monkeypatch):
+    """Pins the serial passes' state layout (the fused forward's and the reverse state pass's),
+    which ``config.default_config`` picks from the grid size (key rows with 32 value columns
+    where that fits one wave, as at these small shapes): the value-rows layout, or the key-rows
+    one for tests marked ``key_rows``, so each is tested on purpose."""
     default = config.default_config
     heads = 1 if request.node.get_closest_marker("key_rows") else None
 
     def pinned(*a, **kw):
-        return default(*a, **{**kw, "heads": heads})
+        cfg = default(*a, **{**kw, "heads": heads})
+        assert cfg.forward.key_rows == cfg.state_backward.key_rows, cfg
+        return cfg
 
     monkeypatch.setattr(config, "default_config", pinned)
 
@@ -122,11 +125,14 @@ def _grads(op, x, cts, **kw):
     pytest.param("deltanet", "recompute", None, 130, 6, None, 256, BF16, marks=needs_pool_threads),
     # packed: the per-block loads and stores of the states at sequence starts and ends
     pytest.param("gdn", "save", "mild", 150, 7, 2, 256, BF16, marks=needs_pool_threads),
-    # the key-rows forward (32 value columns per CTA): its 64-row state blocks, h0 and final state
-    # in [K, V] layout, packed resets and ends. (At K = 128 and packed the interpreter deadlocks
-    # with < 3 CPUs, as at K = 256.)
-    pytest.param("gdn", "save", "strong", 100, 20, None, 64, BF16, marks=pytest.mark.key_rows),
-    pytest.param("deltanet", "recompute", None, 130, 21, None, 64, BF16, marks=pytest.mark.key_rows),
+    # the key-rows forward and reverse state pass (32 value columns per CTA): their 64-row state
+    # blocks, h0, the final state, its cotangent and dh0 in [K, V] layout, packed resets and
+    # ends. (The interpreter deadlocks with < 3 CPUs in the key-rows reverse pass, at K = 64
+    # too, and in the key-rows forward at K = 128 and packed, as at K = 256.)
+    pytest.param("gdn", "save", "strong", 100, 20, None, 64, BF16,
+                 marks=[pytest.mark.key_rows, needs_pool_threads]),
+    pytest.param("deltanet", "recompute", None, 130, 21, None, 64, BF16,
+                 marks=[pytest.mark.key_rows, needs_pool_threads]),
     pytest.param("gdn", "recompute", "reset", 150, 22, None, 128, BF16,
                  marks=[pytest.mark.key_rows, needs_pool_threads]),
     pytest.param("gdn", "save", "mild", 150, 23, 3, 64, BF16,
@@ -387,6 +393,42 @@ def test_kernels_lower_for_cuda(D, gated, packed):
         assert "mosaic_gpu" in text, f
 
 
+@pytest.mark.key_rows
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("gated,packed", [(True, False), (False, False), (True, True)])
+def test_key_rows_lower_for_cuda(D, gated, packed):
+    """The serial passes in the key-rows layout (32 value columns, 64-byte swizzles, states
+    ``[.., K, V]``) lower to Mosaic GPU for sm_90 on this CPU: the fused forward, its
+    states-only recompute and the reverse state pass."""
+    B = 1 if packed else 2
+    s = _structs(B, 256, 2, D)
+    cfg = config.default_config(D, D, 2)
+    assert cfg.forward.key_rows and cfg.state_backward.key_rows and cfg.state_backward.block_v == 32
+    pick = lambda g2: g2 if gated else None  # noqa: E731
+    meta = jnp.zeros((4, META), jnp.int32) if packed else None
+    slots = dict(n_slots=3) if packed else {}
+    if packed:
+        s["st"] = jax.ShapeDtypeStruct((3, 2, D, D), jnp.float32)
+
+    def fwd(q, k, v, t0, g2, b, h0):
+        return fused_forward(q, k, v, t0, pick(g2), b, h0, scale=0.1, cfg=cfg.forward, out_final=True,
+                             save_states=True, meta=meta)
+
+    def recompute(k, v, t0, g2, b, h0):
+        return fused_forward(None, k, v, t0, pick(g2), b, h0, scale=0.1, cfg=cfg.forward,
+                             out_final=False, save_states=True, meta=meta, out_o=False)
+
+    def sbwd(q, k, do, t0, g2, b, df):
+        return state_backward(q, k, do, t0, pick(g2), b, df, scale=0.1, cfg=cfg.state_backward,
+                              meta=meta, **slots)
+
+    for f, args in ((fwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]]),
+                    (recompute, [s["tok"]] * 2 + [s["t0"], s["vec"], s["vec"], s["st"]]),
+                    (sbwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]])):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, f
+
+
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("gated", [True, False])
 def test_chunk_backward_two_warpgroups_lowers_for_cuda(D, gated):
@@ -439,6 +481,28 @@ def test_default_config_fits_smem(D):
     assert cb.warpgroups == 1  # the default stays the one-warpgroup kernel
     if D <= 128:  # the two-warpgroup split (whole width) fits too
         assert config.chunk_backward_smem_bytes(D, 2, None, warpgroups=2) <= config.SMEM_BUDGET
+
+
+@pytest.mark.key_rows
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_default_config_key_rows(D):
+    """Where the grid fits one wave (these tests' ``key_rows`` marker: one head) at K ≤ 128, both
+    serial passes take key rows with 32 value columns and two stages, within SMEM_BUDGET;
+    K = 256 keeps the blocked value-rows tilings."""
+    cfg = config.default_config(D, D, 2)
+    f, s = cfg.forward, cfg.state_backward
+    if D == 256:
+        assert not f.key_rows and not s.key_rows and s.block_v == 64
+        return
+    for p in (f, s):
+        assert (p.key_rows, p.block_v, p.stages) == (True, 32, 2)
+    assert config.forward_smem_bytes(D, 32, 2, 2, True, C) <= config.SMEM_BUDGET
+    assert config.state_backward_smem_bytes(D, 32, 2, 2, key_rows=True) <= config.SMEM_BUDGET
+    # the grid rule itself (the unpinned function): B·H·V/32 ≤ 132 SMs, e.g. the anchor
+    # (B, H) = (2, 16) at V = 128, takes key rows in both passes; a crowded grid value rows
+    for heads, kr in ((32 * 128 // D, D <= 128), (4 * 132, False)):
+        cfg = DEFAULT_CONFIG(D, D, 2, heads=heads)
+        assert cfg.forward.key_rows == cfg.state_backward.key_rows == kr, (heads, cfg)
 
 
 def test_chunk_backward_config_warpgroups():

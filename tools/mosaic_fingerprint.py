@@ -9,7 +9,8 @@ included; no source locations, unlike the lowered module), traced on the CPU, no
 change to the shared kernel code shows that it leaves the kernels the GPU has timed and checked
 unchanged (the scalar-gate pipeline at K = V in {64, 128}: T0, fused forward, reverse state
 pass, per-chunk gradients (ReWY on one or two warpgroups, and the seven-product "-wy" body);
-gated and not, packed and not, both policies' forward; and the vector-gate kernels of KDA/GDN2).
+gated and not, packed and not, both policies' forward, the fused forward and the reverse state
+pass in both state layouts (value rows, key rows); and the vector-gate kernels of KDA/GDN2).
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ def cases():
                     return state_backward(q, k, do, t, pick(g), b, df, scale=0.1,
                                           cfg=cfg.state_backward, meta=meta, **slots)
                 out.append((f"state_backward-{tag}", sbwd, [tok] * 3 + [t0, vec, vec, st]))
+                # the reverse state pass in the key-rows layout (dS [K, 32] in 64-row blocks; the
+                # final-state cotangent and dh0 [.., K, V])
+                skr = config.default_config(D, D, 2, heads=1).state_backward
+
+                def sbwd_kr(q, k, do, t, g, b, df, pick=pick, meta=meta, slots=slots, skr=skr):
+                    return state_backward(q, k, do, t, pick(g), b, df, scale=0.1, cfg=skr, meta=meta,
+                                          **slots)
+                out.append((f"state_backward_key_rows-{tag}", sbwd_kr, [tok] * 3 + [t0, vec, vec, st]))
                 if not packed:
                     for bw in ("rewy", "wy"):  # wy: the seven-product body, for the ablation
                         cb_cfg = config.default_config(D, D, 2, backward=bw).chunk_backward

@@ -100,7 +100,8 @@ def prepare(q, k, v, g, beta, interpret: bool = False):
 
 
 def _state_layout(x, cfg: config.PassConfig):
-    """A fp32 state ``[.., K, V]`` to the fused forward's layout and back: as is with
+    """A fp32 state ``[.., K, V]`` to a serial pass's layout and back (the fused forward's h0 and
+    final state, the reverse state pass's final-state cotangent and dh0): as is with
     ``key_rows``, else transposed to ``[.., V, K]``."""
     return x if cfg.key_rows else jnp.swapaxes(x, -1, -2)
 
@@ -171,7 +172,7 @@ def _backward_x32(scale, cfg, interpret, res, cts):
                                      out_final=False, save_states=True, meta=meta, interpret=ip,
                                      out_o=False)
     dop = prep.pad_time(do.astype(vp.dtype), Tp)
-    dfinal_t = jnp.swapaxes(dfinal.astype(jnp.float32), -1, -2)
+    dfinal_t = _state_layout(dfinal.astype(jnp.float32), cfg.state_backward)
     lam, dstates, dh0t = state_backward(qp, kp, dop, t0, g2, beta_hm, dfinal_t, scale=scale,
                                         cfg=cfg.state_backward, meta=meta,
                                         n_slots=h0t.shape[0], interpret=ip)
@@ -180,7 +181,7 @@ def _backward_x32(scale, cfg, interpret, res, cts):
     dq, dk, dv, dbeta = outs[:4]
     dg = None if no_gate else _unpad_scalars(_gate_grad(*outs[4:], g2), T)
     return (dq[:, :T], dk[:, :T], dv[:, :T], dg, _unpad_scalars(dbeta, T),
-            jnp.swapaxes(dh0t, -1, -2), None)
+            _state_layout(dh0t, cfg.state_backward), None)
 
 
 delta_rule.defvjp(_forward, _backward)

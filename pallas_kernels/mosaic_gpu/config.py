@@ -38,9 +38,12 @@ class PassConfig:
         tiles ``[block_v, k_block]``, runs the state update one WGMMA per block (one block's
         fresh accumulator live beside the state, not a second whole state) and moves the fp32
         initial/final state through SMEM one block at a time. The vector-gate kernels ignore it.
-    key_rows: the fused forward holds the state as ``S [K, block_v]`` (64-row blocks; every
-        chain product takes both operands from SMEM) instead of ``Sᵀ [block_v, K]``, so that
-        ``block_v = 32`` is possible (twice the CTAs); its h0 and final state are ``[.., K, V]``.
+    key_rows: the pass holds its register state as ``S [K, block_v]`` (``K / 64`` blocks of 64
+        key rows; every chain product takes both operands from SMEM; ``k_block`` is ignored)
+        instead of ``Sᵀ [block_v, K]``, so that ``block_v = 32`` is possible (twice the CTAs).
+        The fused forward's h0 and final state are then ``[.., K, V]``; so are the reverse state
+        pass's ``dS [K, block_v]`` carry, its final-state cotangent and dh0 (api._state_layout).
+        The chunk states and cotangents it saves stay ``[.., V, K]`` in both layouts.
     """
 
     block_v: int = 64
@@ -126,13 +129,15 @@ def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_st
 
 
 def state_backward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int,
-                              k_block: int | None = None) -> int:
+                              k_block: int | None = None, key_rows: bool = False) -> int:
     """SMEM the reverse state pass needs (its scratch list, see state_backward.state_backward);
-    the fp32 cotangent buffer holds one ``[block_v, k_block]`` block (``None``: the whole)."""
+    the fp32 cotangent buffer holds one ``[block_v, k_block]`` block (``None``: the whole), or
+    with ``key_rows`` one ``[64, block_v]`` block (the other tiles are the same sizes, some
+    transposed)."""
     per_stage = 2 * C * K * itemsize + C * block_v * itemsize + C * C * itemsize + 2 * C * 4
     fixed = 2 * block_v * C * 4 + 2 * C * block_v * itemsize + C * C * itemsize
     fixed += block_v * K * itemsize + block_v * C * itemsize + C * block_v * itemsize
-    fixed += block_v * (k_block or K) * 4
+    fixed += block_v * (C if key_rows else (k_block or K)) * 4
     return stages * per_stage + fixed
 
 
@@ -179,7 +184,10 @@ def default_config(K: int, V: int, itemsize: int, backward: Literal["rewy", "wy"
     still fit one wave on ``sms`` SMs it takes the key-rows layout with ``block_v = 32``: twice
     the CTAs, each chain step half the work (GDN forward at the anchor 155 → 123 µs); beyond one
     wave the 64-column value-rows layout (at 256 CTAs on 132 SMs key rows took 238 µs, value
-    rows 149). Its pipeline is two stages deep (three: GDN 130 µs, two: 126).
+    rows 149). Its pipeline is two stages deep (three: GDN 130 µs, two: 126). The reverse state
+    pass, a serial chain of the same kind, follows the same rule (key rows, 32 columns, two
+    stages where the grid fits one wave; untimed on the GPU so far: three stages would fit SMEM
+    too, 194 KB at K = 128 against 148 KB).
 
     ``gated`` (GDN) at K = 128: the per-chunk gradients on two warpgroups (GDN 0.213 → 0.169 ms
     at the anchor on the H100; DeltaNet, without the gate's live tiles, 0.178 → 0.214, so it
@@ -187,12 +195,14 @@ def default_config(K: int, V: int, itemsize: int, backward: Literal["rewy", "wy"
     if K <= 128:
         if heads is not None and heads * (V // 32) <= sms:
             fwd_cfg = PassConfig(block_v=32, key_rows=True, stages=2)
+            bwd_cfg = PassConfig(block_v=32, key_rows=True, stages=2)
         else:
             fwd_cfg = PassConfig(block_v=64, stages=_deepest(
                 lambda s: forward_smem_bytes(K, 64, s, itemsize, True) <= SMEM_BUDGET))
-        bwd = _deepest(lambda s: state_backward_smem_bytes(K, 64, s, itemsize) <= SMEM_BUDGET)
+            bwd_cfg = PassConfig(block_v=64, stages=_deepest(
+                lambda s: state_backward_smem_bytes(K, 64, s, itemsize) <= SMEM_BUDGET))
         return Config(forward=fwd_cfg,
-                      state_backward=PassConfig(block_v=64, stages=bwd),
+                      state_backward=bwd_cfg,
                       chunk_backward=ChunkBackwardConfig(
                           backward=backward,
                           warpgroups=2 if gated and K == 128 and backward == "rewy" else 1))
