@@ -81,6 +81,8 @@ def pytest_configure(config):
                                        "(assigned from FAST in tests/conftest.py)")
     config.addinivalue_line("markers", "key_rows: tests/test_mosaic_gpu.py runs the fused forward and the "
                                        "reverse state pass in their key-rows layout (else the value-rows one)")
+    config.addinivalue_line("markers", "key_rows_forward: tests/test_mosaic_gpu.py runs the fused forward "
+                            "in the key-rows layout and the reverse state pass in value rows")
 
 
 def _whole_suite(config) -> bool:

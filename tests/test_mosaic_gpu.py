@@ -63,11 +63,15 @@ def _state_layouts(request, monkeypatch):
     where that fits one wave, as at these small shapes): the value-rows layout, or the key-rows
     one for tests marked ``key_rows``, so each is tested on purpose."""
     default = config.default_config
-    heads = 1 if request.node.get_closest_marker("key_rows") else None
+    forward_only = request.node.get_closest_marker("key_rows_forward") is not None
+    heads = 1 if forward_only or request.node.get_closest_marker("key_rows") else None
 
     def pinned(*a, **kw):
         cfg = default(*a, **{**kw, "heads": heads})
         assert cfg.forward.key_rows == cfg.state_backward.key_rows, cfg
+        if forward_only:  # the reverse pass in value rows (it interprets on 2 CPUs)
+            cfg = dataclasses.replace(cfg, state_backward=default(*a, **{**kw, "heads": None}).state_backward)
+            assert cfg.forward.key_rows and not cfg.state_backward.key_rows, cfg
         return cfg
 
     monkeypatch.setattr(config, "default_config", pinned)
@@ -131,6 +135,9 @@ def _grads(op, x, cts, **kw):
     # too, and in the key-rows forward at K = 128 and packed, as at K = 256.)
     pytest.param("gdn", "save", "strong", 100, 20, None, 64, BF16,
                  marks=[pytest.mark.key_rows, needs_pool_threads]),
+    # the key-rows forward beside a value-rows reverse pass: the forward's layout on any machine
+    pytest.param("gdn", "save", "strong", 100, 25, None, 64, BF16, marks=pytest.mark.key_rows_forward),
+    pytest.param("deltanet", "recompute", None, 130, 26, None, 64, BF16, marks=pytest.mark.key_rows_forward),
     pytest.param("deltanet", "recompute", None, 130, 21, None, 64, BF16,
                  marks=[pytest.mark.key_rows, needs_pool_threads]),
     pytest.param("gdn", "recompute", "reset", 150, 22, None, 128, BF16,
