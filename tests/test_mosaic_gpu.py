@@ -310,17 +310,20 @@ def test_chunk_inverse_interpret(K):
 
 
 def test_bit_level_masks():
-    """The bitwise index masks of the recursive block schemes equal their definitions by
-    integer division, at every level of a 64-row chunk; a level that is not a power of two is
-    refused."""
-    r, c = (np.arange(64)[:, None] + 0 * np.arange(64)[None, :]), (0 * np.arange(64)[:, None] + np.arange(64))
+    """The index masks of the recursive block schemes against their bitwise definitions, at
+    every level of a 64-row chunk: level s joins the pairs whose highest differing index bit is
+    s, with r holding it; a level that is not a power of two is refused."""
+    r, c = np.meshgrid(np.arange(64), np.arange(64), indexing="ij")
     rj, cj = jnp.asarray(r, jnp.int32), jnp.asarray(c, jnp.int32)
+    top_bit = np.vectorize(lambda x: 1 << (int(x).bit_length() - 1) if x else 0)(r ^ c)
     for s in (1, 2, 4, 8, 16, 32):
-        want = (r // (2 * s) == c // (2 * s)) & (r % (2 * s) >= s) & (c % (2 * s) < s)
+        want = (top_bit == s) & ((r & s) != 0)
         np.testing.assert_array_equal(np.asarray(bit_level_pairs(rj, cj, s)), want)
-        np.testing.assert_array_equal(np.asarray(same_block(rj, cj, 2 * s)), r // (2 * s) == c // (2 * s))
-        np.testing.assert_array_equal(np.asarray(upper_half(rj, 2 * s)), r % (2 * s) >= s)
-    assert np.asarray(bit_level_pairs(rj, cj, 1)).sum() == 32  # the 2×2 blocks' one pair each
+        np.testing.assert_array_equal(np.asarray(same_block(rj, cj, 2 * s)), (r ^ c) < 2 * s)
+        np.testing.assert_array_equal(np.asarray(upper_half(rj, 2 * s)), (r & s) != 0)
+    # every strictly lower pair belongs to exactly one level
+    levels = sum(np.asarray(bit_level_pairs(rj, cj, s)).astype(int) for s in (1, 2, 4, 8, 16, 32))
+    np.testing.assert_array_equal(levels, (r > c).astype(int))
     with pytest.raises(ValueError, match="power of two"):
         bit_level_pairs(rj, cj, 3)
 

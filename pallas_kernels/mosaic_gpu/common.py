@@ -105,10 +105,10 @@ def iota(shape, dim: int) -> jax.Array:
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
 
 
-# Index masks of the recursive (bit-level) block schemes, from bitwise operations on the iota
-# tiles: ``//`` and ``%`` on a register tile are floor division and remainder of signed integers,
-# about ten instructions per element each, and a kernel that formed its masks with them issued
-# more ALU instructions there than anywhere else.
+# Index masks of the recursive (bit-level) block schemes, written once. They use ``//`` and ``%``
+# on the iota tiles: bitwise forms (xor, and) traced to half as many operations but measured no
+# faster for T0 on an H100, and with them the centred vector chunk kernel, otherwise changed
+# only in the order of its operations, took 0.744 ms instead of 0.561 (docs/performance-log.md).
 def _check_pow2(s: int) -> None:
     if s < 1 or s & (s - 1):
         raise ValueError(f"a bit level must be a power of two, got {s}")
@@ -119,20 +119,19 @@ def bit_level_pairs(r, c, s: int):
     the upper and ``c`` in the lower half of their ``2s``-row group: the pairs that level ``s``
     of a recursive block scheme joins (all of them have ``r > c``)."""
     _check_pow2(s)
-    x = r ^ c
-    return (x >= s) & (x < 2 * s) & ((r & s) != 0)
+    return (r // (2 * s) == c // (2 * s)) & (r % (2 * s) >= s) & (c % (2 * s) < s)
 
 
 def same_block(r, c, size: int):
     """``r`` and ``c`` in the same aligned block of ``size`` (a power of two) rows."""
     _check_pow2(size)
-    return (r ^ c) < size
+    return r // size == c // size
 
 
 def upper_half(r, size: int):
     """Rows in the upper half of their aligned ``size``-row group (``r mod size ≥ size/2``)."""
     _check_pow2(size)
-    return (r & (size // 2)) != 0
+    return (r % size) >= size // 2
 
 
 def rows_of(vec, shape):

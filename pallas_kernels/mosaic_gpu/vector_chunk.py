@@ -103,7 +103,7 @@ def _frame_tile(g_piece, size: int, offset: int):
     tile = None
     for grp in range(C // size):  # ascending: each group overwrites the rows from its start on
         row = cols_of(plgpu.load(g_piece.at[grp * size + offset], layout=COLS), (C, PIECE))
-        tile = row if tile is None else jnp.where(r >= grp * size, row, tile)
+        tile = row if tile is None else jnp.where(r // size == grp, row, tile)
     return tile
 
 
