@@ -335,3 +335,26 @@ def test_timed_fwd_bwd_is_the_output_and_its_vjp():
     loss_jaxpr = str(jax.make_jaxpr(jax.grad(lambda y: jnp.sum(fwd(y).astype(jnp.float32)
                                                                * do.astype(jnp.float32))))(x))
     assert jaxpr.count("reduce_sum") < loss_jaxpr.count("reduce_sum")
+
+
+@pytest.mark.skipif(not __import__("pallas_kernels.mosaic_gpu.compat", fromlist=["x"]).has_interpreter(),
+                    reason="the Mosaic GPU interpreter needs jax >= 0.12")
+def test_kernel_ab_prepares_trees_and_times_each(tmp_path, monkeypatch):
+    """benchmarks.kernel_ab: `prepare` extracts a commit's kernels, `run --smoke` times each tree
+    in its own process from that tree's kernels (it raises if a tree imports others), and a case
+    a tree lacks is reported by its error, not fatal."""
+    import subprocess
+
+    from benchmarks import kernel_ab
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    monkeypatch.chdir(repo)
+    monkeypatch.setattr(kernel_ab, "AB_DIR", str(tmp_path))
+    kernel_ab.prepare(["HEAD"])
+    assert os.path.isfile(tmp_path / "HEAD" / "pallas_kernels" / "mosaic_gpu" / "chunk_inverse.py")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("PYTHONPATH", repo)
+    out = kernel_ab.run(["t0", "vector_chunk_runtime"], limit=300, smoke=True)
+    assert out == {"HEAD": {"t0": 0.0, "vector_chunk_runtime": 0.0}}, out

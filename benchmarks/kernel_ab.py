@@ -1,0 +1,194 @@
+"""The Mosaic GPU kernels of several commits, each alone, timed side by side in one GPU call.
+
+For bisecting a kernel's speed when GPU time is scarce:
+
+    python -m benchmarks.kernel_ab prepare 2e26da4 af26ff4 HEAD   # here: git archive -> .ab/<label>/
+    python -m benchmarks.kernel_ab run [--cases t0,vector_chunk_centred,...] [--limit 60]
+                                                                  # on the GPU machine, .ab carried
+
+``prepare`` extracts each commit's ``pallas_kernels/`` into ``.ab/<label>/`` (git-ignored; the
+GPU machine's copy of the tree has no git history, so carry ``.ab``). ``run`` times every tree
+in its own process (``PYTHONPATH=.ab/<label>:.``; everything but ``pallas_kernels`` comes from
+the working tree), on the same random inputs at the anchor shape, with
+``benchmarks.mosaic_kernels.time_ms`` (host-timed loops: a kernel under ~0.1 ms reads high, see
+docs/performance-log.md), each tree under its own time limit, and prints one table, case by
+tree. A case a tree cannot run (an argument it does not take yet) shows the error's type.
+
+Cases (KDA for the vector kernels; "centred": a declared bound g ≥ −5; "exact": undeclared
+gates with resets, every chunk in the exact frames; "runtime": undeclared gates in [−1, 0],
+which trees with per-chunk frames run centred):
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+CASES = ("t0", "state_backward_gdn", "vector_chunk_centred", "vector_chunk_exact", "vector_chunk_runtime",
+         "vector_chunk_backward_centred", "vector_chunk_backward_exact", "vector_chunk_backward_runtime")
+__doc__ += "\n".join(f"    {c}" for c in CASES) + "\n"
+AB_DIR = ".ab"
+
+
+def prepare(commits: list[str]) -> None:
+    """``.ab/<label>/pallas_kernels`` for each commit (label = the commit as given)."""
+    for c in commits:
+        dst = os.path.join(AB_DIR, c.replace("/", "_"))
+        shutil.rmtree(dst, ignore_errors=True)
+        os.makedirs(dst)
+        archive = subprocess.run(["git", "archive", c, "pallas_kernels"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", dst], input=archive, check=True)
+        print(dst, flush=True)
+
+
+def _inputs(shape, seed=0):
+    """Random inputs of ``shape`` (bf16 tokens, gates in [−1, 0], β in [0, 1])."""
+    import jax.numpy as jnp
+
+    B, T, H, D = shape
+    rng = np.random.default_rng(seed)
+    bf = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.1, jnp.bfloat16)  # noqa: E731
+    g = rng.uniform(-1, 0, (B, T, H, D))
+    resets = g.copy()
+    resets[rng.uniform(size=g.shape) < 0.01] = -np.inf
+    return dict(shape=shape, bf=bf, q=bf(B, T, H, D), k=bf(B, T, H, D), v=bf(B, T, H, D),
+                g=jnp.asarray(g, jnp.float32), g_resets=jnp.asarray(resets, jnp.float32),
+                beta=jnp.asarray(rng.uniform(0, 1, (B, T, H)), jnp.float32),
+                g_scalar=jnp.asarray(rng.uniform(-0.1, 0, (B, T, H)), jnp.float32))
+
+
+def _vector(x, case, ip):
+    """(chunk kernel callable, gradient kernel callable) for a vector case, or raise."""
+    import jax
+
+    from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
+    from pallas_kernels.mosaic_gpu.vector_chunk_backward import vector_chunk_backward
+    from pallas_kernels.mosaic_gpu.vector_prep import prepare_vector
+
+    mode = case.rsplit("_", 1)[1]
+    bound = -5.0 if mode == "centred" else None
+    g = x["g_resets"] if mode == "exact" else x["g"]
+    prep = jax.jit(lambda *a: prepare_vector(*a, gate_lower_bound=bound))(x["q"], x["k"], x["v"], g, x["beta"])
+    kw = dict(scale=0.08, centred=bound is not None, interpret=ip)
+    runtime = "centred_chunks" in inspect.signature(vector_chunk).parameters
+    if mode == "runtime" and not runtime:
+        raise NotImplementedError("no per-chunk frames in this tree")
+    prep = tuple(prep[:5]) + ((prep[5],) if runtime and bound is None else ())
+    chunk = jax.jit(lambda *a: vector_chunk(*a, **kw))
+    B, T, H, D = x["shape"]
+    bf = x["bf"]
+    q, k, _, g2, _ = prep[:5]
+    args = [q, k, k, g2, bf(B, T, H, D), bf(B, T, H, D), bf(B, T, H, D), bf(B, H, T // 64, D, D),
+            bf(B, H, T // 64, D, D), bf(B, H, T, 64), bf(B, H, T, 64)] + list(prep[5:])
+    grad = jax.jit(lambda *a: vector_chunk_backward(*a, **kw))
+    return (lambda: chunk(*prep)), (lambda: grad(*args))
+
+
+def time_tree(cases: list[str], smoke: bool = False) -> dict:
+    """Each case's ms (or its error) with the ``pallas_kernels`` on the path. ``smoke``: a small
+    shape in the GPU interpreter, each case run once (the CPU check of this tool; times are 0)."""
+    import functools
+
+    import jax
+
+    from benchmarks import mosaic_kernels
+    from benchmarks.shapes import ANCHOR_SHAPE, Shape
+    from pallas_kernels.mosaic_gpu import api, compat, config
+    from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
+    from pallas_kernels.mosaic_gpu.state_backward import state_backward
+
+    import pallas_kernels
+
+    print(json.dumps({"kernels from": os.path.dirname(os.path.dirname(pallas_kernels.__file__))}), flush=True)
+    x = _inputs(Shape(1, 128, 1, 64) if smoke else ANCHOR_SHAPE)
+    ip = compat.interpret_params(True) if smoke else None
+    time_ms = (lambda fn, loops=0: (jax.block_until_ready(fn()), 0.0)[1]) if smoke else mosaic_kernels.time_ms
+    B, T, H, D = x["shape"]
+    qp, kp, vp, t0, g2, bh = jax.jit(functools.partial(api.prepare, interpret=smoke))(
+        x["q"], x["k"], x["v"], x["g_scalar"], x["beta"])
+    out = {}
+    for case in cases:
+        try:
+            if case == "t0":
+                f = jax.jit(functools.partial(chunk_inverse, interpret=ip))
+                out[case] = time_ms(lambda: f(kp, bh), loops=100)
+            elif case == "state_backward_gdn":
+                # (smoke: value rows; the key-rows reverse pass needs 3 CPUs in the interpreter)
+                cfg = config.default_config(D, D, 2, heads=None if smoke else B * H, gated=True).state_backward
+                f = jax.jit(lambda *a: state_backward(*a, None, scale=D ** -0.5, cfg=cfg, interpret=ip))
+                out[case] = time_ms(lambda: f(qp, kp, vp, t0, g2, bh))
+            else:
+                chunk, grad = _vector(x, case.replace("_backward", ""), ip)
+                out[case] = time_ms(grad if "_backward" in case else chunk)
+        except Exception as e:  # noqa: BLE001 - a tree without this case: report and go on
+            out[case] = f"{type(e).__name__}"
+        print(json.dumps({case: out[case]}), flush=True)
+    return out
+
+
+def run(cases: list[str], limit: int, smoke: bool = False) -> dict:
+    """Times ``cases`` for every tree under AB_DIR; prints and returns ``{tree: {case: ms | error}}``."""
+    trees = sorted(d for d in os.listdir(AB_DIR) if os.path.isdir(os.path.join(AB_DIR, d)))
+    results = {}
+    for t in trees:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.abspath(os.path.join(AB_DIR, t)), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+        try:
+            # -P: the working directory does not go first on sys.path (the tree's kernels must)
+            p = subprocess.run([sys.executable, "-P", "-m", "benchmarks.kernel_ab", "time", "--cases", ",".join(cases)]
+                               + (["--smoke"] if smoke else []), env=env, capture_output=True, text=True,
+                               timeout=limit)
+            stdout, stderr = p.stdout, p.stderr
+        except subprocess.TimeoutExpired as e:  # keep the cases that finished
+            as_text = lambda b: b.decode() if isinstance(b, bytes) else (b or "")  # noqa: E731
+            stdout, stderr = as_text(e.stdout), as_text(e.stderr)
+        results[t] = {}
+        for line in stdout.splitlines():
+            if line.startswith("{"):
+                results[t].update(json.loads(line))
+        where = results[t].pop("kernels from", None)
+        if where is not None and os.path.abspath(where) != os.path.abspath(os.path.join(AB_DIR, t)):
+            raise RuntimeError(f"tree {t} imported the kernels from {where}")
+        if not results[t]:  # the process failed before any case: show why
+            print(t, "failed:", stderr[-600:], flush=True)
+        print(t, results[t], flush=True)
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else (v or "-")  # noqa: E731
+    print("\n| case (ms) | " + " | ".join(trees) + " |\n|---|" + "---|" * len(trees))
+    for c in cases:
+        print(f"| {c} | " + " | ".join(fmt(results[t].get(c)) for t in trees) + " |")
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("commits", nargs="+")
+    for name in ("run", "time"):
+        r = sub.add_parser(name)
+        r.add_argument("--cases", default=",".join(CASES))
+        r.add_argument("--limit", type=int, default=90, help="seconds per tree")
+        r.add_argument("--smoke", action="store_true", help="small shape, GPU interpreter (CPU check)")
+    a = ap.parse_args(argv)
+    if a.cmd == "prepare":
+        prepare(a.commits)
+        return
+    cases = a.cases.split(",")
+    unknown = set(cases) - set(CASES)
+    if unknown:
+        ap.error(f"unknown cases {sorted(unknown)}; choose from {', '.join(CASES)}")
+    if a.cmd == "time":
+        time_tree(cases, a.smoke)
+    else:
+        run(cases, a.limit, a.smoke)
+
+
+if __name__ == "__main__":
+    main()
