@@ -365,13 +365,19 @@ def test_wy_refused_where_not_implemented():
                        scale=0.1, cfg=config.ChunkBackwardConfig(block=64, backward="wy"))
 
 
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D,key_rows", [
+    (64, False), (128, False), (256, False),
+    # the serial passes in the key-rows layout (32 value columns, 64-byte swizzles, states [.., K, V])
+    pytest.param(64, True, marks=pytest.mark.key_rows), pytest.param(128, True, marks=pytest.mark.key_rows)])
 @pytest.mark.parametrize("gated,packed", [(True, False), (False, False), (True, True)])
-def test_kernels_lower_for_cuda(D, gated, packed):
-    """Every kernel lowers to Mosaic GPU for sm_90 on this CPU (layouts, SMEM budget, barriers)."""
+def test_kernels_lower_for_cuda(D, key_rows, gated, packed):
+    """Every kernel lowers to Mosaic GPU for sm_90 on this CPU (layouts, SMEM budget, barriers),
+    the fused forward, its states-only recompute and the reverse state pass in both layouts."""
     B = 1 if packed else 2
     s = _structs(B, 256, 2, D)
     cfg = config.default_config(D, D, 2)
+    assert cfg.forward.key_rows == cfg.state_backward.key_rows == key_rows
+    assert not key_rows or cfg.state_backward.block_v == 32
     pick = lambda g2: g2 if gated else None  # noqa: E731
     meta = jnp.zeros((4, META), jnp.int32) if packed else None  # 4 chunks: (reset, slot, end, 0...)
     slots = dict(n_slots=3) if packed else {}
@@ -399,42 +405,6 @@ def test_kernels_lower_for_cuda(D, gated, packed):
                     (recompute, [s["tok"]] * 2 + [s["t0"], s["vec"], s["vec"], s["st"]]),
                     (sbwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]]),
                     (cbwd, [s["tok"]] * 5 + [s["states"]] * 2 + [s["t0"], s["vec"], s["vec"]])):
-        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text, f
-
-
-@pytest.mark.key_rows
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("gated,packed", [(True, False), (False, False), (True, True)])
-def test_key_rows_lower_for_cuda(D, gated, packed):
-    """The serial passes in the key-rows layout (32 value columns, 64-byte swizzles, states
-    ``[.., K, V]``) lower to Mosaic GPU for sm_90 on this CPU: the fused forward, its
-    states-only recompute and the reverse state pass."""
-    B = 1 if packed else 2
-    s = _structs(B, 256, 2, D)
-    cfg = config.default_config(D, D, 2)
-    assert cfg.forward.key_rows and cfg.state_backward.key_rows and cfg.state_backward.block_v == 32
-    pick = lambda g2: g2 if gated else None  # noqa: E731
-    meta = jnp.zeros((4, META), jnp.int32) if packed else None
-    slots = dict(n_slots=3) if packed else {}
-    if packed:
-        s["st"] = jax.ShapeDtypeStruct((3, 2, D, D), jnp.float32)
-
-    def fwd(q, k, v, t0, g2, b, h0):
-        return fused_forward(q, k, v, t0, pick(g2), b, h0, scale=0.1, cfg=cfg.forward, out_final=True,
-                             save_states=True, meta=meta)
-
-    def recompute(k, v, t0, g2, b, h0):
-        return fused_forward(None, k, v, t0, pick(g2), b, h0, scale=0.1, cfg=cfg.forward,
-                             out_final=False, save_states=True, meta=meta, out_o=False)
-
-    def sbwd(q, k, do, t0, g2, b, df):
-        return state_backward(q, k, do, t0, pick(g2), b, df, scale=0.1, cfg=cfg.state_backward,
-                              meta=meta, **slots)
-
-    for f, args in ((fwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]]),
-                    (recompute, [s["tok"]] * 2 + [s["t0"], s["vec"], s["vec"], s["st"]]),
-                    (sbwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]])):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text, f
 
