@@ -101,7 +101,7 @@ def _frame_tile(g_piece, size: int, offset: int):
     of r's group, one row read from SMEM per group and selected into its rows."""
     r = iota((C, PIECE), 0)
     tile = None
-    for grp in range(C // size):  # ascending: each group overwrites the rows from its start on
+    for grp in range(C // size):
         row = cols_of(plgpu.load(g_piece.at[grp * size + offset], layout=COLS), (C, PIECE))
         tile = row if tile is None else jnp.where(r // size == grp, row, tile)
     return tile
