@@ -26,7 +26,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .wh
 export PYTHONPATH="$PWD:$site" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 python3 -c "import pytest" 2>/dev/null || export PYTHONPATH="$PYTHONPATH:$PWD/.whl/pytest_site"
 nvidia-smi --query-gpu=name --format=csv,noheader
-tests=${CHECK_TESTS:-"(interpret_matches or wy_interpret or two_warpgroups or backward_matches or packed_matches) and not 256"}
+tests=${CHECK_TESTS:-"(interpret_matches or wy_interpret or two_warpgroups or forward_matches or backward_matches or packed_matches) and not 256"}
 steps=",${CHECK_STEPS:-tests,parts,fla},"
 touch "$OUT/pytest.log" "$OUT/parts.log" "$OUT/fla.log" "$OUT/vector.log"
 [[ $steps == *,tests,* ]] && REWY_MOSAIC_ON_GPU=1 REWY_JAX_TEST_CACHE=0 timeout "${CHECK_T1:-200}" \
