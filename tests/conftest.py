@@ -65,7 +65,7 @@ FAST = (
     "tests/test_ops_transforms.py::test_backend_none_on_cpu_is_xla",
     "tests/test_mosaic_gpu.py::test_supports_says_why_not",
     "tests/test_mosaic_gpu.py::test_chunk_inverse_interpret?64?",
-    "tests/test_mosaic_gpu.py::test_kernels_lower_for_cuda?True-False-64?",  # ? for the brackets
+    "tests/test_mosaic_gpu.py::test_kernels_lower_for_cuda?True-False-64-False?",  # ? for the brackets
     "tests/test_mosaic_gpu.py::test_interpret_matches_float64?deltanet-save-None-130-2-None-64-bfloat16?",
     "tests/test_mosaic_gpu.py::test_dispatch_prefers_mosaic_on_hopper",
     "tests/test_mosaic_gpu.py::test_wy_interpret_matches_float64?gdn-save-strong-100-10-64-bfloat16?",
