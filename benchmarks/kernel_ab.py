@@ -133,8 +133,10 @@ def time_tree(cases: list[str], smoke: bool = False) -> dict:
     return out
 
 
-def run(cases: list[str], limit: int, smoke: bool = False) -> dict:
-    """Times ``cases`` for every tree under AB_DIR; prints and returns ``{tree: {case: ms | error}}``."""
+def run(cases: list[str], limit: int, smoke: bool = False, log_dir: str | None = None) -> dict:
+    """Times ``cases`` for every tree under AB_DIR; prints and returns ``{tree: {case: ms | error}}``.
+    ``log_dir``: each tree's stdout and stderr also go to ``<log_dir>/<tree>.log`` (e.g. the
+    ptxas reports that ``MOSAIC_GPU_DUMP_PTXAS=1`` prints while compiling)."""
     trees = sorted(d for d in os.listdir(AB_DIR) if os.path.isdir(os.path.join(AB_DIR, d)))
     results = {}
     for t in trees:
@@ -149,6 +151,10 @@ def run(cases: list[str], limit: int, smoke: bool = False) -> dict:
         except subprocess.TimeoutExpired as e:  # keep the cases that finished
             as_text = lambda b: b.decode() if isinstance(b, bytes) else (b or "")  # noqa: E731
             stdout, stderr = as_text(e.stdout), as_text(e.stderr)
+        if log_dir is not None:
+            os.makedirs(log_dir, exist_ok=True)
+            with open(os.path.join(log_dir, f"{t}.log"), "w") as f:
+                f.write(stdout + "\n--- stderr ---\n" + stderr)
         results[t] = {}
         for line in stdout.splitlines():
             if line.startswith("{"):
@@ -176,6 +182,8 @@ def main(argv=None):
         r.add_argument("--cases", default=",".join(CASES))
         r.add_argument("--limit", type=int, default=90, help="seconds per tree")
         r.add_argument("--smoke", action="store_true", help="small shape, GPU interpreter (CPU check)")
+        if name == "run":
+            r.add_argument("--log-dir", help="write each tree's stdout and stderr to <dir>/<tree>.log")
     a = ap.parse_args(argv)
     if a.cmd == "prepare":
         prepare(a.commits)
@@ -187,7 +195,7 @@ def main(argv=None):
     if a.cmd == "time":
         time_tree(cases, a.smoke)
     else:
-        run(cases, a.limit, a.smoke)
+        run(cases, a.limit, a.smoke, a.log_dir)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ Pipeline (each stage's module docstring gives its shapes):
                               (policy "save"; "recompute" reruns both kernels in the backward)
     vector_state_backward.py  reverse state pass: dR per chunk, each chunk's end cotangent, dh0
     vector_chunk_backward.py  per (chunk, 64 key channels): Λ = Aᵀ dR, dq, the raw-frame dk, de,
-                              and dg's sums along the chunk
-    XLA (here)                leaf maps (dk += B ⊙ de, dv, dβ or db, dw) and dg's start-state
-                              term (⟨dS, S0⟩ per channel)
+                              and the per-row parts of dg
+    XLA (here)                leaf maps (dk += B ⊙ de, dv, dβ or db, dw) and dg (sums along
+                              each chunk, ⟨dS, S0⟩ per channel)
 
 :func:`supports` says which calls it serves (``None``) or why not; :func:`vector_delta_rule` is
 the differentiable op. Packed sequences (cu_seqlens) take the scalar path's layout: api.pack
@@ -26,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.chunk_algebra import exclusive_cumsum, reverse_cumsum
 from pallas_kernels.mosaic_gpu import compat, config
 from pallas_kernels.mosaic_gpu import api
 from pallas_kernels.mosaic_gpu.common import C
@@ -136,15 +137,17 @@ def _backward_x32(scale, bound, cfg, interpret, res, cts):
     dfinal_t = jnp.swapaxes(dfinal.astype(F32), -1, -2)
     dr, dstates, dh0t = vector_state_backward(kt, w_, qg, p, dop, g2, dfinal_t, cfg=cfg.state_backward,
                                               meta=meta, n_slots=h0.shape[0], interpret=ip)
-    lam, dq, dk_raw, de, dgc = vector_chunk_backward(
+    lam, dq, dk_raw, de, pairs, yk = vector_chunk_backward(
         qp, kp, _erase_tokens(erase, kp), g2, dop, dr, r, states, dstates, a_hi, a_lo, flags, scale=scale,
         centred=cfg.centred, interpret=ip)
 
-    # dg: dg_t = dgc_t (the kernel's sums along the chunk) + 2^{G_C} ⊙ Σ_v dS ⊙ S0, per key
-    # channel and chunk (the start state's decay crosses every token of the chunk).
+    # dg: dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} yk_s + 2^{G_C} ⊙ Σ_v dS ⊙ S0, per key channel and
+    # chunk (the start state's decay crosses every token of the chunk).
+    chunked = lambda x: x.reshape(B, N, C, H, K)  # noqa: E731
     sds = jnp.einsum("bhnvk,bhnvk->bnhk", states.astype(F32), dstates.astype(F32))
     gam_c = jnp.exp2(jnp.swapaxes(g2.reshape(B, H, N, C, K)[:, :, :, -1], 1, 2))  # [B, N, H, K]
-    dg = (dgc.reshape(B, N, C, H, K) + (gam_c * sds)[:, :, None]).reshape(B, Tp, H, K)[:, :T]
+    dg = reverse_cumsum(chunked(pairs), axis=2) + exclusive_cumsum(chunked(yk), axis=2)
+    dg = (dg + (gam_c * sds)[:, :, None]).reshape(B, Tp, H, K)[:, :T]
 
     # Leaf maps: e = B ⊙ k (dk += B ⊙ de, dB from ⟨de, k⟩), z = W ⊙ v (dv = W ⊙ Λ, dW = v ⊙ Λ).
     de, lam, dk_raw = de[:, :T], lam[:, :T], dk_raw[:, :T]

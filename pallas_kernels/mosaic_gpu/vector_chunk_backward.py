@@ -28,18 +28,17 @@ level one round trip: dT_l K_y, dA_l K_y and dT_lᵀ E_x + dA_lᵀ Q_x (one accu
 WGMMAs in one group.
 
 **Round trips.** Λ is one group (A as hi + lo, every value piece); everything else outside the
-Gram terms (Λ Rᵀ, dO Rᵀ, Λ S0ᵀ, dO S0ᵀ, R dSᵀ) a second; then one per level, and one for dg's
-sums along the chunk (below). Per chunk and key piece (counted from the traced program): exact
-44 WGMMAs in 9 round trips at D = 128, 37 in 9 at D = 64; centred 32 in 6, 25 in 6.
+Gram terms (Λ Rᵀ, dO Rᵀ, Λ S0ᵀ, dO S0ᵀ, R dSᵀ) a second; then one per level. Per chunk and key
+piece (counted from the traced program): exact 38 WGMMAs in 8 round trips at D = 128, 31 in 8
+at D = 64; centred 26 in 5, 19 in 5.
 
-The gate gradient's sums along the chunk, ``dgc_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} (y ⊙ k)_s``,
-are one more round trip at the end: two 0/1 triangular ``[C, C]`` tiles times ``pairs`` and
-``y ⊙ k``, each split into three bf16 tiles (hi + mid + lo carries all 24 bits of an fp32
-value, and a product with 0 or 1 is exact), six WGMMAs into one fp32 accumulator. XLA adds the
-start state's term ``2^{G_C} ⊙ Σ_v (dS ⊙ S0)`` (a reduction over the value columns, which a
-key piece's CTA does not hold). The terms with decay factor 1 (the diagonal query-key pairs,
-each row's own path into the end state) are kept out of ``pairs``: they would enter with both
-signs and cancel (chunk_algebra).
+The gate gradient is left as per-row parts for XLA (the sums along the chunk do not fit the
+per-row register layout): dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} (y ⊙ k)_s + 2^{G_C} ⊙ Σ_v (dS ⊙ S0).
+(Summing along the chunk in here — two 0/1 triangular tiles times a three-way bf16 split of
+``pairs`` and ``y ⊙ k``, six WGMMAs — made this kernel 0.27 ms slower on an H100, more than
+the HBM round trip of the two fp32 parts it saves: docs/performance-log.md.) The terms with
+decay factor 1 (the diagonal query-key pairs, each row's own path into the end state) are kept
+out of ``pairs``: they would enter with both signs and cancel (chunk_algebra).
 
 Registers: the accumulators de, dq̃, dk [C, 64] fp32 (96 per thread) and, across a level's wait,
 its three products and one frame-factor tile (128 more, 224 in all: the bit levels' two sides
@@ -55,7 +54,7 @@ Reads:  q, k, e [B, Tp, H, K]; g2 [B, H, Tp, K] fp32; do, dr, r [B, Tp, H, V];
         states, dstates [B, H, N, V, K]; a_hi, a_lo [B, H, Tp, C] (per piece: all of dO, dR, R, A,
         and the piece's columns of the others).
 Writes: lam [B, Tp, H, V] fp32 (piece j writes value columns j); dq [B, Tp, H, K] (scale applied,
-        input dtype); dk_raw, de, dgc [B, Tp, H, K] fp32.
+        input dtype); dk_raw, de, pairs, yk [B, Tp, H, K] fp32.
 """
 
 from __future__ import annotations
@@ -68,26 +67,15 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, WGMMA, bit_level_pairs, cols_of, iota, mma_group, mma_sum, put, rows_of, same_block, smem,
+    C, COLS, F32, META, WGMMA, bit_level_pairs, cols_of, iota, mma_group, put, rows_of, same_block, smem,
     upper_half)
 from pallas_kernels.mosaic_gpu.config import PIECE
 from pallas_kernels.mosaic_gpu.vector_chunk import CROSS_LEVELS, MID, SUB, SUB_LEVELS, _frame_tile
 
 
-def split3(x, refs):
-    """Store fp32 register tile ``x`` as three bf16 tiles ``hi + mid + lo`` into ``refs``
-    (unfenced): each holds the next 8 significant bits, so the three carry all 24 of ``x``."""
-    hi = x.astype(jnp.bfloat16)
-    rest = x - hi.astype(F32)
-    mid = rest.astype(jnp.bfloat16)
-    put(refs[0], hi)
-    put(refs[1], mid)
-    put(refs[2], rest - mid.astype(F32))
-
-
 def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, centred_chunks=None, *,
                           scale: float, centred: bool, interpret=None):
-    """``(lam, dq, dk_raw, de, dgc)``; see the module docstring. ``centred`` and
+    """``(lam, dq, dk_raw, de, pairs, yk)``; see the module docstring. ``centred`` and
     ``centred_chunks`` as for vector_chunk.vector_chunk (the same frames per chunk)."""
     B, Tp, H, K = k.shape
     V = do.shape[-1]
@@ -95,8 +83,6 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
     dtype = k.dtype
     if K != V or K % PIECE:
         raise ValueError(f"vector_chunk_backward needs K == V, a multiple of {PIECE}; got K={K}, V={V}")
-    if dtype != jnp.bfloat16:  # dgc's bf16 splits reuse the input-dtype staging tiles
-        raise ValueError(f"vector_chunk_backward takes bf16 inputs, got {jnp.dtype(dtype).name}")
     if centred == (centred_chunks is not None):
         raise ValueError("vector_chunk_backward takes centred_chunks exactly when centred is False")
     nk = nv = K // PIECE
@@ -112,12 +98,12 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         scratch["flag_s"] = plgpu.SMEM((META,), jnp.int32)
     tok32 = jax.ShapeDtypeStruct((B, Tp, H, K), F32)
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), F32), jax.ShapeDtypeStruct((B, Tp, H, K), dtype),
-                tok32, tok32, tok32)
+                tok32, tok32, tok32, tok32)
 
     def body(q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
              do_s, dr_s, r_s, s0_s, ds_s, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None):
         flag_ref = None if centred else refs[0]
-        lam_ref, dq_ref, dk_ref, de_ref, dgc_ref = refs[0 if centred else 1:]
+        lam_ref, dq_ref, dk_ref, de_ref, pairs_ref, yk_ref = refs[0 if centred else 1:]
         b, h, nj = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("nj")
         n, j = lax.div(nj, jnp.int32(nk)), lax.rem(nj, jnp.int32(nk))
         rows = pl.ds(n * C, C)
@@ -173,8 +159,10 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         de = ls0 * gam * -1.0
         dq = dos0 * gam
         y = rds * jnp.exp2(g_last - load(g_s))  # each row's path into the end state (≤ 1)
-        put(o32.at[2], y)  # kept for dk and dgc (not summed into the accumulator: see pairs)
+        put(o32.at[2], y)  # kept for dk (not summed into the accumulator: see pairs)
+        put(o32.at[1], y * load(k_s))
         plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o32.at[1], yk_ref.at[b, rows, h, cols])
         dk = plgpu.layout_cast(jnp.zeros(tile, F32), WGMMA)
 
         # The decayed Gram terms, level by level; the staging tiles reuse spent buffers.
@@ -229,28 +217,16 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         de, dq, dk = acc
 
         # Outputs, fenced once: de, pairs, dk_raw through the fp32 tiles; dq (scale applied) over q.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # Λ has been read
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # Λ and yk have been read
         diag = rows_of(da_diag, tile)
         qs = load(q_s) * scale
         k_t = load(k_s)
-        y = load(o32.at[2])
-        pairs = dq * qs - dk * k_t + de * load(e_s)
         put(o32.at[0], de)
-        put(o32.at[2], dk + y + diag * qs)  # dk_raw = pairs' dk + y + dA_diag q̃
+        put(o32.at[1], dq * qs - dk * k_t + de * load(e_s))  # pairs
+        put(o32.at[2], dk + load(o32.at[2]) + diag * qs)  # dk_raw = pairs' dk + y + dA_diag q̃
         put(q_s, (dq + diag * k_t) * scale)
-        # dgc = Rev pairs + Exc (y ⊙ k) on the tensor cores (module docstring); the 0/1 tiles go
-        # over dT and dA, the splits over the spent staging tiles and k (its last read was k_t).
-        put(a_s.at[0], jnp.where(cc >= rr, 1.0, 0.0))  # Rev[t, r] = [r ≥ t]
-        put(a_s.at[1], jnp.where(cc < rr, 1.0, 0.0))  # Exc[t, s] = [s < t]
-        splits = [*spent[:5], k_s]
-        split3(pairs, splits[:3])
-        split3(y * k_t, splits[3:])
         plgpu.commit_smem()
-        dgc = mma_sum(tuple((a_s.at[0], x) for x in splits[:3]) + tuple((a_s.at[1], x) for x in splits[3:]),
-                      tile)
-        put(o32.at[1], dgc)
-        plgpu.commit_smem()
-        for src, ref in ((o32.at[0], de_ref), (o32.at[1], dgc_ref), (o32.at[2], dk_ref), (q_s, dq_ref)):
+        for src, ref in ((o32.at[0], de_ref), (o32.at[1], pairs_ref), (o32.at[2], dk_ref), (q_s, dq_ref)):
             plgpu.copy_smem_to_gmem(src, ref.at[b, rows, h, cols])
         plgpu.wait_smem_to_gmem(0)
 
