@@ -1,6 +1,6 @@
 """Where one public op's fwd+bwd spends its GPU time: every kernel and XLA fusion, from a trace.
 
-    python -m tools.trace_op [--ops deltanet,gdn,kda,gdn2]
+    python -m tools.trace_op [--ops deltanet,gdn,kda,gdn2] [--backend pallas_gpu|mosaic_gpu]
         [--shape 2x4096x16x128] [--gate-lower-bound -5] [--iters 5] [--out-dir DIR]
         [--variants base,nopd,w2 | --variants "deltanet:base,apart kda:centred,nopd"]
 
@@ -72,7 +72,8 @@ def device_times(trace_path: str, iters: int) -> tuple[dict, str]:
     return dict(totals), ", ".join(where)
 
 
-def lower_op(op, shape, gate_lower_bound=None, interpret=False, inp=None, kernel_config=None):
+def lower_op(op, shape, gate_lower_bound=None, interpret=False, inp=None, kernel_config=None,
+             backend="pallas_gpu"):
     """(the op's jitted fwd+bwd lowered for bf16 inputs of ``shape``, those inputs — ``inp``
     when given, as an earlier call returned them), with ``kernel_config`` (KernelConfig
     overrides, e.g. ``profile_kernels.variant_overrides(name)``) passed to the op."""
@@ -80,7 +81,9 @@ def lower_op(op, shape, gate_lower_bound=None, interpret=False, inp=None, kernel
     if inp is None:
         inp = testing.make_inputs(op, B, T, H, D, D, dtype=jnp.bfloat16, initial_state=False)
     dO = jax.random.normal(jax.random.PRNGKey(7), inp["v"].shape, F32).astype(jnp.bfloat16)
-    kw = dict(backend="pallas_gpu", interpret=interpret, kernel_config=kernel_config)
+    kw = dict(backend=backend, interpret=interpret)
+    if kernel_config is not None:
+        kw["kernel_config"] = kernel_config
     if gate_lower_bound is not None:
         kw["gate_lower_bound"] = gate_lower_bound
 
@@ -129,11 +132,11 @@ def _tag(op, gate_lower_bound, variant=None):
 
 
 def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=False,
-             keep_trace=False, wall_iters=0):
+             keep_trace=False, wall_iters=0, backend="pallas_gpu"):
     """Lower, compile and trace one op under the current kernel settings (trace_compiled)."""
-    lowered, inp = lower_op(op, shape, gate_lower_bound, interpret)
-    return trace_compiled(lowered.compile(), inp, _tag(op, gate_lower_bound), shape, iters,
-                          out_dir, keep_trace, wall_iters)
+    lowered, inp = lower_op(op, shape, gate_lower_bound, interpret, backend=backend)
+    tag = _tag(op, gate_lower_bound) + ("" if backend == "pallas_gpu" else f"-{backend}")
+    return trace_compiled(lowered.compile(), inp, tag, shape, iters, out_dir, keep_trace, wall_iters)
 
 
 def trace_variants(plan, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=False,
@@ -237,14 +240,19 @@ def main():
     ap.add_argument("--compile-threads", type=int, default=None,
                     help="threads compiling the variants at once (default: one per CPU core)")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
+    ap.add_argument("--backend", default="pallas_gpu", choices=("pallas_gpu", "mosaic_gpu"),
+                    help="the op's backend (without --variants: those are KernelConfig overrides)")
     a = ap.parse_args()
     shape = tuple(int(x) for x in a.shape.split("x"))
     os.makedirs(a.out_dir, exist_ok=True)
 
+    if a.variants and a.backend != "pallas_gpu":
+        ap.error("--variants are pallas_gpu KernelConfig overrides: leave --backend out")
     if not a.variants:
         for op in a.ops.split(","):
             bound = a.gate_lower_bound if op in ("kda", "gdn2") else None
-            text, _ = trace_op(op, shape, bound, a.iters, a.out_dir, a.interpret, a.keep_traces)
+            text, _ = trace_op(op, shape, bound, a.iters, a.out_dir, a.interpret, a.keep_traces,
+                               a.wall_iters, a.backend)
             print(text, flush=True)
         return
     results = trace_variants(parse_plan(a.ops, a.variants), shape, a.gate_lower_bound, a.iters,
