@@ -133,11 +133,13 @@ def time_tree(cases: list[str], smoke: bool = False) -> dict:
     return out
 
 
-def run(cases: list[str], limit: int, smoke: bool = False, log_dir: str | None = None) -> dict:
+def run(cases: list[str], limit: int, smoke: bool = False, log_dir: str | None = None,
+        trees: list[str] | None = None) -> dict:
     """Times ``cases`` for every tree under AB_DIR; prints and returns ``{tree: {case: ms | error}}``.
     ``log_dir``: each tree's stdout and stderr also go to ``<log_dir>/<tree>.log`` (e.g. the
-    ptxas reports that ``MOSAIC_GPU_DUMP_PTXAS=1`` prints while compiling)."""
-    trees = sorted(d for d in os.listdir(AB_DIR) if os.path.isdir(os.path.join(AB_DIR, d)))
+    ptxas reports that ``MOSAIC_GPU_DUMP_PTXAS=1`` prints while compiling). ``trees``: these
+    trees only (default: every tree under AB_DIR)."""
+    trees = trees or sorted(d for d in os.listdir(AB_DIR) if os.path.isdir(os.path.join(AB_DIR, d)))
     results = {}
     for t in trees:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -184,6 +186,7 @@ def main(argv=None):
         r.add_argument("--smoke", action="store_true", help="small shape, GPU interpreter (CPU check)")
         if name == "run":
             r.add_argument("--log-dir", help="write each tree's stdout and stderr to <dir>/<tree>.log")
+            r.add_argument("--trees", help="comma-separated trees under .ab (default: all)")
     a = ap.parse_args(argv)
     if a.cmd == "prepare":
         prepare(a.commits)
@@ -195,7 +198,7 @@ def main(argv=None):
     if a.cmd == "time":
         time_tree(cases, a.smoke)
     else:
-        run(cases, a.limit, a.smoke, a.log_dir)
+        run(cases, a.limit, a.smoke, a.log_dir, a.trees.split(",") if a.trees else None)
 
 
 if __name__ == "__main__":
