@@ -1,6 +1,7 @@
 """Where one public op's fwd+bwd spends its GPU time: every kernel and XLA fusion, from a trace.
 
     python -m tools.trace_op [--ops deltanet,gdn,kda,gdn2] [--backend pallas_gpu|mosaic_gpu]
+        [--policy recompute|save]
         [--shape 2x4096x16x128] [--gate-lower-bound -5] [--iters 5] [--out-dir DIR]
         [--variants base,nopd,w2 | --variants "deltanet:base,apart kda:centred,nopd"]
 
@@ -73,7 +74,7 @@ def device_times(trace_path: str, iters: int) -> tuple[dict, str]:
 
 
 def lower_op(op, shape, gate_lower_bound=None, interpret=False, inp=None, kernel_config=None,
-             backend="pallas_gpu"):
+             backend="pallas_gpu", policy="recompute"):
     """(the op's jitted fwd+bwd lowered for bf16 inputs of ``shape``, those inputs — ``inp``
     when given, as an earlier call returned them), with ``kernel_config`` (KernelConfig
     overrides, e.g. ``profile_kernels.variant_overrides(name)``) passed to the op."""
@@ -81,7 +82,7 @@ def lower_op(op, shape, gate_lower_bound=None, interpret=False, inp=None, kernel
     if inp is None:
         inp = testing.make_inputs(op, B, T, H, D, D, dtype=jnp.bfloat16, initial_state=False)
     dO = jax.random.normal(jax.random.PRNGKey(7), inp["v"].shape, F32).astype(jnp.bfloat16)
-    kw = dict(backend=backend, interpret=interpret)
+    kw = dict(backend=backend, interpret=interpret, policy=policy)
     if kernel_config is not None:
         kw["kernel_config"] = kernel_config
     if gate_lower_bound is not None:
@@ -132,10 +133,11 @@ def _tag(op, gate_lower_bound, variant=None):
 
 
 def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=False,
-             keep_trace=False, wall_iters=0, backend="pallas_gpu"):
+             keep_trace=False, wall_iters=0, backend="pallas_gpu", policy="recompute"):
     """Lower, compile and trace one op under the current kernel settings (trace_compiled)."""
-    lowered, inp = lower_op(op, shape, gate_lower_bound, interpret, backend=backend)
-    tag = _tag(op, gate_lower_bound) + ("" if backend == "pallas_gpu" else f"-{backend}")
+    lowered, inp = lower_op(op, shape, gate_lower_bound, interpret, backend=backend, policy=policy)
+    tag = (_tag(op, gate_lower_bound) + ("" if backend == "pallas_gpu" else f"-{backend}")
+           + ("" if policy == "recompute" else f"-{policy}"))
     return trace_compiled(lowered.compile(), inp, tag, shape, iters, out_dir, keep_trace, wall_iters)
 
 
@@ -242,6 +244,7 @@ def main():
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     ap.add_argument("--backend", default="pallas_gpu", choices=("pallas_gpu", "mosaic_gpu"),
                     help="the op's backend (without --variants: those are KernelConfig overrides)")
+    ap.add_argument("--policy", default="recompute", choices=("recompute", "save"))
     a = ap.parse_args()
     shape = tuple(int(x) for x in a.shape.split("x"))
     os.makedirs(a.out_dir, exist_ok=True)
@@ -252,7 +255,7 @@ def main():
         for op in a.ops.split(","):
             bound = a.gate_lower_bound if op in ("kda", "gdn2") else None
             text, _ = trace_op(op, shape, bound, a.iters, a.out_dir, a.interpret, a.keep_traces,
-                               a.wall_iters, a.backend)
+                               a.wall_iters, a.backend, a.policy)
             print(text, flush=True)
         return
     results = trace_variants(parse_plan(a.ops, a.variants), shape, a.gate_lower_bound, a.iters,
