@@ -341,8 +341,9 @@ def test_timed_fwd_bwd_is_the_output_and_its_vjp():
                     reason="the Mosaic GPU interpreter needs jax >= 0.12")
 def test_kernel_ab_prepares_trees_and_times_each(tmp_path, monkeypatch):
     """benchmarks.kernel_ab: `prepare` extracts a commit's kernels, `run --smoke` times each tree
-    in its own process from that tree's kernels (it raises if a tree imports others), and a case
-    a tree lacks is reported by its error, not fatal."""
+    in its own process from that tree's kernels (it raises if a tree imports others), a case
+    a tree lacks is reported by its error, not fatal; `trees` picks trees and `log_dir` keeps
+    each tree's output."""
     import subprocess
 
     from benchmarks import kernel_ab
@@ -356,5 +357,9 @@ def test_kernel_ab_prepares_trees_and_times_each(tmp_path, monkeypatch):
     assert os.path.isfile(tmp_path / "HEAD" / "pallas_kernels" / "mosaic_gpu" / "chunk_inverse.py")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("PYTHONPATH", repo)
-    out = kernel_ab.run(["t0", "vector_chunk_runtime"], limit=300, smoke=True)
+    os.makedirs(tmp_path / "other")  # a tree left out by `trees`
+    out = kernel_ab.run(["t0", "vector_chunk_runtime"], limit=300, smoke=True,
+                        log_dir=str(tmp_path / "logs"), trees=["HEAD"])
     assert out == {"HEAD": {"t0": 0.0, "vector_chunk_runtime": 0.0}}, out
+    assert os.listdir(tmp_path / "logs") == ["HEAD.log"]
+    assert '"t0": 0.0' in (tmp_path / "logs" / "HEAD.log").read_text()
