@@ -35,8 +35,9 @@ at D = 64; centred 26 in 5, 19 in 5.
 The gate gradient is left as per-row parts for XLA (the sums along the chunk do not fit the
 per-row register layout): dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} (y ⊙ k)_s + 2^{G_C} ⊙ Σ_v (dS ⊙ S0).
 (Summing along the chunk in here — two 0/1 triangular tiles times a three-way bf16 split of
-``pairs`` and ``y ⊙ k``, six WGMMAs — made this kernel 0.27 ms slower on an H100, more than
-the HBM round trip of the two fp32 parts it saves: docs/performance-log.md.) The terms with
+``pairs`` and ``y ⊙ k``, six WGMMAs — made this kernel 0.27 ms slower on an H100
+(docs/performance-log.md); the two fp32 parts it saves are 134 MB written and read again at
+the anchor, about 0.08 ms of HBM time, plus XLA's cumsums, not yet timed apart.) The terms with
 decay factor 1 (the diagonal query-key pairs, each row's own path into the end state) are kept
 out of ``pairs``: they would enter with both signs and cancel (chunk_algebra).
 
