@@ -249,8 +249,9 @@ def main():
     shape = tuple(int(x) for x in a.shape.split("x"))
     os.makedirs(a.out_dir, exist_ok=True)
 
-    if a.variants and a.backend != "pallas_gpu":
-        ap.error("--variants are pallas_gpu KernelConfig overrides: leave --backend out")
+    if a.variants and (a.backend != "pallas_gpu" or a.policy != "recompute"):
+        ap.error("--variants trace pallas_gpu KernelConfig overrides under policy recompute: "
+                 "leave --backend and --policy out")
     if not a.variants:
         for op in a.ops.split(","):
             bound = a.gate_lower_bound if op in ("kda", "gdn2") else None
