@@ -7,7 +7,8 @@ and w in [0, 2], and per-channel gates that are either strong (most channels mil
 matters, some down to −10, a few −50 and −inf: the exact frames), declared-bounded (g in
 [−5, 0], a tenth exactly −5: the centred diagonal blocks), or mixed (undeclared, in [−1, 0]
 but for a few −inf in the second chunk: that chunk takes the exact frames, the others the
-centred ones, each chosen at run time). o and the final state must meet
+centred ones, each chosen at run time), or mild (undeclared, all in [−1, 0]: every chunk
+qualifies, so the call takes the kernel built for a declared bound). o and the final state must meet
 rewy-math §8's bf16 bound (ratio ≤ 5e-3); the backward cases (through ``chunk_kda`` /
 ``chunk_gdn2``, both policies, a final-state cotangent) check every gradient against §8's bounds.
 """
@@ -39,6 +40,8 @@ BF16 = jnp.bfloat16
 
 
 def _gates(rng, shape, kind):
+    if kind == "mild":
+        return -rng.uniform(0, 1, shape)
     if kind == "mixed":  # undeclared, mild (centred chunks) but for the second chunk's resets
         g = -rng.uniform(0, 1, shape)
         second = g[:, 64:128]
@@ -91,6 +94,7 @@ def _gate_kwargs(x, dtype):
     ("kda", 128, 70, 1, "strong", 4),
     ("gdn2", 128, 100, 1, "bounded", 5),
     ("kda", 64, 200, 1, "mixed", 6),
+    ("gdn2", 64, 130, 1, "mild", 8),
 ])
 def test_vector_forward_matches_float64(op, D, T, H, gates, seed):
     x = _case(op, T, H, D, seed, gates)

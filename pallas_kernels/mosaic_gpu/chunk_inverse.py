@@ -83,7 +83,7 @@ def chunk_inverse(k, beta, *, interpret=None):
                    a_or_out=plgpu.RefUnion((tile(), tile()), smem((C, C), dtype)),
                    b_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=2))
 
-    def body(k_ref, b_ref, t_ref, k_or_xy, a_or_out, b_s, bar):
+    def chunk_inverse_body(k_ref, b_ref, t_ref, k_or_xy, a_or_out, b_s, bar):
         k_s, (xh, xl, yh, yl) = k_or_xy
         (ah, al), out = a_or_out
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
@@ -101,7 +101,7 @@ def chunk_inverse(k, beta, *, interpret=None):
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((B, H, Tp, C), dtype), scratch_types=scratch,
+        chunk_inverse_body, out_type=jax.ShapeDtypeStruct((B, H, Tp, C), dtype), scratch_types=scratch,
         grid=(B, H, N), grid_names=("b", "h", "n"), compiler_params=compat.compiler_params(),
         interpret=interpret,
     )(k, beta)

@@ -104,7 +104,7 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
     if bv < C:  # P [C, C] does not fit the output tile
         scratch["p_s"] = tile((C, C))
 
-    def body(*refs, q_s, k_s, v_s, t_s, tl_s, b_s, g_s, s_pub, r_pub, o_out, w_stage, in_bar,
+    def fused_forward_body(*refs, q_s, k_s, v_s, t_s, tl_s, b_s, g_s, s_pub, r_pub, o_out, w_stage, in_bar,
              in_free, ag_ready, s_ready, s_free, state_bar, done, state_s=None, meta_s=None, p_s=None):
         refs = list(refs)
         q_ref = refs.pop(0) if out_o else None
@@ -302,7 +302,7 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
     args = ([q] if out_o else []) + [k, v, t0, beta] + ([g2] if gated else []) + ([meta] if packed else [])
     args += [h0t] if has_h0 else []
     outs = plgpu.kernel(
-        body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
+        fused_forward_body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
         grid_names=("b", "h", "v"), num_threads=3, thread_name="wg",
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(*args)

@@ -122,7 +122,7 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
     if packed:
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
-    def body(*refs, q_s, k_s, do_s, a_s, b_s, g_s, x_pub, dog_pub, p_stage, ds_pub, dr_stage, lam_out,
+    def state_backward_body(*refs, q_s, k_s, do_s, a_s, b_s, g_s, x_pub, dog_pub, p_stage, ds_pub, dr_stage, lam_out,
              state_s, in_bar, in_free, a_ready, x_ready, x_free, state_bar, done, meta_s=None):
         refs = list(refs)
         q_ref, k_ref, do_ref, t_ref, b_ref = (refs.pop(0) for _ in range(5))
@@ -316,7 +316,7 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
     args = [q, k, do, t0, beta] + ([g2] if gated else []) + ([meta] if packed else [])
     args += [dfinal_t] if has_df else []
     return plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // bv),
+        state_backward_body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // bv),
         grid_names=("b", "h", "v"), num_threads=3, thread_name="wg",
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(*args)

@@ -109,6 +109,24 @@ def _frame_tile(g_piece, size: int, offset: int):
 
 def vector_chunk(q, k, x, g2, erase, centred_chunks=None, *, scale: float, centred: bool,
                  out_inverse: bool = False, interpret=None):
+    """``(w, u, qg, kt, p)``, and with ``out_inverse`` also ``(a_hi, a_lo)``: :func:`_vector_chunk`,
+    whose docstring gives the arrays. With ``centred_chunks`` (no declared bound), a call whose
+    chunks all qualify for the centred frames runs the kernel built for a declared bound: the
+    kernel that picks frames per chunk holds both frames' code, and ptxas then serialises its
+    WGMMAs for want of registers even where every chunk takes the centred side (H100, KDA at
+    (2, 4096, 16, 128): 0.72 against 0.56 ms). The choice is one predicate on the device."""
+    kw = dict(scale=scale, out_inverse=out_inverse, interpret=interpret)
+    if centred_chunks is None:
+        return _vector_chunk(q, k, x, g2, erase, None, centred=centred, **kw)
+    if centred:
+        raise ValueError("vector_chunk takes centred_chunks exactly when centred is False")
+    return lax.cond(jnp.all(centred_chunks[..., 0] == 1),
+                    lambda: _vector_chunk(q, k, x, g2, erase, None, centred=True, **kw),
+                    lambda: _vector_chunk(q, k, x, g2, erase, centred_chunks, centred=False, **kw))
+
+
+def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: bool,
+                  out_inverse: bool, interpret):
     """``(w, u, qg, kt, p)``, and with ``out_inverse`` also ``(a_hi, a_lo)`` [B, H, Tp, C]: the
     chunk inverse A = (I + T)⁻¹ as a bf16 split pair (β not folded in; the backward's
     Λ = Aᵀ dR reads it). See the module docstring. KDA when ``erase`` is β ``[B, H, Tp]``, GDN2
@@ -149,7 +167,7 @@ def vector_chunk(q, k, x, g2, erase, centred_chunks=None, *, scale: float, centr
     if out_inverse:
         out_type += (jax.ShapeDtypeStruct((B, H, Tp, C), bf), jax.ShapeDtypeStruct((B, H, Tp, C), bf))
 
-    def body(q_ref, k_ref, x_ref, g_ref, e_ref, *refs, q_s, k_s, x_s, g_s, g_rows, e_s, st, out_s, bar,
+    def vector_chunk_body(q_ref, k_ref, x_ref, g_ref, e_ref, *refs, q_s, k_s, x_s, g_s, g_rows, e_s, st, out_s, bar,
              flag_s=None):
         flag_ref = None if centred else refs[0]
         w_ref, u_ref, qg_ref, kt_ref, p_ref, *inv_refs = refs[0 if centred else 1:]
@@ -170,120 +188,125 @@ def vector_chunk(q, k, x, g2, erase, centred_chunks=None, *, scale: float, centr
         if not centred:
             plgpu.copy_gmem_to_smem(flag_ref.at[b, h, n], flag_s, bar)
         plgpu.barrier_wait(bar)
+        def chunk(centred_frames: bool):
+            """Everything after the loads, in the chunk's frames (no value lives across the
+            run-time branch below, so each branch is the whole straight-line kernel)."""
 
-        r, c = iota((C, C), 0), iota((C, C), 1)
-        load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)  # noqa: E731
+            r, c = iota((C, C), 0), iota((C, C), 1)
+            load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)  # noqa: E731
 
-        def erase_piece(j):  # the x side of T: b ⊙ k (GDN2), or k (KDA: β scales T's rows after)
-            return load(e_s.at[j]) * load(k_s.at[j]) if channel_erase else load(k_s.at[j])
+            def erase_piece(j):  # the x side of T: b ⊙ k (GDN2), or k (KDA: β scales T's rows after)
+                return load(e_s.at[j]) * load(k_s.at[j]) if channel_erase else load(k_s.at[j])
 
-        def level_operands(size, offset, masked, tiles):
-            """Stores (unfenced) the operands of one level's (T, P) products in the frames of row
-            groups of ``size`` rows, frame row ``offset`` in each, into ``tiles`` (three per key
-            piece: E_x, Q_x, Y), and returns the two products' specs for mma_group:
-            ``Σ_j E_x,j Y_jᵀ`` and ``Σ_j Q_x,j Y_jᵀ`` (T and P share Y). ``masked``: bit-level
-            frames (x side only on rows ≥ the frame, y side only on rows below it: every factor
-            ≤ 1); else centred (both sides on every row)."""
-            assert 2 * offset == size  # the frame row starts the group's upper half
-            up = upper_half(iota((C, PIECE), 0), size)
-            t_pairs, p_pairs = [], []
-            for j in range(nk):
-                xe_s, xq_s, y_s = tiles[3 * j:3 * j + 3]
-                d = load(g_s.at[j]) - _frame_tile(g_rows.at[j], size, offset)  # G_r − G_f(r)
-                fx = jnp.exp2(jnp.where(up, d, -jnp.inf) if masked else d)
-                put(xe_s, erase_piece(j) * fx)
-                put(xq_s, load(q_s.at[j]) * fx)
-                fy = jnp.exp2(jnp.where(up, -jnp.inf, -d) if masked else -d)
-                put(y_s, load(k_s.at[j]) * fy)
-                t_pairs.append((xe_s, y_s.T))
-                p_pairs.append((xq_s, y_s.T))
-            return [(tuple(t_pairs), (C, C)), (tuple(p_pairs), (C, C))]
+            def level_operands(size, offset, masked, tiles):
+                """Stores (unfenced) the operands of one level's (T, P) products in the frames of row
+                groups of ``size`` rows, frame row ``offset`` in each, into ``tiles`` (three per key
+                piece: E_x, Q_x, Y), and returns the two products' specs for mma_group:
+                ``Σ_j E_x,j Y_jᵀ`` and ``Σ_j Q_x,j Y_jᵀ`` (T and P share Y). ``masked``: bit-level
+                frames (x side only on rows ≥ the frame, y side only on rows below it: every factor
+                ≤ 1); else centred (both sides on every row)."""
+                assert 2 * offset == size  # the frame row starts the group's upper half
+                up = upper_half(iota((C, PIECE), 0), size)
+                t_pairs, p_pairs = [], []
+                for j in range(nk):
+                    xe_s, xq_s, y_s = tiles[3 * j:3 * j + 3]
+                    d = load(g_s.at[j]) - _frame_tile(g_rows.at[j], size, offset)  # G_r − G_f(r)
+                    fx = jnp.exp2(jnp.where(up, d, -jnp.inf) if masked else d)
+                    put(xe_s, erase_piece(j) * fx)
+                    put(xq_s, load(q_s.at[j]) * fx)
+                    fy = jnp.exp2(jnp.where(up, -jnp.inf, -d) if masked else -d)
+                    put(y_s, load(k_s.at[j]) * fy)
+                    t_pairs.append((xe_s, y_s.T))
+                    p_pairs.append((xq_s, y_s.T))
+                return [(tuple(t_pairs), (C, C)), (tuple(p_pairs), (C, C))]
 
-        # (select of the pairs a level keeps, group size, frame row, masked)
-        bit_levels = lambda levs: [(bit_level_pairs(r, c, lev), 2 * lev, lev, True)  # noqa: E731
-                                   for lev in levs]  # r upper, s lower half
-        # the diagonal sub-chunk blocks (select, not multiply: cross-block entries may be inf)
-        centred_tail = [(same_block(r, c, SUB) & (c < r), SUB, MID, False)]
-        # As many levels per round trip as the staging tiles hold (3·K/64 operands a level): the
-        # levels are independent, so their products go together (two: K = 64, and KDA at 128).
-        per_trip = n_staging // (3 * nk)
-        # The diagonal of P (decay factor 1) from the inputs as given, in the first group: its
-        # operands are not rounded again after a frame scaling (taking it from the centred product
-        # instead raised o's error from 3.1e-3 to 4.0e-3 in tests/test_mosaic_gpu_vector.py's
-        # bounded KDA case).
-        qk_spec = [(tuple((q_s.at[j], k_s.at[j].T) for j in range(nk)), (C, C))]
-        def run(levels, t, p):
-            """The levels' products, ``per_trip`` levels a round trip, summed into T and P."""
-            for first in range(0, len(levels), per_trip):
-                batch = levels[first:first + per_trip]
-                specs = []
-                for i, (_, size, offset, masked) in enumerate(batch):
-                    specs += level_operands(size, offset, masked, [st.at[3 * nk * i + m] for m in range(3 * nk)])
-                plgpu.commit_smem()
-                prods = mma_group(specs + (qk_spec if t is None else []))
-                if t is None:  # every entry of T and P comes from exactly one level (or the diagonal)
-                    t = jnp.zeros((C, C), F32)
-                    p = jnp.where(r == c, prods[-1], 0.0)
-                for i, (keep, *_) in enumerate(batch):
-                    t = t + jnp.where(keep, prods[2 * i], 0.0)
-                    p = p + jnp.where(keep, prods[2 * i + 1], 0.0)
-            return t, p
+            # (select of the pairs a level keeps, group size, frame row, masked)
+            bit_levels = lambda levs: [(bit_level_pairs(r, c, lev), 2 * lev, lev, True)  # noqa: E731
+                                       for lev in levs]  # r upper, s lower half
+            # the diagonal sub-chunk blocks (select, not multiply: cross-block entries may be inf)
+            centred_tail = [(same_block(r, c, SUB) & (c < r), SUB, MID, False)]
+            # As many levels per round trip as the staging tiles hold (3·K/64 operands a level): the
+            # levels are independent, so their products go together (two: K = 64, and KDA at 128).
+            per_trip = n_staging // (3 * nk)
+            # The diagonal of P (decay factor 1) from the inputs as given, in the first group: its
+            # operands are not rounded again after a frame scaling (taking it from the centred product
+            # instead raised o's error from 3.1e-3 to 4.0e-3 in tests/test_mosaic_gpu_vector.py's
+            # bounded KDA case).
+            qk_spec = [(tuple((q_s.at[j], k_s.at[j].T) for j in range(nk)), (C, C))]
+            def run(levels, t, p):
+                """The levels' products, ``per_trip`` levels a round trip, summed into T and P."""
+                for first in range(0, len(levels), per_trip):
+                    batch = levels[first:first + per_trip]
+                    specs = []
+                    for i, (_, size, offset, masked) in enumerate(batch):
+                        specs += level_operands(size, offset, masked, [st.at[3 * nk * i + m] for m in range(3 * nk)])
+                    plgpu.commit_smem()
+                    prods = mma_group(specs + (qk_spec if t is None else []))
+                    if t is None:  # every entry of T and P comes from exactly one level (or the diagonal)
+                        t = jnp.zeros((C, C), F32)
+                        p = jnp.where(r == c, prods[-1], 0.0)
+                    for i, (keep, *_) in enumerate(batch):
+                        t = t + jnp.where(keep, prods[2 * i], 0.0)
+                        p = p + jnp.where(keep, prods[2 * i + 1], 0.0)
+                return t, p
 
-        t, p = run(bit_levels(CROSS_LEVELS), None, None)
-        if centred:
-            t, p = run(centred_tail, t, p)
-        else:  # this chunk's frames (vector_prep.centred_chunks), one branch for the whole CTA
-            t, p = lax.cond(flag_s[0] == 1, lambda t, p: run(centred_tail, t, p),
-                            lambda t, p: run(bit_levels(SUB_LEVELS), t, p), t, p)
-        stage(out_s, p * scale)
-        plgpu.copy_smem_to_gmem(out_s, p_ref.at[b, h, rows])
+            t, p = run(bit_levels(CROSS_LEVELS) + (centred_tail if centred_frames else bit_levels(SUB_LEVELS)),
+                       None, None)
+            stage(out_s, p * scale)
+            plgpu.copy_smem_to_gmem(out_s, p_ref.at[b, h, rows])
 
-        if not channel_erase:
-            t = t * rows_of(plgpu.load(e_s, layout=ROWS), (C, C))  # KDA: T = diag(β) tril(...)
-        a = invert_unit_lower(t, (st.at[0], st.at[1]), (st.at[2], st.at[3]), (st.at[4], st.at[5]))
-        if out_inverse:  # A for the backward, before β is folded in (st 4 and 5 are not reused)
-            a_out = split_pair(st.at[4], st.at[5], a)
-            for ref, out in zip(a_out, inv_refs):
-                plgpu.copy_smem_to_gmem(ref, out.at[b, h, rows])
-        if channel_erase and out_inverse:  # GDN2 folds no β: the pair sent out is W's and U's A
-            a_hi, a_lo = a_out
-        else:
             if not channel_erase:
-                a = a * cols_of(plgpu.load(e_s, layout=COLS), (C, C))  # A diag(β): W, U take β from here
-            a_hi, a_lo = split_pair(st.at[2], st.at[3], a)
+                t = t * rows_of(plgpu.load(e_s, layout=ROWS), (C, C))  # KDA: T = diag(β) tril(...)
+            a = invert_unit_lower(t, (st.at[0], st.at[1]), (st.at[2], st.at[3]), (st.at[4], st.at[5]))
+            if out_inverse:  # A for the backward, before β is folded in (st 4 and 5 are not reused)
+                a_out = split_pair(st.at[4], st.at[5], a)
+                for ref, out in zip(a_out, inv_refs):
+                    plgpu.copy_smem_to_gmem(ref, out.at[b, h, rows])
+            if channel_erase and out_inverse:  # GDN2 folds no β: the pair sent out is W's and U's A
+                a_hi, a_lo = a_out
+            else:
+                if not channel_erase:
+                    a = a * cols_of(plgpu.load(e_s, layout=COLS), (C, C))  # A diag(β): W, U take β from here
+                a_hi, a_lo = split_pair(st.at[2], st.at[3], a)
 
-        # Ē per key piece into the staging tiles the inverse left free (st 0, 1); Qγ over q and
-        # K_tail over k (their last reads were the Grams), sent once one fence covers them all.
-        for j in range(nk):
-            g_t = load(g_s.at[j])
-            gam = jnp.exp2(g_t)  # ≤ 1
-            k_t = load(k_s.at[j])
-            put(st.at[j], (load(e_s.at[j]) * k_t if channel_erase else k_t) * gam)  # Ē
-            g_last = cols_of(plgpu.load(g_rows.at[j, C - 1], layout=COLS), (C, PIECE))
-            put(q_s.at[j], load(q_s.at[j]) * gam * scale)  # Qγ
-            put(k_s.at[j], k_t * jnp.exp2(g_last - g_t))  # K_tail (exponent ≤ 0)
-        plgpu.commit_smem()
-        for j in range(nk):
-            cols = pl.ds(j * PIECE, PIECE)
-            plgpu.copy_smem_to_gmem(q_s.at[j], qg_ref.at[b, h, rows, cols])
-            plgpu.copy_smem_to_gmem(k_s.at[j], kt_ref.at[b, h, rows, cols])
-        # W = A Ē and U = A Z, every piece in one group (A as hi + lo: one accumulator each).
-        split_a = lambda x: ((a_hi, x), (a_lo, x))  # noqa: E731
-        wu = mma_group([(split_a(st.at[j]), (C, PIECE)) for j in range(nk)]
-                       + [(split_a(x_s.at[j]), (C, PIECE)) for j in range(nv)])
-        # W over Ē, U over x: each tile's only reader was its own product, complete now.
-        for j in range(nk):
-            put(st.at[j], wu[j])
-        for j in range(nv):
-            put(x_s.at[j], wu[nk + j])
-        plgpu.commit_smem()
-        for j in range(nk):
-            plgpu.copy_smem_to_gmem(st.at[j], w_ref.at[b, h, rows, pl.ds(j * PIECE, PIECE)])
-        for j in range(nv):
-            plgpu.copy_smem_to_gmem(x_s.at[j], u_ref.at[b, h, rows, pl.ds(j * PIECE, PIECE)])
-        plgpu.wait_smem_to_gmem(0)
+            # Ē per key piece into the staging tiles the inverse left free (st 0, 1); Qγ over q and
+            # K_tail over k (their last reads were the Grams), sent once one fence covers them all.
+            for j in range(nk):
+                g_t = load(g_s.at[j])
+                gam = jnp.exp2(g_t)  # ≤ 1
+                k_t = load(k_s.at[j])
+                put(st.at[j], (load(e_s.at[j]) * k_t if channel_erase else k_t) * gam)  # Ē
+                g_last = cols_of(plgpu.load(g_rows.at[j, C - 1], layout=COLS), (C, PIECE))
+                put(q_s.at[j], load(q_s.at[j]) * gam * scale)  # Qγ
+                put(k_s.at[j], k_t * jnp.exp2(g_last - g_t))  # K_tail (exponent ≤ 0)
+            plgpu.commit_smem()
+            for j in range(nk):
+                cols = pl.ds(j * PIECE, PIECE)
+                plgpu.copy_smem_to_gmem(q_s.at[j], qg_ref.at[b, h, rows, cols])
+                plgpu.copy_smem_to_gmem(k_s.at[j], kt_ref.at[b, h, rows, cols])
+            # W = A Ē and U = A Z, every piece in one group (A as hi + lo: one accumulator each).
+            split_a = lambda x: ((a_hi, x), (a_lo, x))  # noqa: E731
+            wu = mma_group([(split_a(st.at[j]), (C, PIECE)) for j in range(nk)]
+                           + [(split_a(x_s.at[j]), (C, PIECE)) for j in range(nv)])
+            # W over Ē, U over x: each tile's only reader was its own product, complete now.
+            for j in range(nk):
+                put(st.at[j], wu[j])
+            for j in range(nv):
+                put(x_s.at[j], wu[nk + j])
+            plgpu.commit_smem()
+            for j in range(nk):
+                plgpu.copy_smem_to_gmem(st.at[j], w_ref.at[b, h, rows, pl.ds(j * PIECE, PIECE)])
+            for j in range(nv):
+                plgpu.copy_smem_to_gmem(x_s.at[j], u_ref.at[b, h, rows, pl.ds(j * PIECE, PIECE)])
+            plgpu.wait_smem_to_gmem(0)
+
+
+        if centred:
+            chunk(True)
+        else:  # this chunk's frames (vector_prep.centred_chunks), one branch for the whole CTA
+            lax.cond(flag_s[0] == 1, lambda: chunk(True), lambda: chunk(False))
 
     return plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
+        vector_chunk_body, out_type=out_type, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(q, k, x, g2, erase, *(() if centred else (centred_chunks,)))

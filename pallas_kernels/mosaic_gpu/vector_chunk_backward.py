@@ -101,7 +101,7 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), F32), jax.ShapeDtypeStruct((B, Tp, H, K), dtype),
                 tok32, tok32, tok32, tok32)
 
-    def body(q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
+    def vector_chunk_backward_body(q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
              do_s, dr_s, r_s, s0_s, ds_s, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None):
         flag_ref = None if centred else refs[0]
         lam_ref, dq_ref, dk_ref, de_ref, pairs_ref, yk_ref = refs[0 if centred else 1:]
@@ -232,6 +232,6 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=(B, H, N * nk), grid_names=("b", "h", "nj"),
+        vector_chunk_backward_body, out_type=out_type, scratch_types=scratch, grid=(B, H, N * nk), grid_names=("b", "h", "nj"),
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *(() if centred else (centred_chunks,)))

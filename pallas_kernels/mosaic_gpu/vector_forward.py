@@ -97,7 +97,7 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
     if packed:
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
-    def body(*refs, w_s, kt_s, qg_s, u_s, p_s, gl_s, s_pub, r_pub, o_out, in_bar, in_free,
+    def vector_state_output_body(*refs, w_s, kt_s, qg_s, u_s, p_s, gl_s, s_pub, r_pub, o_out, in_bar, in_free,
              s_ready, s_free, state_bar, done, state_s=None, meta_s=None):
         refs = list(refs)
         w_ref, u_ref, qg_ref, kt_ref, p_ref, g_ref = (refs.pop(0) for _ in range(6))
@@ -199,7 +199,7 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
 
     args = [w, u, qg, kt, p, g2] + ([meta] if packed else []) + ([h0t] if has_h0 else [])
     outs = plgpu.kernel(
-        body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
+        vector_state_output_body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
         grid_names=("b", "h", "v"), num_threads=3, thread_name="wg",
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(*args)

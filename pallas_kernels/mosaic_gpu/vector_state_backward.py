@@ -86,7 +86,7 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
     if packed:
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
-    def body(*refs, kt_s, w_s, qg_s, p_s, do_s, gl_s, ds_pub, ndr_s, dr_out, state_s, in_bar, in_free,
+    def vector_state_backward_body(*refs, kt_s, w_s, qg_s, p_s, do_s, gl_s, ds_pub, ndr_s, dr_out, state_s, in_bar, in_free,
              state_bar, done, meta_s=None):
         refs = list(refs)
         kt_ref, w_ref, qg_ref, p_ref, do_ref, g_ref = (refs.pop(0) for _ in range(6))
@@ -160,7 +160,7 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
 
     args = [kt, w, qg, p, do, g2] + ([meta] if packed else []) + ([dfinal_t] if has_df else [])
     return plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // bv),
+        vector_state_backward_body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // bv),
         grid_names=("b", "h", "v"), num_threads=2, thread_name="wg",
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(*args)
