@@ -105,6 +105,8 @@ def test_trace_sums_stream_kernels(tmp_path):
     assert "| rewy_wu | 0.1000 | 0.0700 |" in table
     assert "| our kernels | 0.3000 | 0.2700 |" in table
     assert "| XLA glue | 0.0500 | 0.0000 |" in table and "| wall per call | 0.5000 | 0.4500 |" in table
+    assert trace_op.is_ours("vector_chunk_body_mosaic_gpu_kernel") and trace_op.is_ours("rewy_wu")
+    assert not trace_op.is_ours("loop_select_fusion")
     assert trace_op.parse_plan("gdn,kda", "a,b") == [("gdn", ["a", "b"]), ("kda", ["a", "b"])]
     assert trace_op.parse_plan("x", "deltanet:a,b kda:c") == [("deltanet", ["a", "b"]),
                                                                 ("kda", ["c"])]

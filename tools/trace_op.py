@@ -8,7 +8,8 @@
 For each op: o and the inputs' gradients for a cotangent dO (``testing.output_and_vjp``, as
 the benchmark times fwd+bwd) through the public op (``backend="pallas_gpu"``, bf16 inputs,
 as the benchmark calls it), warmed up, then ``--iters`` calls under ``jax.profiler.trace``. The
-Perfetto trace is summed per device event name (our kernels are named ``rewy_*``; the rest is
+Perfetto trace is summed per device event name (our kernels are named ``rewy_*`` on
+``pallas_gpu`` and ``<stage>_body_mosaic_gpu_kernel`` on ``mosaic_gpu``; the rest is
 XLA glue: the e = b⊙k products, gate cumsums, padding, dβ/dg reductions) and printed as ms per
 call, so the gap between ``profile_kernels.py``'s kernels and the benchmark's op time gets names.
 Writes ``<out-dir>/trace-<op>.txt`` (the table; with ``--keep-traces`` also the raw Perfetto trace).
@@ -114,8 +115,8 @@ def trace_compiled(f, inp, tag, shape, iters=5, out_dir=".", keep_trace=False, w
             out = f(inp)
         jax.block_until_ready(out)
         times["WALL"] = 1e3 * (time.perf_counter() - t0) / wall_iters
-    ours = sum(v for k, v in times.items() if k.startswith("rewy_"))
-    glue = {k: v for k, v in times.items() if not k.startswith("rewy_") and k != "WALL"}
+    ours = sum(v for k, v in times.items() if is_ours(k))
+    glue = {k: v for k, v in times.items() if not is_ours(k) and k != "WALL"}
     lines = [f"{tag} {shape} bf16 fwd+bwd, ms per call over {iters} calls (tracks: {tracks})",
              f"  our kernels {ours:.3f}  |  everything else {sum(glue.values()):.3f}"]
     for name, ms in sorted(times.items(), key=lambda kv: -kv[1])[:30]:
@@ -130,6 +131,12 @@ def trace_compiled(f, inp, tag, shape, iters=5, out_dir=".", keep_trace=False, w
 def _tag(op, gate_lower_bound, variant=None):
     return (op + ("" if gate_lower_bound is None else f"-g{gate_lower_bound:g}")
             + ("" if variant is None else f"-{variant}"))
+
+
+def is_ours(name: str) -> bool:
+    """A device event of our kernels: ``rewy_*`` (Pallas Triton) or a Mosaic GPU kernel (its name
+    is the kernel body's function name + ``_mosaic_gpu_kernel``)."""
+    return name.startswith("rewy_") or name.endswith("_mosaic_gpu_kernel")
 
 
 def trace_op(op, shape, gate_lower_bound=None, iters=5, out_dir=".", interpret=False,
@@ -193,7 +200,7 @@ def trace_variants(plan, shape, gate_lower_bound=None, iters=5, out_dir=".", int
 
 def compare_table(op, shape, results):
     """Device ms per kernel (rows) under each variant (columns), from {variant: times}."""
-    names = sorted({k for t in results.values() for k in t if k.startswith("rewy_")})
+    names = sorted({k for t in results.values() for k in t if is_ours(k)})
     cols = list(results)
     lines = [f"{op} {'x'.join(map(str, shape))} bf16 fwd+bwd, device ms per call",
              "| kernel | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
@@ -204,9 +211,9 @@ def compare_table(op, shape, results):
 
     for n in names:
         row(n, lambda t, n=n: t.get(n))
-    row("our kernels", lambda t: sum(v for k, v in t.items() if k.startswith("rewy_")))
+    row("our kernels", lambda t: sum(v for k, v in t.items() if is_ours(k)))
     row("XLA glue", lambda t: sum(v for k, v in t.items()
-                                  if not k.startswith("rewy_") and k != "WALL"))
+                                  if not is_ours(k) and k != "WALL"))
     row("wall per call", lambda t: t.get("WALL"))
     return "\n".join(lines)
 

@@ -30,7 +30,9 @@ select keeps the pairs it is exact for:
   cross-block products are discarded). Every chunk takes it when the gates are declared ≥ −5
   (``centred=True``); otherwise each chunk whose sub-chunks decay by at most 40 does, chosen at
   run time from ``centred_chunks`` (vector_prep.py: the same e^40 bound), and the others take
-  the exact bit levels 8…1 — one branch per CTA, so a chunk costs one set of products.
+  the exact bit levels 8…1 — one branch per CTA around the whole body, so a chunk costs one
+  set of products (:func:`vector_chunk` runs the static centred kernel when every chunk
+  qualifies).
 * the diagonal of P (r = s, factor 1): one plain ``Q Kᵀ`` product of the unscaled inputs.
 
 So the two Grams cost 6 (exact) or 3 (centred) levels × K/64 pieces × two WGMMAs (T and P
