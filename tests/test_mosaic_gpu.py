@@ -516,7 +516,7 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
 
     assert picked("deltanet", 128) is backends.mosaic_gpu_impl
     assert picked("gdn", 64) is backends.mosaic_gpu_impl
-    # KDA/GDN2 run on these kernels only by name (slower than pallas_gpu so far), and so does
+    # KDA/GDN2 run on these kernels only by name (not yet checked against pallas_gpu on a GPU), and so does
     # K = V = 256 (served, accuracy not yet checked on a GPU)
     assert picked("kda", 64) is not backends.mosaic_gpu_impl
     assert picked("gdn", 256) is not backends.mosaic_gpu_impl

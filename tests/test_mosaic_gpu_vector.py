@@ -386,7 +386,7 @@ def test_vector_supports_says_why_not():
 def test_vector_dispatch_on_hopper(monkeypatch):
     """On an sm_90 GPU, backend="mosaic_gpu" serves bf16 KDA and GDN2 at K = V in {64, 128} and
     says why it refuses fp32, K = 256 and fp16 calls (packed ones it serves); backend=None does not take these
-    kernels for vector gates (slower than pallas_gpu so far) (the GPU is faked, nothing runs)."""
+    kernels for vector gates (not yet checked against pallas_gpu on a GPU) (the GPU is faked, nothing runs)."""
     import rewy_jax
     from pallas_kernels.mosaic_gpu import api
     from rewy_jax import backends
