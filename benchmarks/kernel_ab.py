@@ -32,8 +32,14 @@ import sys
 import numpy as np
 
 CASES = ("t0", "state_backward_gdn", "vector_chunk_centred", "vector_chunk_exact", "vector_chunk_runtime",
-         "vector_chunk_backward_centred", "vector_chunk_backward_exact", "vector_chunk_backward_runtime")
+         "vector_chunk_backward_centred", "vector_chunk_backward_exact", "vector_chunk_backward_runtime",
+         "op_kda_fwd_centred", "op_kda_fwd_runtime", "op_kda_centred", "op_kda_runtime")
 __doc__ += "\n".join(f"    {c}" for c in CASES) + "\n"
+__doc__ += """
+The ``op_kda`` cases time the public op, ``chunk_kda(..., backend="mosaic_gpu")``: its forward
+(``_fwd_``) or o and every input's gradient (policy recompute), XLA's work around the kernels
+included (what a kernel alone leaves out: the frame flags, a conditional, the gate sums).
+"""
 AB_DIR = ".ab"
 
 
@@ -91,6 +97,26 @@ def _vector(x, case, ip):
     return (lambda: chunk(*prep)), (lambda: grad(*args))
 
 
+def _op(x, case, smoke):
+    """A callable of the public KDA op for an ``op_kda`` case (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    from rewy_jax.ops import chunk_kda
+
+    mode = case.rsplit("_", 1)[1]
+    bound = -5.0 if mode == "centred" else None
+    g = x["g_resets"] if mode == "exact" else x["g"]
+    args = (x["q"], x["k"], x["v"], g, x["beta"])
+    kda = lambda *a: chunk_kda(*a, backend="mosaic_gpu", gate_lower_bound=bound, interpret=smoke)[0]  # noqa: E731
+    if "_fwd_" in case:
+        f = jax.jit(kda)
+    else:
+        do = x["bf"](*x["shape"]).astype(jnp.float32)
+        f = jax.jit(jax.grad(lambda *a: jnp.sum(kda(*a).astype(jnp.float32) * do), argnums=(0, 1, 2, 3, 4)))
+    return lambda: f(*args)
+
+
 def time_tree(cases: list[str], smoke: bool = False) -> dict:
     """Each case's ms (or its error) with the ``pallas_kernels`` on the path. ``smoke``: a small
     shape in the GPU interpreter, each case run once (the CPU check of this tool; times are 0)."""
@@ -124,6 +150,8 @@ def time_tree(cases: list[str], smoke: bool = False) -> dict:
                 cfg = config.default_config(D, D, 2, heads=None if smoke else B * H, gated=True).state_backward
                 f = jax.jit(lambda *a: state_backward(*a, None, scale=D ** -0.5, cfg=cfg, interpret=ip))
                 out[case] = time_ms(lambda: f(qp, kp, vp, t0, g2, bh))
+            elif case.startswith("op_"):
+                out[case] = time_ms(_op(x, case, smoke))
             else:
                 chunk, grad = _vector(x, case.replace("_backward", ""), ip)
                 out[case] = time_ms(grad if "_backward" in case else chunk)
