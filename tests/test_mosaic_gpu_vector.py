@@ -327,7 +327,9 @@ def test_vector_serial_kernels_lower_for_cuda_packed(D):
 @pytest.mark.parametrize("centred", [False, True])
 def test_vector_backward_kernels_lower_for_cuda(D, centred):
     """The backward's kernels (and the forward's variants that save A, the chunk states and R)
-    lower to Mosaic GPU for sm_90 on this CPU."""
+    lower to Mosaic GPU for sm_90 on this CPU, and dg's chunk sums (a Pallas Triton kernel) for
+    CUDA."""
+    from pallas_kernels.gpu.gates import gate_grad
     from pallas_kernels.mosaic_gpu.vector_chunk_backward import vector_chunk_backward
     from pallas_kernels.mosaic_gpu.vector_state_backward import vector_state_backward
 
@@ -353,6 +355,13 @@ def test_vector_backward_kernels_lower_for_cuda(D, centred):
     for f, args in cases:
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+    tok32 = S((B, T, H, D), f32)
+    f = lambda a, b: gate_grad(a, b, 64, interpret=False, warps=cfg.gate_grad_warps)  # noqa: E731
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda"))  # Triton asks for the GPU
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(f).trace(tok32, tok32).lower(lowering_platforms=("cuda",)).as_text()
+    assert "rewy_gate_grad" in text
 
 
 def test_vector_backward_config_fits_smem():

@@ -235,16 +235,22 @@ class VectorConfig:
     out_buffers: SMEM buffers of the output tile (2 overlaps the TMA store of chunk n − 1 with
         chunk n; 1 where two do not fit beside the input pipeline, K = 128).
     state_backward: tiling of the reverse state pass (vector_state_backward.py).
+    gate_grad_warps: warps of the gate gradient's chunk sums (``pallas_kernels.gpu.gates.gate_grad``,
+        a Pallas Triton kernel: Mosaic GPU has no scan, and XLA's cumsums cost 0.30 ms at the
+        anchor; 4 as in the Pallas GPU backend).
     """
 
     centred: bool = False
     state: PassConfig = PassConfig()
     out_buffers: int = 2
     state_backward: PassConfig = PassConfig()
+    gate_grad_warps: int = 4
 
     def __post_init__(self):
         if self.out_buffers not in (1, 2):
             raise ValueError(f"VectorConfig.out_buffers must be 1 or 2, got {self.out_buffers}")
+        if self.gate_grad_warps not in (1, 2, 4, 8):
+            raise ValueError(f"VectorConfig.gate_grad_warps must be 1, 2, 4 or 8, got {self.gate_grad_warps}")
 
 
 def _vector_chunk_bytes(K: int, V: int, itemsize: int, channel_erase: bool, staging: int) -> int:

@@ -10,8 +10,9 @@ Pipeline (each stage's module docstring gives its shapes):
     vector_state_backward.py  reverse state pass: dR per chunk, each chunk's end cotangent, dh0
     vector_chunk_backward.py  per (chunk, 64 key channels): Λ = Aᵀ dR, dq, the raw-frame dk, de,
                               and the per-row parts of dg
-    XLA (here)                leaf maps (dk += B ⊙ de, dv, dβ or db, dw) and dg (sums along
-                              each chunk, ⟨dS, S0⟩ per channel)
+    gpu/gates.gate_grad       dg's sums along each chunk (a Pallas Triton kernel)
+    XLA (here)                leaf maps (dk += B ⊙ de, dv, dβ or db, dw) and dg's ⟨dS, S0⟩ per
+                              channel
 
 :func:`supports` says which calls it serves (``None``) or why not; :func:`vector_delta_rule` is
 the differentiable op. Packed sequences (cu_seqlens) take the scalar path's layout: api.pack
@@ -26,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.chunk_algebra import exclusive_cumsum, reverse_cumsum
+from pallas_kernels.gpu.gates import gate_grad
 from pallas_kernels.mosaic_gpu import compat, config
 from pallas_kernels.mosaic_gpu import api
 from pallas_kernels.mosaic_gpu.common import C
@@ -142,11 +143,11 @@ def _backward_x32(scale, bound, cfg, interpret, res, cts):
         centred=cfg.centred, interpret=ip)
 
     # dg: dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} yk_s + 2^{G_C} ⊙ Σ_v dS ⊙ S0, per key channel and
-    # chunk (the start state's decay crosses every token of the chunk).
-    chunked = lambda x: x.reshape(B, N, C, H, K)  # noqa: E731
+    # chunk (the start state's decay crosses every token of the chunk). The two sums along each
+    # chunk are the Pallas GPU backend's gate_grad kernel (each output sums only its own terms).
     sds = jnp.einsum("bhnvk,bhnvk->bnhk", states.astype(F32), dstates.astype(F32))
     gam_c = jnp.exp2(jnp.swapaxes(g2.reshape(B, H, N, C, K)[:, :, :, -1], 1, 2))  # [B, N, H, K]
-    dg = reverse_cumsum(chunked(pairs), axis=2) + exclusive_cumsum(chunked(yk), axis=2)
+    dg = gate_grad(pairs, yk, C, interpret=interpret, warps=cfg.gate_grad_warps).reshape(B, N, C, H, K)
     dg = (dg + (gam_c * sds)[:, :, None]).reshape(B, Tp, H, K)[:, :T]
 
     # Leaf maps: e = B ⊙ k (dk += B ⊙ de, dB from ⟨de, k⟩), z = W ⊙ v (dv = W ⊙ Λ, dW = v ⊙ Λ).
