@@ -81,7 +81,10 @@ def _vector(x, case, ip):
     mode = case.rsplit("_", 1)[1]
     bound = -5.0 if mode == "centred" else None
     g = x["g_resets"] if mode == "exact" else x["g"]
-    prep = jax.jit(lambda *a: prepare_vector(*a, gate_lower_bound=bound))(x["q"], x["k"], x["v"], g, x["beta"])
+    pkw = dict(gate_lower_bound=bound)
+    if "interpret" in inspect.signature(prepare_vector).parameters:  # trees whose gate sums are a Triton kernel
+        pkw["interpret"] = ip is not None
+    prep = jax.jit(lambda *a: prepare_vector(*a, **pkw))(x["q"], x["k"], x["v"], g, x["beta"])
     kw = dict(scale=0.08, centred=bound is not None, interpret=ip)
     runtime = "centred_chunks" in inspect.signature(vector_chunk).parameters
     if mode == "runtime" and not runtime:

@@ -184,7 +184,8 @@ def vector_parts(op, s: Shape, bound=None, resets=False, interpret=None):
     cfg = va.default_config(D, D, bound)
     scale = D ** -0.5
     pre = jax.jit(lambda q, k, v, g, b, w: prepare_vector(
-        q, k, v, g, beta=b if kda else None, b=None if kda else b, w=w, gate_lower_bound=bound))
+        q, k, v, g, beta=b if kda else None, b=None if kda else b, w=w, gate_lower_bound=bound,
+        interpret=bool(interpret)))
     prep = pre(q, k, v, g, b, w)
     out = {"prepare (XLA)": time_ms(lambda: pre(q, k, v, g, b, w))}
     ch = jax.jit(lambda *a: vector_chunk(*a, scale=scale, centred=cfg.centred, out_inverse=True,

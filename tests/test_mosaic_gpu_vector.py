@@ -129,7 +129,7 @@ def test_centred_chunks():
     g[:, 140, 0, 5] = -2.6  # chunk 2, head 0: one sub-chunk sums to about 10 more
     g[:, 192:208, 1, 7] = -2.6  # chunk 3, head 1: a sub-chunk of 16 × −2.6 = −41.6 > −40
     g2 = prepare_vector(*(jnp.zeros((B, T, H, D), BF16),) * 3, jnp.asarray(g, jnp.float32),
-                        beta=jnp.ones((B, T, H), jnp.float32))[3]
+                        beta=jnp.ones((B, T, H), jnp.float32), interpret=INTERPRET)[3]
     flags = np.asarray(centred_chunks(g2))
     assert flags.shape == (B, H, T // 64, 32) and not flags[..., 1:].any()
     gc = np.maximum(g, -40.0).reshape(B, T // 16, 16, H, D).sum(2)  # sub-chunk decays (clamped)
@@ -148,7 +148,8 @@ def test_vector_chunk_matches_chunk_algebra(op, centred):
     x = _case(op, T, H, D, 7, "bounded" if centred else "strong")
     scale = D ** -0.5
     args = prepare_vector(*(jnp.asarray(x[n], BF16) for n in "qkv"), jnp.asarray(x["g"], jnp.float32),
-                          gate_lower_bound=-5.0 if centred else None, **_gate_kwargs(x, jnp.float32))
+                          gate_lower_bound=-5.0 if centred else None, interpret=INTERPRET,
+                          **_gate_kwargs(x, jnp.float32))
     with compat.x32():
         got = vector_chunk(*args, scale=scale, centred=centred, interpret=compat.interpret_params(INTERPRET))
     got = [np.asarray(jnp.asarray(a, jnp.float32), np.float64)[0, 0].reshape(T // 64, 64, -1) for a in got]

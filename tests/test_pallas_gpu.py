@@ -544,6 +544,12 @@ def test_interpret_gate_kernels(K):
     G = gates_mod.cum_gates(g, C, interpret=True, warps=4)
     np.testing.assert_allclose(np.asarray(G).reshape(2, 3, C, 3, K),
                                np.cumsum(f64(g), axis=2), rtol=1e-6, atol=1e-5)
+    # the Mosaic GPU backend's form: clamped, scaled, head-major [B, H, Tp, K]
+    Gh = gates_mod.cum_gates(g, C, interpret=True, warps=4, floor=-40.0, scale=1.5, head_major=True)
+    want = np.cumsum(np.maximum(f64(g), -40.0) * 1.5, axis=2).reshape(2, 48, 3, K).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(np.asarray(Gh), want, rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="head_major"):
+        gates_mod.cum_gates(g, C, interpret=True, warps=4, floor=-40.0, below=True, head_major=True)
     dg = gates_mod.gate_grad(pairs, path, C, interpret=True, warps=4)
     ref = np.flip(np.cumsum(np.flip(f64(pairs), 2), 2), 2) + np.cumsum(f64(path), 2) - f64(path)
     err = np.linalg.norm(np.asarray(dg, np.float64).reshape(ref.shape) - ref) / np.linalg.norm(ref)

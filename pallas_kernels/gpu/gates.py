@@ -28,21 +28,26 @@ from pallas_kernels.gpu import launch
 from pallas_kernels.gpu.blocks import F32, dot, exp, iota, load_rows
 
 
-def _gate_call(kernel, xs, C, name, *, interpret, warps, out_dtypes=None):
+def _gate_call(kernel, xs, C, name, *, interpret, warps, out_dtypes=None, head_major=False):
     """A gate kernel on [B,Tp,H,K] tensors ``xs``, one [C, ≤64] block of each per program
     (grid (N, B·H, key tiles)), returning one fp32 tensor of their shape — or, with
-    ``out_dtypes``, a tuple of one such tensor per dtype."""
+    ``out_dtypes``, a tuple of one such tensor per dtype. ``head_major``: the outputs are
+    [B,H,Tp,K] instead (the Mosaic GPU kernels' layout of G)."""
     B, Tp, H, K = xs[0].shape
     BK = min(K, 64)
     spec = pl.BlockSpec((None, C, None, BK), lambda n, bh, t: (bh // H, n, bh % H, t))
-    shapes = [jax.ShapeDtypeStruct(xs[0].shape, d) for d in (out_dtypes or [F32])]
+    out_spec, out_shape = spec, xs[0].shape
+    if head_major:
+        out_spec = pl.BlockSpec((None, None, C, BK), lambda n, bh, t: (bh // H, bh % H, n, t))
+        out_shape = (B, H, Tp, K)
+    shapes = [jax.ShapeDtypeStruct(out_shape, d) for d in (out_dtypes or [F32])]
     out = launch.call(kernel, grid=(Tp // C, B * H, K // BK), in_specs=[spec] * len(xs),
-                out_specs=[spec] * len(shapes), out_shape=shapes, interpret=interpret,
+                out_specs=[out_spec] * len(shapes), out_shape=shapes, interpret=interpret,
                 num_warps=warps, name=name)(*xs)
     return tuple(out) if out_dtypes else out[0]
 
 
-def cum_gates(g, C, *, interpret, warps, floor=None, below=False):
+def cum_gates(g, C, *, interpret, warps, floor=None, below=False, scale=None, head_major=False):
     """Vector gates' chunk-local inclusive cumsum G [B,Tp,H,K] fp32 of the log-decays g (same
     shape), one program per (chunk, head, key tile): one read and one write of g. In XLA the
     cumsum and the gate gradient's two cumsums were the three slowest fusions of KDA's glue
@@ -51,20 +56,27 @@ def cum_gates(g, C, *, interpret, warps, floor=None, below=False):
 
     floor: None, or a Python float g is first clamped to (``chunk_algebra.clamp_gates``).
     below (with a floor): also return the int8 mask [B,Tp,H,K] of g < floor — (G, mask) — for
-    ``gate_grad`` to zero those gates' gradient (the clamp's VJP)."""
+    ``gate_grad`` to zero those gates' gradient (the clamp's VJP).
+    scale: None, or a Python float the clamped gates are multiplied by before the sum (the Mosaic
+    GPU backend's log2 units: ``LOG2E``). head_major: G as [B,H,Tp,K] (no mask then)."""
+    if head_major and below:
+        raise ValueError("cum_gates: the clamp's mask is token-major; head_major takes below=False")
     def kernel(g_ref, G_ref, below_ref=None):
         x = g_ref[...]
         if floor is not None:
             if below_ref is not None:
                 below_ref[...] = (x < floor).astype(jnp.int8)
             x = clamp_gates(x, floor)
+        if scale is not None:
+            x = x * scale
         G_ref[...] = jnp.cumsum(x, axis=0)
 
     if below:
         assert floor is not None, "below is the mask of the clamp to floor"
         return _gate_call(kernel, [g], C, "rewy_cum_gates", interpret=interpret, warps=warps,
                           out_dtypes=[F32, jnp.int8])
-    return _gate_call(kernel, [g], C, "rewy_cum_gates", interpret=interpret, warps=warps)
+    return _gate_call(kernel, [g], C, "rewy_cum_gates", interpret=interpret, warps=warps,
+                      head_major=head_major)
 
 
 def decayed_rows(k, q, G, C, *, interpret, warps):

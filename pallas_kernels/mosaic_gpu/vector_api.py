@@ -2,7 +2,8 @@
 
 Pipeline (each stage's module docstring gives its shapes):
 
-    vector_prep.py            XLA: pad T, clamp g, log2 per-channel gate cumsum, GDN2's z = w ⊙ v
+    vector_prep.py            pad T, GDN2's z = w ⊙ v (XLA); clamp g and its log2 per-channel
+                              chunk sums (gpu/gates.cum_gates, a Pallas Triton kernel)
     vector_chunk.py           per chunk: gated Grams in reference frames, A, W, U, Qγ, K_tail, P
                               (+ A as a split pair for the backward)
     vector_forward.py         fused state pass + output; saves chunk start states and R
@@ -77,7 +78,7 @@ def _chunk_products(q, k, v, g, b, w, scale, bound, cfg, interpret, save):
     kda = w is None
     ip = compat.interpret_params(interpret)
     prep = prepare_vector(q, k, v, g, beta=b if kda else None, b=None if kda else b, w=w,
-                          gate_lower_bound=bound)
+                          gate_lower_bound=bound, interpret=interpret)
     chunk = vector_chunk(*prep, scale=scale, centred=cfg.centred, out_inverse=True, interpret=ip) if save \
         else vector_chunk(*prep, scale=scale, centred=cfg.centred, interpret=ip)
     return prep, chunk

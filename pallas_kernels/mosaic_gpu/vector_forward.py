@@ -236,7 +236,8 @@ def vector_forward(q, k, v, g, beta=None, b=None, w=None, h0=None, *, scale: flo
         raise ValueError("VectorConfig.centred needs a declared gate_lower_bound >= -5")
     ip = compat.interpret_params(interpret)
     with compat.x32():
-        prep = prepare_vector(q, k, v, g, beta, b, w, gate_lower_bound=gate_lower_bound)
+        prep = prepare_vector(q, k, v, g, beta, b, w, gate_lower_bound=gate_lower_bound,
+                              interpret=bool(interpret))
         w_, u_, qg, kt, p = vector_chunk(*prep, scale=scale, centred=cfg.centred, interpret=ip)
         g2 = prep[3]
         h0t = None if h0 is None else jnp.swapaxes(h0.astype(F32), -1, -2)
