@@ -352,6 +352,8 @@ def test_vector_backward_kernels_lower_for_cuda(D, centred):
          (head, head, head, cc, tok, g2, st32)),
         (lambda *a: vector_chunk_backward(*a, scale=0.1, centred=centred),
          (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags)),
+        (lambda *a: vector_chunk_backward(*a[:12], scale=0.1, centred=centred, kda_leaf=a[12:]),  # KDA's
+         (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags, S((B, H, T), f32), tok)),
     )
     for f, args in cases:
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

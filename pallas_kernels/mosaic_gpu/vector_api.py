@@ -10,9 +10,10 @@ Pipeline (each stage's module docstring gives its shapes):
                               (policy "save"; "recompute" reruns both kernels in the backward)
     vector_state_backward.py  reverse state pass: dR per chunk, each chunk's end cotangent, dh0
     vector_chunk_backward.py  per (chunk, 64 key channels): Λ = Aᵀ dR, dq, the raw-frame dk, de,
-                              and the per-row parts of dg
+                              and the per-row parts of dg (KDA: dv, dk and dβ's parts instead of
+                              Λ, dk_raw and de)
     gpu/gates.gate_grad       dg's sums along each chunk (a Pallas Triton kernel)
-    XLA (here)                leaf maps (dk += B ⊙ de, dv, dβ or db, dw) and dg's ⟨dS, S0⟩ per
+    XLA (here)                GDN2's leaf maps (dk += b ⊙ de, dv, db, dw) and dg's ⟨dS, S0⟩ per
                               channel
 
 :func:`supports` says which calls it serves (``None``) or why not; :func:`vector_delta_rule` is
@@ -139,9 +140,11 @@ def _backward_x32(scale, bound, cfg, interpret, res, cts):
     dfinal_t = jnp.swapaxes(dfinal.astype(F32), -1, -2)
     dr, dstates, dh0t = vector_state_backward(kt, w_, qg, p, dop, g2, dfinal_t, cfg=cfg.state_backward,
                                               meta=meta, n_slots=h0.shape[0], interpret=ip)
-    lam, dq, dk_raw, de, pairs, yk = vector_chunk_backward(
+    kda = w is None
+    outs = vector_chunk_backward(
         qp, kp, _erase_tokens(erase, kp), g2, dop, dr, r, states, dstates, a_hi, a_lo, flags, scale=scale,
-        centred=cfg.centred, interpret=ip)
+        centred=cfg.centred, kda_leaf=(erase, prep[2]) if kda else None, interpret=ip)
+    pairs, yk = outs[4:]
 
     # dg: dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} yk_s + 2^{G_C} ⊙ Σ_v dS ⊙ S0, per key channel and
     # chunk (the start state's decay crosses every token of the chunk). The two sums along each
@@ -151,22 +154,21 @@ def _backward_x32(scale, bound, cfg, interpret, res, cts):
     dg = gate_grad(pairs, yk, C, interpret=interpret, warps=cfg.gate_grad_warps).reshape(B, N, C, H, K)
     dg = (dg + (gam_c * sds)[:, :, None]).reshape(B, Tp, H, K)[:, :T]
 
-    # Leaf maps: e = B ⊙ k (dk += B ⊙ de, dB from ⟨de, k⟩), z = W ⊙ v (dv = W ⊙ Λ, dW = v ⊙ Λ).
-    de, lam, dk_raw = de[:, :T], lam[:, :T], dk_raw[:, :T]
-    kf, vf = k.astype(F32), v.astype(F32)
-    if w is None:  # KDA: β erases and writes
-        beta = b[..., None]
-        dk = dk_raw + beta * de
-        dv = beta * lam
-        db = jnp.sum(de * kf, -1) + jnp.sum(lam * vf, -1)
+    # Leaf maps. KDA (β erases and writes): applied in the gradient kernel, which returns dv,
+    # dk and dβ's parts per key piece. GDN2: e = b ⊙ k (dk += b ⊙ de, db = de ⊙ k), z = w ⊙ v
+    # (dv = w ⊙ Λ, dw = v ⊙ Λ).
+    if kda:
+        dv, dq, dk = (x[:, :T] for x in outs[:3])
+        db = jnp.swapaxes(jnp.sum(outs[3], axis=2), 1, 2)[:, :T]  # [B, H, K/64, Tp] -> [B, T, H]
         dw = None
     else:
-        dk = dk_raw + b * de
-        dv = w * lam
-        db = de * kf
-        dw = lam * vf
+        lam, dq, dk_raw, de = (x[:, :T] for x in outs[:4])
+        dk = (dk_raw + b * de).astype(k.dtype)
+        dv = (w * lam).astype(v.dtype)
+        db = de * k.astype(F32)
+        dw = lam * v.astype(F32)
     dh0 = jnp.swapaxes(dh0t, -1, -2)
-    return (dq[:, :T], dk.astype(k.dtype), dv.astype(v.dtype), dg, db, dw, dh0, None)
+    return (dq, dk, dv, dg, db, dw, dh0, None)
 
 
 vector_delta_rule.defvjp(_forward, _backward)

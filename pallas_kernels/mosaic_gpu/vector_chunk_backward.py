@@ -1,7 +1,8 @@
 """Per-chunk gradients of the vector-gate (KDA, GDN2) ReWY backward, in raw frames.
 
 Pipeline position:  vector_state_backward.py (dR per chunk, each chunk's end cotangent dS)  ->
-**this kernel**  ->  XLA (vector_api.py: the leaf maps to dk, dv, dβ / db, dw and dg).
+**this kernel** (KDA: with its leaf maps to dk, dv, dβ)  ->  XLA (vector_api.py: GDN2's leaf maps
+to dk, dv, db, dw) and dg's chunk sums (gpu/gates.gate_grad).
 
 One CTA, one warpgroup, per ``(b, h, chunk, 64-column key piece j)``. Every chunk is independent;
 the K/64 pieces of a chunk repeat the small [C, C] part (Λ, dT, dA) and each forms the per-channel
@@ -49,13 +50,18 @@ SMEM (config.vector_chunk_backward_smem_bytes): dO, dR, R ``[V/64, C, 64]``, S0�
 ``[V/64, 64, 64]`` (the piece's key columns), A hi/lo, q, k, e ``[C, 64]`` (16-bit); G twice
 (swizzled for tiles, plain for the frame rows) and three fp32 output tiles. The level loop's five
 staging tiles reuse the dO, R, S0, dS buffers (spent by then); Λ is staged over dR, dT and dA
-over A. 200 KiB at K = V = 128, 160 KiB at 64 (unchanged by the grouping).
+over A. 200 KiB at K = V = 128, 160 KiB at 64 (unchanged by the grouping); KDA's leaf maps add
+v's piece, β and dβ's part (8.5 KiB at 128).
 
 Reads:  q, k, e [B, Tp, H, K]; g2 [B, H, Tp, K] fp32; do, dr, r [B, Tp, H, V];
         states, dstates [B, H, N, V, K]; a_hi, a_lo [B, H, Tp, C] (per piece: all of dO, dR, R, A,
         and the piece's columns of the others).
 Writes: lam [B, Tp, H, V] fp32 (piece j writes value columns j); dq [B, Tp, H, K] (scale applied,
-        input dtype); dk_raw, de, pairs, yk [B, Tp, H, K] fp32.
+        input dtype); dk_raw, de, pairs, yk [B, Tp, H, K] fp32. With KDA's leaf maps (``kda_leaf``:
+        also reads β [B, H, Tp] and v's piece-j columns) dv = β ⊙ Λ [B, Tp, H, V] and
+        dk = dk_raw + β ⊙ de [B, Tp, H, K] in the input dtype and dβ's parts [B, H, K/64, Tp] fp32
+        take the place of lam, dk_raw and de: 3 × 67 MB of fp32 at the anchor not written, nor read
+        again by XLA.
 """
 
 from __future__ import annotations
@@ -68,16 +74,22 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, WGMMA, bit_level_pairs, cols_of, iota, mma_group, put, rows_of, same_block, smem,
+    C, COLS, F32, META, ROWS, WGMMA, bit_level_pairs, cols_of, iota, mma_group, put, rows_of, same_block, smem,
     upper_half)
 from pallas_kernels.mosaic_gpu.config import PIECE
 from pallas_kernels.mosaic_gpu.vector_chunk import CROSS_LEVELS, MID, SUB, SUB_LEVELS, _frame_tile
 
 
 def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, centred_chunks=None, *,
-                          scale: float, centred: bool, interpret=None):
+                          scale: float, centred: bool, kda_leaf=None, interpret=None):
     """``(lam, dq, dk_raw, de, pairs, yk)``; see the module docstring. ``centred`` and
-    ``centred_chunks`` as for vector_chunk.vector_chunk (the same frames per chunk)."""
+    ``centred_chunks`` as for vector_chunk.vector_chunk (the same frames per chunk).
+
+    ``kda_leaf``: KDA's ``(β [B, H, Tp] fp32, v [B, Tp, H, V])`` — the leaf maps of e = z = β
+    rows are then applied here, and the outputs are ``(dv, dq, dk, db_parts, pairs, yk)``: dv =
+    β ⊙ Λ and dk = dk_raw + β ⊙ de in the input dtype, and db_parts ``[B, H, K/64, Tp]`` fp32,
+    piece j's ``Σ de ⊙ k`` over its key channels plus ``Σ Λ ⊙ v`` over its value columns (dβ is
+    their sum over j). So Λ, de and dk_raw (three fp32 tensors) never reach HBM."""
     B, Tp, H, K = k.shape
     V = do.shape[-1]
     N = Tp // C
@@ -87,24 +99,37 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
     if centred == (centred_chunks is not None):
         raise ValueError("vector_chunk_backward takes centred_chunks exactly when centred is False")
     nk = nv = K // PIECE
+    leaf = kda_leaf is not None
     piece = lambda n: smem((n, C, PIECE), dtype)  # noqa: E731
     scratch = dict(
         do_s=piece(nv), dr_s=piece(nv), r_s=piece(nv), s0_s=piece(nv), ds_s=piece(nv),
         a_s=smem((2, C, C), jnp.bfloat16), q_s=smem((C, PIECE), dtype), k_s=smem((C, PIECE), dtype),
         e_s=smem((C, PIECE), dtype), g_s=smem((C, PIECE), F32), g_rows=plgpu.SMEM((C, PIECE), F32),
         o32=smem((3, C, PIECE), F32),
-        bar=plgpu.Barrier(num_arrivals=5 * nv + 7 + (not centred)),
+        bar=plgpu.Barrier(num_arrivals=5 * nv + 7 + (not centred) + 2 * leaf),
     )
     if not centred:
         scratch["flag_s"] = plgpu.SMEM((META,), jnp.int32)
+    if leaf:  # β's rows, v's piece-j columns (dv goes out over them), the dβ parts
+        scratch.update(beta_s=plgpu.SMEM((C,), F32), v_s=smem((C, PIECE), dtype), db_s=plgpu.SMEM((C,), F32))
     tok32 = jax.ShapeDtypeStruct((B, Tp, H, K), F32)
-    out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), F32), jax.ShapeDtypeStruct((B, Tp, H, K), dtype),
-                tok32, tok32, tok32, tok32)
+    tok = jax.ShapeDtypeStruct((B, Tp, H, K), dtype)
+    if leaf:
+        out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), dtype), tok, tok,
+                    jax.ShapeDtypeStruct((B, H, nk, Tp), F32), tok32, tok32)
+    else:
+        out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), F32), tok, tok32, tok32, tok32, tok32)
 
     def vector_chunk_backward_body(q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
-             do_s, dr_s, r_s, s0_s, ds_s, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None):
-        flag_ref = None if centred else refs[0]
-        lam_ref, dq_ref, dk_ref, de_ref, pairs_ref, yk_ref = refs[0 if centred else 1:]
+             do_s, dr_s, r_s, s0_s, ds_s, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None,
+             beta_s=None, v_s=None, db_s=None):
+        refs = list(refs)
+        flag_ref = None if centred else refs.pop(0)
+        beta_ref, v_ref = (refs.pop(0), refs.pop(0)) if leaf else (None, None)
+        if leaf:
+            dv_ref, dq_ref, dk_ref, db_ref, pairs_ref, yk_ref = refs
+        else:
+            lam_ref, dq_ref, dk_ref, de_ref, pairs_ref, yk_ref = refs
         b, h, nj = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("nj")
         n, j = lax.div(nj, jnp.int32(nk)), lax.rem(nj, jnp.int32(nk))
         rows = pl.ds(n * C, C)
@@ -124,6 +149,9 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_rows, bar)
         if not centred:
             plgpu.copy_gmem_to_smem(flag_ref.at[b, h, n], flag_s, bar)
+        if leaf:
+            plgpu.copy_gmem_to_smem(beta_ref.at[b, h, rows], beta_s, bar)
+            plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols], v_s, bar)
         plgpu.barrier_wait(bar)
 
         load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)  # noqa: E731
@@ -137,11 +165,18 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         else:  # select piece j by arithmetic (exact for a 0/1 weight): no scalar-predicate select
             jf = j.astype(F32)
             lam_j = lam[0] * (1.0 - jf) + lam[1] * jf
-        put(o32.at[0], lam_j)
+        if leaf:  # dv = β ⊙ Λ over v's tile, once Λ ⊙ v is summed (piece j's value columns)
+            lam_v = jnp.sum(lam_j * load(v_s), axis=1)  # one value per row, held to the end
+            put(v_s, lam_j * rows_of(plgpu.load(beta_s, layout=ROWS), tile))
+        else:
+            put(o32.at[0], lam_j)
         for i in range(nv):
             put(dr_s.at[i], lam[i])  # Λ over dR (spent), as the operand of the products below
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o32.at[0], lam_ref.at[b, rows, h, cols])
+        if leaf:
+            plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, h, cols])
+        else:
+            plgpu.copy_smem_to_gmem(o32.at[0], lam_ref.at[b, rows, h, cols])
         lam_s = dr_s
         # Everything else outside the Gram terms, in one group: Λ Rᵀ and dO Rᵀ (→ dT, dA), and
         # Λ S0ᵀ, dO S0ᵀ, R dSᵀ (this piece's key columns).
@@ -222,16 +257,26 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         diag = rows_of(da_diag, tile)
         qs = load(q_s) * scale
         k_t = load(k_s)
-        put(o32.at[0], de)
         put(o32.at[1], dq * qs - dk * k_t + de * load(e_s))  # pairs
-        put(o32.at[2], dk + load(o32.at[2]) + diag * qs)  # dk_raw = pairs' dk + y + dA_diag q̃
+        dk_raw = dk + load(o32.at[2]) + diag * qs  # pairs' dk + y + dA_diag q̃
+        if leaf:  # dk = dk_raw + β ⊙ de over k's tile; dβ's part Σ de ⊙ k + Σ Λ ⊙ v
+            db_s[...] = jnp.sum(de * k_t, axis=1) + lam_v
+            put(k_s, dk_raw + rows_of(plgpu.load(beta_s, layout=ROWS), tile) * de)
+        else:
+            put(o32.at[0], de)
+            put(o32.at[2], dk_raw)
         put(q_s, (dq + diag * k_t) * scale)
         plgpu.commit_smem()
-        for src, ref in ((o32.at[0], de_ref), (o32.at[1], pairs_ref), (o32.at[2], dk_ref), (q_s, dq_ref)):
+        outs = ((o32.at[1], pairs_ref), (q_s, dq_ref))
+        outs += ((k_s, dk_ref),) if leaf else ((o32.at[0], de_ref), (o32.at[2], dk_ref))
+        for src, ref in outs:
             plgpu.copy_smem_to_gmem(src, ref.at[b, rows, h, cols])
+        if leaf:
+            plgpu.copy_smem_to_gmem(db_s, db_ref.at[b, h, j, rows])
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
         vector_chunk_backward_body, out_type=out_type, scratch_types=scratch, grid=(B, H, N * nk), grid_names=("b", "h", "nj"),
         compiler_params=compat.compiler_params(), interpret=interpret,
-    )(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *(() if centred else (centred_chunks,)))
+    )(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *(() if centred else (centred_chunks,)),
+      *(kda_leaf if leaf else ()))
