@@ -16,7 +16,8 @@ tree. A case a tree cannot run (an argument it does not take yet) shows the erro
 
 Cases (KDA for the vector kernels; "centred": a declared bound g ≥ −5; "exact": undeclared
 gates with resets, every chunk in the exact frames; "runtime": undeclared gates in [−1, 0],
-which trees with per-chunk frames run centred):
+which trees with per-chunk frames run centred; "inv": the chunk kernel also writing A's split pair,
+as policy "save" and the recompute backward run it):
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import sys
 import numpy as np
 
 CASES = ("t0", "state_backward_gdn", "vector_chunk_centred", "vector_chunk_exact", "vector_chunk_runtime",
+         "vector_chunk_inv_centred",
          "vector_chunk_backward_centred", "vector_chunk_backward_exact", "vector_chunk_backward_runtime",
          "op_kda_fwd_centred", "op_kda_fwd_runtime", "op_kda_centred", "op_kda_runtime")
 __doc__ += "\n".join(f"    {c}" for c in CASES) + "\n"
@@ -90,7 +92,8 @@ def _vector(x, case, ip):
     if mode == "runtime" and not runtime:
         raise NotImplementedError("no per-chunk frames in this tree")
     prep = tuple(prep[:5]) + ((prep[5],) if runtime and bound is None else ())
-    chunk = jax.jit(lambda *a: vector_chunk(*a, **kw))
+    ckw = dict(kw, out_inverse=True) if "_inv_" in case else kw  # A's split pair out, as the backward needs
+    chunk = jax.jit(lambda *a: vector_chunk(*a, **ckw))
     B, T, H, D = x["shape"]
     bf = x["bf"]
     q, k, _, g2, _ = prep[:5]
