@@ -163,8 +163,9 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
         bar=plgpu.Barrier(num_arrivals=9 + gated),
     )
 
-    def chunk_backward_body(*refs, q_s, k_s, v_s, do_s, lam_s, s0_s, ds_s, t_s, b_s, g_s, db_s, dg_s, u_s, sds_s,
-             w_st, r_st, cc_a, cc_b, bk_st, bar):
+    def chunk_backward_body(
+            *refs, q_s, k_s, v_s, do_s, lam_s, s0_s, ds_s, t_s, b_s, g_s, db_s, dg_s, u_s, sds_s, w_st, r_st,
+            cc_a, cc_b, bk_st, bar):
         (q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref, g_ref,
          dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _kernel_refs(refs, gated)
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
@@ -401,8 +402,9 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
         s0_bar=plgpu.Barrier(num_barriers=s0_slots), ds_bar=plgpu.Barrier(num_barriers=ds_slots),
     )
 
-    def chunk_backward_blocked_body(*refs, k_s, vr_s, do_s, lam_s, t_s, da_s, w_st, q_st, bk_st, dv_st, s0_t, ds_t, b_s,
-             g_s, db_s, dg_s, u_s, sds_s, bar, q_bar, s0_bar, ds_bar):
+    def chunk_backward_blocked_body(
+            *refs, k_s, vr_s, do_s, lam_s, t_s, da_s, w_st, q_st, bk_st, dv_st, s0_t, ds_t, b_s, g_s, db_s,
+            dg_s, u_s, sds_s, bar, q_bar, s0_bar, ds_bar):
         (q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref, g_ref,
          dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _kernel_refs(refs, gated)
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
@@ -611,9 +613,9 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
         done=plgpu.Barrier(num_arrivals=2),
     )
 
-    def chunk_backward_2wg_body(*refs, q_s, k_s, v_s, do_s, lam_s, s0_s, ds_s, t_s, b_s, g_s, db_s, dg_s, u_s, qdq_s,
-             sds_s, w_st, r_st, cc_a, cc_b, bk_st, bar_k, bar_v, bar_l, bar_b, r_ready, cc_ready,
-             rows_ready, done):
+    def chunk_backward_2wg_body(
+            *refs, q_s, k_s, v_s, do_s, lam_s, s0_s, ds_s, t_s, b_s, g_s, db_s, dg_s, u_s, qdq_s, sds_s,
+            w_st, r_st, cc_a, cc_b, bk_st, bar_k, bar_v, bar_l, bar_b, r_ready, cc_ready, rows_ready, done):
         (q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref, g_ref,
          dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _kernel_refs(refs, gated)
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
@@ -747,6 +749,7 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
         finish_together(done)
 
     return plgpu.kernel(
-        chunk_backward_2wg_body, out_type=out_type, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
+        chunk_backward_2wg_body, out_type=out_type, scratch_types=scratch,
+        grid=(B, H, N), grid_names=("b", "h", "n"),
         num_threads=2, thread_name="wg", compiler_params=compat.compiler_params(), interpret=interpret,
     )(q, k, v, do, lam, states, dstates, t0, beta, *([g2] if gated else []))

@@ -104,8 +104,9 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
     if bv < C:  # P [C, C] does not fit the output tile
         scratch["p_s"] = tile((C, C))
 
-    def fused_forward_body(*refs, q_s, k_s, v_s, t_s, tl_s, b_s, g_s, s_pub, r_pub, o_out, w_stage, in_bar,
-             in_free, ag_ready, s_ready, s_free, state_bar, done, state_s=None, meta_s=None, p_s=None):
+    def fused_forward_body(
+            *refs, q_s, k_s, v_s, t_s, tl_s, b_s, g_s, s_pub, r_pub, o_out, w_stage, in_bar, in_free,
+            ag_ready, s_ready, s_free, state_bar, done, state_s=None, meta_s=None, p_s=None):
         refs = list(refs)
         q_ref = refs.pop(0) if out_o else None
         k_ref, v_ref, t_ref, b_ref = (refs.pop(0) for _ in range(4))

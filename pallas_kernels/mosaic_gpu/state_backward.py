@@ -122,8 +122,9 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
     if packed:
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
-    def state_backward_body(*refs, q_s, k_s, do_s, a_s, b_s, g_s, x_pub, dog_pub, p_stage, ds_pub, dr_stage, lam_out,
-             state_s, in_bar, in_free, a_ready, x_ready, x_free, state_bar, done, meta_s=None):
+    def state_backward_body(
+            *refs, q_s, k_s, do_s, a_s, b_s, g_s, x_pub, dog_pub, p_stage, ds_pub, dr_stage, lam_out,
+            state_s, in_bar, in_free, a_ready, x_ready, x_free, state_bar, done, meta_s=None):
         refs = list(refs)
         q_ref, k_ref, do_ref, t_ref, b_ref = (refs.pop(0) for _ in range(5))
         g_ref = refs.pop(0) if gated else None

@@ -169,8 +169,9 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
     if out_inverse:
         out_type += (jax.ShapeDtypeStruct((B, H, Tp, C), bf), jax.ShapeDtypeStruct((B, H, Tp, C), bf))
 
-    def vector_chunk_body(q_ref, k_ref, x_ref, g_ref, e_ref, *refs, q_s, k_s, x_s, g_s, g_rows, e_s, st, out_s, bar,
-             flag_s=None):
+    def vector_chunk_body(
+            q_ref, k_ref, x_ref, g_ref, e_ref, *refs, q_s, k_s, x_s, g_s, g_rows, e_s, st, out_s, bar,
+            flag_s=None):
         flag_ref = None if centred else refs[0]
         w_ref, u_ref, qg_ref, kt_ref, p_ref, *inv_refs = refs[0 if centred else 1:]
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
@@ -309,6 +310,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
             lax.cond(flag_s[0] == 1, lambda: chunk(True), lambda: chunk(False))
 
     return plgpu.kernel(
-        vector_chunk_body, out_type=out_type, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
+        vector_chunk_body, out_type=out_type, scratch_types=scratch,
+        grid=(B, H, N), grid_names=("b", "h", "n"),
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(q, k, x, g2, erase, *(() if centred else (centred_chunks,)))

@@ -120,9 +120,10 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
     else:
         out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), F32), tok, tok32, tok32, tok32, tok32)
 
-    def vector_chunk_backward_body(q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
-             do_s, dr_s, r_s, s0_s, ds_s, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None,
-             beta_s=None, v_s=None, db_s=None):
+    def vector_chunk_backward_body(
+            q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
+            do_s, dr_s, r_s, s0_s, ds_s, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None, beta_s=None,
+            v_s=None, db_s=None):
         refs = list(refs)
         flag_ref = None if centred else refs.pop(0)
         beta_ref, v_ref = (refs.pop(0), refs.pop(0)) if leaf else (None, None)
@@ -276,7 +277,8 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-        vector_chunk_backward_body, out_type=out_type, scratch_types=scratch, grid=(B, H, N * nk), grid_names=("b", "h", "nj"),
+        vector_chunk_backward_body, out_type=out_type, scratch_types=scratch,
+        grid=(B, H, N * nk), grid_names=("b", "h", "nj"),
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *(() if centred else (centred_chunks,)),
       *(kda_leaf if leaf else ()))

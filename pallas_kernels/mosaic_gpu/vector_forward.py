@@ -98,7 +98,7 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
     def vector_state_output_body(*refs, w_s, kt_s, qg_s, u_s, p_s, gl_s, s_pub, r_pub, o_out, in_bar, in_free,
-             s_ready, s_free, state_bar, done, state_s=None, meta_s=None):
+                                 s_ready, s_free, state_bar, done, state_s=None, meta_s=None):
         refs = list(refs)
         w_ref, u_ref, qg_ref, kt_ref, p_ref, g_ref = (refs.pop(0) for _ in range(6))
         meta_ref = refs.pop(0) if packed else None

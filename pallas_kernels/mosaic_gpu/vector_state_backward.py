@@ -86,8 +86,9 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
     if packed:
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
-    def vector_state_backward_body(*refs, kt_s, w_s, qg_s, p_s, do_s, gl_s, ds_pub, ndr_s, dr_out, state_s, in_bar, in_free,
-             state_bar, done, meta_s=None):
+    def vector_state_backward_body(
+            *refs, kt_s, w_s, qg_s, p_s, do_s, gl_s, ds_pub, ndr_s, dr_out, state_s, in_bar, in_free,
+            state_bar, done, meta_s=None):
         refs = list(refs)
         kt_ref, w_ref, qg_ref, p_ref, do_ref, g_ref = (refs.pop(0) for _ in range(6))
         meta_ref = refs.pop(0) if packed else None
