@@ -354,6 +354,8 @@ def test_vector_backward_kernels_lower_for_cuda(D, centred):
          (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags)),
         (lambda *a: vector_chunk_backward(*a[:12], scale=0.1, centred=centred, kda_leaf=a[12:]),  # KDA's
          (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags, S((B, H, T), f32), tok)),
+        (lambda *a: vector_chunk_backward(*a[:12], scale=0.1, centred=centred, gdn2_b=a[12]),  # GDN2's
+         (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags, S((B, T, H, D), f32))),
     )
     for f, args in cases:
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -372,7 +374,8 @@ def test_vector_backward_config_fits_smem():
         cfg = config.default_vector_config(K, K, 2, False)
         stages = cfg.state_backward.stages
         assert config.vector_state_backward_smem_bytes(K, 64, stages, 2) <= config.SMEM_BUDGET
-        assert config.vector_chunk_backward_smem_bytes(K, K, 2) <= config.SMEM_BUDGET
+        for op in ("kda", "gdn2"):
+            assert config.vector_chunk_backward_smem_bytes(K, K, 2, op) <= config.SMEM_BUDGET
     assert config.default_vector_config(128, 128, 2, False).state_backward.stages == 2
     assert config.default_vector_config(64, 64, 2, False).state_backward.stages == 4
 

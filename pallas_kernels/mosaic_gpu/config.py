@@ -309,12 +309,13 @@ def vector_state_backward_smem_bytes(K: int, block_v: int, stages: int, itemsize
     return stages * per_stage + fixed
 
 
-def vector_chunk_backward_smem_bytes(K: int, V: int, itemsize: int, kda_leaf: bool = True) -> int:
+def vector_chunk_backward_smem_bytes(K: int, V: int, itemsize: int, op: str | None = None) -> int:
     """SMEM of the vector-gate per-chunk gradient kernel (its scratch list, see
     vector_chunk_backward.vector_chunk_backward): dO, dR, R ``[C, V]``, S0ᵀ and dSᵀ
-    ``[V, 64]``, A hi/lo, q, k, e ``[C, 64]``; G twice and three output tiles (fp32); with
-    KDA's leaf maps also v's ``[C, 64]`` piece and β and dβ's part ``[C]`` (fp32)."""
-    leaf = C * PIECE * itemsize + 2 * C * 4 if kda_leaf else 0
+    ``[V, 64]``, A hi/lo, q, k, e ``[C, 64]``; G twice and three output tiles (fp32); for
+    ``op`` "kda" also v's ``[C, 64]`` piece and β and dβ's part ``[C]`` (fp32), for "gdn2" b's
+    ``[C, 64]`` piece (fp32): the leaf maps each applies in the kernel."""
+    leaf = {None: 0, "kda": C * PIECE * itemsize + 2 * C * 4, "gdn2": C * PIECE * 4}[op]
     return 5 * C * V * itemsize + 2 * C * C * 2 + 3 * C * PIECE * itemsize + 5 * C * PIECE * 4 + leaf
 
 

@@ -11,9 +11,9 @@ Pipeline (each stage's module docstring gives its shapes):
     vector_state_backward.py  reverse state pass: dR per chunk, each chunk's end cotangent, dh0
     vector_chunk_backward.py  per (chunk, 64 key channels): Λ = Aᵀ dR, dq, the raw-frame dk, de,
                               and the per-row parts of dg (KDA: dv, dk and dβ's parts instead of
-                              Λ, dk_raw and de)
+                              Λ, dk_raw and de; GDN2: dk and db instead of dk_raw and de)
     gpu/gates.gate_grad       dg's sums along each chunk (a Pallas Triton kernel)
-    XLA (here)                GDN2's leaf maps (dk += b ⊙ de, dv, db, dw) and dg's ⟨dS, S0⟩ per
+    XLA (here)                GDN2's write-side leaf maps (dv, dw) and dg's ⟨dS, S0⟩ per
                               channel
 
 :func:`supports` says which calls it serves (``None``) or why not; :func:`vector_delta_rule` is
@@ -143,7 +143,8 @@ def _backward_x32(scale, bound, cfg, interpret, res, cts):
     kda = w is None
     outs = vector_chunk_backward(
         qp, kp, _erase_tokens(erase, kp), g2, dop, dr, r, states, dstates, a_hi, a_lo, flags, scale=scale,
-        centred=cfg.centred, kda_leaf=(erase, prep[2]) if kda else None, interpret=ip)
+        centred=cfg.centred, kda_leaf=(erase, prep[2]) if kda else None, gdn2_b=None if kda else erase,
+        interpret=ip)
     pairs, yk = outs[4:]
 
     # dg: dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} yk_s + 2^{G_C} ⊙ Σ_v dS ⊙ S0, per key channel and
@@ -155,17 +156,15 @@ def _backward_x32(scale, bound, cfg, interpret, res, cts):
     dg = (dg + (gam_c * sds)[:, :, None]).reshape(B, Tp, H, K)[:, :T]
 
     # Leaf maps. KDA (β erases and writes): applied in the gradient kernel, which returns dv,
-    # dk and dβ's parts per key piece. GDN2: e = b ⊙ k (dk += b ⊙ de, db = de ⊙ k), z = w ⊙ v
-    # (dv = w ⊙ Λ, dw = v ⊙ Λ).
+    # dk and dβ's parts per key piece. GDN2: the erase side e = b ⊙ k there too (dk += b ⊙ de,
+    # db = de ⊙ k), the write side z = w ⊙ v here (dv = w ⊙ Λ, dw = v ⊙ Λ).
     if kda:
         dv, dq, dk = (x[:, :T] for x in outs[:3])
         db = jnp.swapaxes(jnp.sum(outs[3], axis=2), 1, 2)[:, :T]  # [B, H, K/64, Tp] -> [B, T, H]
         dw = None
     else:
-        lam, dq, dk_raw, de = (x[:, :T] for x in outs[:4])
-        dk = (dk_raw + b * de).astype(k.dtype)
+        lam, dq, dk, db = (x[:, :T] for x in outs[:4])
         dv = (w * lam).astype(v.dtype)
-        db = de * k.astype(F32)
         dw = lam * v.astype(F32)
     dh0 = jnp.swapaxes(dh0t, -1, -2)
     return (dq, dk, dv, dg, db, dw, dh0, None)

@@ -51,7 +51,7 @@ SMEM (config.vector_chunk_backward_smem_bytes): dO, dR, R ``[V/64, C, 64]``, S0�
 (swizzled for tiles, plain for the frame rows) and three fp32 output tiles. The level loop's five
 staging tiles reuse the dO, R, S0, dS buffers (spent by then); Λ is staged over dR, dT and dA
 over A. 200 KiB at K = V = 128, 160 KiB at 64 (unchanged by the grouping); KDA's leaf maps add
-v's piece, β and dβ's part (8.5 KiB at 128).
+v's piece, β and dβ's part (8.5 KiB at 128), GDN2's erase side b's piece (16 KiB).
 
 Reads:  q, k, e [B, Tp, H, K]; g2 [B, H, Tp, K] fp32; do, dr, r [B, Tp, H, V];
         states, dstates [B, H, N, V, K]; a_hi, a_lo [B, H, Tp, C] (per piece: all of dO, dR, R, A,
@@ -81,7 +81,7 @@ from pallas_kernels.mosaic_gpu.vector_chunk import CROSS_LEVELS, MID, SUB, SUB_L
 
 
 def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, centred_chunks=None, *,
-                          scale: float, centred: bool, kda_leaf=None, interpret=None):
+                          scale: float, centred: bool, kda_leaf=None, gdn2_b=None, interpret=None):
     """``(lam, dq, dk_raw, de, pairs, yk)``; see the module docstring. ``centred`` and
     ``centred_chunks`` as for vector_chunk.vector_chunk (the same frames per chunk).
 
@@ -89,7 +89,14 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
     rows are then applied here, and the outputs are ``(dv, dq, dk, db_parts, pairs, yk)``: dv =
     β ⊙ Λ and dk = dk_raw + β ⊙ de in the input dtype, and db_parts ``[B, H, K/64, Tp]`` fp32,
     piece j's ``Σ de ⊙ k`` over its key channels plus ``Σ Λ ⊙ v`` over its value columns (dβ is
-    their sum over j). So Λ, de and dk_raw (three fp32 tensors) never reach HBM."""
+    their sum over j). So Λ, de and dk_raw (three fp32 tensors) never reach HBM.
+
+    ``gdn2_b``: GDN2's erase gate b ``[B, Tp, H, K]`` fp32 — the erase side's leaf maps are then
+    applied here, and the outputs are ``(lam, dq, dk, db, pairs, yk)``: dk = dk_raw + b ⊙ de in
+    the input dtype and db = de ⊙ k fp32 in place of dk_raw and de (the write side, dv = w ⊙ Λ
+    and dw = v ⊙ Λ, stays in XLA: w and v's tiles do not fit beside b's)."""
+    if kda_leaf is not None and gdn2_b is not None:
+        raise ValueError("vector_chunk_backward takes kda_leaf (KDA) or gdn2_b (GDN2), not both")
     B, Tp, H, K = k.shape
     V = do.shape[-1]
     N = Tp // C
@@ -100,33 +107,37 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         raise ValueError("vector_chunk_backward takes centred_chunks exactly when centred is False")
     nk = nv = K // PIECE
     leaf = kda_leaf is not None
+    erase_b = gdn2_b is not None
     piece = lambda n: smem((n, C, PIECE), dtype)  # noqa: E731
     scratch = dict(
         do_s=piece(nv), dr_s=piece(nv), r_s=piece(nv), s0_s=piece(nv), ds_s=piece(nv),
         a_s=smem((2, C, C), jnp.bfloat16), q_s=smem((C, PIECE), dtype), k_s=smem((C, PIECE), dtype),
         e_s=smem((C, PIECE), dtype), g_s=smem((C, PIECE), F32), g_rows=plgpu.SMEM((C, PIECE), F32),
         o32=smem((3, C, PIECE), F32),
-        bar=plgpu.Barrier(num_arrivals=5 * nv + 7 + (not centred) + 2 * leaf),
+        bar=plgpu.Barrier(num_arrivals=5 * nv + 7 + (not centred) + 2 * leaf + erase_b),
     )
     if not centred:
         scratch["flag_s"] = plgpu.SMEM((META,), jnp.int32)
     if leaf:  # β's rows, v's piece-j columns (dv goes out over them), the dβ parts
         scratch.update(beta_s=plgpu.SMEM((C,), F32), v_s=smem((C, PIECE), dtype), db_s=plgpu.SMEM((C,), F32))
+    if erase_b:  # b's piece-j columns
+        scratch["b_s"] = smem((C, PIECE), F32)
     tok32 = jax.ShapeDtypeStruct((B, Tp, H, K), F32)
     tok = jax.ShapeDtypeStruct((B, Tp, H, K), dtype)
     if leaf:
         out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), dtype), tok, tok,
                     jax.ShapeDtypeStruct((B, H, nk, Tp), F32), tok32, tok32)
     else:
-        out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), F32), tok, tok32, tok32, tok32, tok32)
+        out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), F32), tok, tok if erase_b else tok32, tok32, tok32, tok32)
 
     def vector_chunk_backward_body(
             q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
             do_s, dr_s, r_s, s0_s, ds_s, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None, beta_s=None,
-            v_s=None, db_s=None):
+            v_s=None, db_s=None, b_s=None):
         refs = list(refs)
         flag_ref = None if centred else refs.pop(0)
         beta_ref, v_ref = (refs.pop(0), refs.pop(0)) if leaf else (None, None)
+        b_ref = refs.pop(0) if erase_b else None
         if leaf:
             dv_ref, dq_ref, dk_ref, db_ref, pairs_ref, yk_ref = refs
         else:
@@ -153,6 +164,8 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         if leaf:
             plgpu.copy_gmem_to_smem(beta_ref.at[b, h, rows], beta_s, bar)
             plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols], v_s, bar)
+        if erase_b:
+            plgpu.copy_gmem_to_smem(b_ref.at[b, rows, h, cols], b_s, bar)
         plgpu.barrier_wait(bar)
 
         load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)  # noqa: E731
@@ -263,13 +276,19 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         if leaf:  # dk = dk_raw + β ⊙ de over k's tile; dβ's part Σ de ⊙ k + Σ Λ ⊙ v
             db_s[...] = jnp.sum(de * k_t, axis=1) + lam_v
             put(k_s, dk_raw + rows_of(plgpu.load(beta_s, layout=ROWS), tile) * de)
+        elif erase_b:  # dk = dk_raw + b ⊙ de over k's tile; db = de ⊙ k
+            put(o32.at[0], de * k_t)
+            put(k_s, dk_raw + load(b_s) * de)
         else:
             put(o32.at[0], de)
             put(o32.at[2], dk_raw)
         put(q_s, (dq + diag * k_t) * scale)
         plgpu.commit_smem()
         outs = ((o32.at[1], pairs_ref), (q_s, dq_ref))
-        outs += ((k_s, dk_ref),) if leaf else ((o32.at[0], de_ref), (o32.at[2], dk_ref))
+        if leaf:
+            outs += ((k_s, dk_ref),)
+        else:  # (GDN2's erase side: db over de's tile, dk over k's)
+            outs += ((o32.at[0], de_ref), (k_s if erase_b else o32.at[2], dk_ref))
         for src, ref in outs:
             plgpu.copy_smem_to_gmem(src, ref.at[b, rows, h, cols])
         if leaf:
@@ -281,4 +300,4 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         grid=(B, H, N * nk), grid_names=("b", "h", "nj"),
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *(() if centred else (centred_chunks,)),
-      *(kda_leaf if leaf else ()))
+      *(kda_leaf if leaf else ()), *((gdn2_b,) if erase_b else ()))
