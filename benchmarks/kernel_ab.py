@@ -35,12 +35,14 @@ import numpy as np
 CASES = ("t0", "state_backward_gdn", "vector_chunk_centred", "vector_chunk_exact", "vector_chunk_runtime",
          "vector_chunk_inv_centred",
          "vector_chunk_backward_centred", "vector_chunk_backward_exact", "vector_chunk_backward_runtime",
-         "op_kda_fwd_centred", "op_kda_fwd_runtime", "op_kda_centred", "op_kda_runtime")
+         "op_kda_fwd_centred", "op_kda_fwd_runtime", "op_kda_centred", "op_kda_runtime",
+         "op_gdn2_fwd_centred", "op_gdn2_centred")
 __doc__ += "\n".join(f"    {c}" for c in CASES) + "\n"
 __doc__ += """
-The ``op_kda`` cases time the public op, ``chunk_kda(..., backend="mosaic_gpu")``: its forward
-(``_fwd_``) or o and every input's gradient (policy recompute), XLA's work around the kernels
-included (what a kernel alone leaves out: the frame flags, a conditional, the gate sums).
+The ``op_kda`` and ``op_gdn2`` cases time the public op, ``chunk_kda`` / ``chunk_gdn2(...,
+backend="mosaic_gpu")``: its forward (``_fwd_``) or o and every input's gradient (policy
+recompute), XLA's work around the kernels included (what a kernel alone leaves out: the frame
+flags, a conditional, the gate sums, the leaf maps).
 """
 AB_DIR = ".ab"
 
@@ -107,22 +109,28 @@ def _vector(x, case, ip):
 
 
 def _op(x, case, smoke):
-    """A callable of the public KDA op for an ``op_kda`` case (see the module docstring)."""
+    """A callable of the public KDA or GDN2 op for an ``op_`` case (see the module docstring)."""
     import jax
     import jax.numpy as jnp
 
-    from rewy_jax.ops import chunk_kda
+    from rewy_jax.ops import chunk_gdn2, chunk_kda
 
     mode = case.rsplit("_", 1)[1]
     bound = -5.0 if mode == "centred" else None
     g = x["g_resets"] if mode == "exact" else x["g"]
-    args = (x["q"], x["k"], x["v"], g, x["beta"])
-    kda = lambda *a: chunk_kda(*a, backend="mosaic_gpu", gate_lower_bound=bound, interpret=smoke)[0]  # noqa: E731
+    kw = dict(backend="mosaic_gpu", gate_lower_bound=bound, interpret=smoke)
+    if case.startswith("op_kda"):
+        args = (x["q"], x["k"], x["v"], g, x["beta"])
+        op = lambda *a: chunk_kda(*a, **kw)[0]  # noqa: E731
+    else:  # GDN2: per-channel b and w in [0, 1]
+        b = jnp.broadcast_to(x["beta"][..., None], g.shape)
+        args = (x["q"], x["k"], x["v"], g, b, b)
+        op = lambda *a: chunk_gdn2(*a, **kw)[0]  # noqa: E731
     if "_fwd_" in case:
-        f = jax.jit(kda)
+        f = jax.jit(op)
     else:
         do = x["bf"](*x["shape"]).astype(jnp.float32)
-        f = jax.jit(jax.grad(lambda *a: jnp.sum(kda(*a).astype(jnp.float32) * do), argnums=(0, 1, 2, 3, 4)))
+        f = jax.jit(jax.grad(lambda *a: jnp.sum(op(*a).astype(jnp.float32) * do), argnums=tuple(range(len(args)))))
     return lambda: f(*args)
 
 
