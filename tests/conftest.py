@@ -72,7 +72,7 @@ FAST = (
     "tests/test_mosaic_gpu.py::test_wy_refused_where_not_implemented",
     "tests/test_mosaic_gpu_vector.py::test_vector_supports_says_why_not",
     "tests/test_mosaic_gpu_vector.py::test_vector_dispatch_on_hopper",
-    "tests/test_mosaic_gpu_vector.py::test_vector_kernels_lower_for_cuda?kda-False-64?",
+    "tests/test_mosaic_gpu_vector.py::test_vector_kernels_lower_for_cuda?kda-False-bfloat16-64?",
 )
 
 

@@ -37,6 +37,7 @@ needs_interpreter = pytest.mark.skipif(INTERPRET and not compat.has_interpreter(
                                        reason="the Mosaic GPU interpreter needs jax >= 0.12")
 
 BF16 = jnp.bfloat16
+F16 = jnp.float16
 
 
 def _gates(rng, shape, kind):
@@ -59,11 +60,11 @@ def _gates(rng, shape, kind):
     return g
 
 
-def _case(op, T, H, D, seed, gates, n_seq=None):
-    """float64 arrays (q, k, v bf16-representable; q, k unit rows as the layers feed them);
+def _case(op, T, H, D, seed, gates, n_seq=None, dtype=BF16):
+    """float64 arrays (q, k, v representable in ``dtype``; q, k unit rows as the layers feed them);
     ``n_seq``: that many packed sequences of random lengths (h0 per sequence, and ``cu``)."""
     rng = np.random.default_rng(seed)
-    r16 = lambda x: np.asarray(jnp.asarray(x, BF16).astype(jnp.float64))  # noqa: E731
+    r16 = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float64))  # noqa: E731
     nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     B = 1
     x = dict(q=r16(nrm(rng.standard_normal((B, T, H, D)))), k=r16(nrm(rng.standard_normal((B, T, H, D)))),
@@ -86,20 +87,23 @@ def _gate_kwargs(x, dtype):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("op,D,T,H,gates,seed", [
-    ("kda", 64, 100, 2, "strong", 0),
-    ("gdn2", 64, 130, 1, "strong", 1),
-    ("kda", 64, 70, 2, "bounded", 2),
-    ("gdn2", 64, 150, 1, "bounded", 3),
-    ("kda", 128, 70, 1, "strong", 4),
-    ("gdn2", 128, 100, 1, "bounded", 5),
-    ("kda", 64, 200, 1, "mixed", 6),
-    ("gdn2", 64, 130, 1, "mild", 8),
+@pytest.mark.parametrize("op,D,T,H,gates,seed,dtype", [
+    ("kda", 64, 100, 2, "strong", 0, BF16),
+    ("gdn2", 64, 130, 1, "strong", 1, BF16),
+    ("kda", 64, 70, 2, "bounded", 2, BF16),
+    ("gdn2", 64, 150, 1, "bounded", 3, BF16),
+    ("kda", 128, 70, 1, "strong", 4, BF16),
+    ("gdn2", 128, 100, 1, "bounded", 5, BF16),
+    ("kda", 64, 200, 1, "mixed", 6, BF16),
+    ("gdn2", 64, 130, 1, "mild", 8, BF16),
+    # fp16: the Gram operands stay bf16 (centred factors reach e^40), A's pair, Ē and W are fp16
+    ("kda", 64, 100, 1, "bounded", 9, F16),
+    ("gdn2", 64, 90, 1, "strong", 7, F16),
 ])
-def test_vector_forward_matches_float64(op, D, T, H, gates, seed):
-    x = _case(op, T, H, D, seed, gates)
+def test_vector_forward_matches_float64(op, D, T, H, gates, seed, dtype):
+    x = _case(op, T, H, D, seed, gates, dtype=dtype)
     bound = -5.0 if gates == "bounded" else None
-    o, fin = vector_forward(*(jnp.asarray(x[n], BF16) for n in "qkv"), jnp.asarray(x["g"], jnp.float32),
+    o, fin = vector_forward(*(jnp.asarray(x[n], dtype) for n in "qkv"), jnp.asarray(x["g"], jnp.float32),
                             h0=jnp.asarray(x["h0"], jnp.float32), gate_lower_bound=bound, interpret=INTERPRET,
                             **_gate_kwargs(x, jnp.float32))
     erase, write = (x["beta"], x["beta"]) if op == "kda" else (x["b"], x["w"])
@@ -167,21 +171,22 @@ def test_vector_chunk_matches_chunk_algebra(op, centred):
 
 
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("op,centred", [("kda", False), ("kda", True), ("gdn2", False), ("gdn2", True)])
-def test_vector_kernels_lower_for_cuda(D, op, centred):
+@pytest.mark.parametrize("op,centred,dtype", [("kda", False, BF16), ("kda", True, BF16), ("gdn2", False, BF16),
+                                              ("gdn2", True, BF16), ("kda", True, F16), ("gdn2", False, F16)])
+def test_vector_kernels_lower_for_cuda(D, op, centred, dtype):
     """Both kernels lower to Mosaic GPU for sm_90 on this CPU (layouts, transfers, barriers)."""
     S = jax.ShapeDtypeStruct
     B, T, H = 2, 256, 2
-    tok, g2 = S((B, T, H, D), BF16), S((B, H, T, D), jnp.float32)
+    tok, g2 = S((B, T, H, D), dtype), S((B, H, T, D), jnp.float32)
     erase = S((B, T, H, D), jnp.float32) if op == "gdn2" else S((B, H, T), jnp.float32)
     cfg = config.default_vector_config(D, D, 2, centred)
-    head = S((B, H, T, D), BF16)
+    head = S((B, H, T, D), dtype)
     flags = None if centred else S((B, H, T // 64, 32), jnp.int32)
     for f, args in ((lambda q, k, x, g, e, fl: vector_chunk(q, k, x, g, e, fl, scale=0.1, centred=centred),
                      (tok, tok, tok, g2, erase, flags)),
                     (lambda w, u, qg, kt, p, g, h0: vector_state_output(w, u, qg, kt, p, g, h0, cfg=cfg,
                                                                          out_final=True),
-                     (head, head, head, head, S((B, H, T, 64), BF16), g2, S((B, H, D, D), jnp.float32)))):
+                     (head, head, head, head, S((B, H, T, 64), dtype), g2, S((B, H, D, D), jnp.float32)))):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
 
@@ -206,7 +211,7 @@ def test_vector_forward_refuses():
     with pytest.raises(ValueError, match="K = V"):
         big = jnp.zeros((1, 64, 1, 256), BF16)
         vector_forward(big, big, big, jnp.zeros((1, 64, 1, 256), jnp.float32), beta)
-    with pytest.raises(ValueError, match="bf16 inputs"):
+    with pytest.raises(ValueError, match="bf16 or fp16 inputs"):
         f = jnp.zeros((1, 64, 1, 64), jnp.float32)
         vector_forward(f, f, f, g, beta)
     with pytest.raises(ValueError, match="gate_lower_bound"):
@@ -232,21 +237,21 @@ def _op_grads(op, x, bound, **kw):
     return names, f
 
 
-def _check_backward(op, D, T, H, gates, seed, policy, n_seq=None):
+def _check_backward(op, D, T, H, gates, seed, policy, n_seq=None, dtype=BF16):
     """Every output and gradient of the Mosaic GPU op (interpreter) against the float64
     reference; returns the ratios. ``n_seq``: packed sequences (cu_seqlens, h0 and the final
-    state's cotangent per sequence)."""
-    x = _case(op, T, H, D, seed, gates, n_seq)
+    state's cotangent per sequence); ``dtype``: q, k, v and dO's."""
+    x = _case(op, T, H, D, seed, gates, n_seq, dtype)
     bound = -5.0 if gates == "bounded" else None
     rng = np.random.default_rng(seed + 100)
     cts = dict(o=rng.standard_normal((1, T, H, D)), final=rng.standard_normal((x["h0"].shape[0], H, D, D)))
     cu = x.get("cu")
     names, f = _op_grads(op, x, bound, backend="mosaic_gpu", interpret=INTERPRET, policy=policy,
                          cu_seqlens=None if cu is None else jnp.asarray(cu))
-    cast = {"q": BF16, "k": BF16, "v": BF16}
+    cast = {"q": dtype, "k": dtype, "v": dtype}
     args = [jnp.asarray(x[n], cast.get(n, jnp.float32)) for n in names]
     (o, fin), vjp = jax.vjp(f, *args)
-    grads = vjp((jnp.asarray(cts["o"], BF16), jnp.asarray(cts["final"], jnp.float32)))
+    grads = vjp((jnp.asarray(cts["o"], dtype), jnp.asarray(cts["final"], jnp.float32)))
     _, fref = _op_grads(op, x, bound, backend="reference", cu_seqlens=cu)
     (ro, rfin), rvjp = jax.vjp(fref, *[jnp.asarray(x[n], jnp.float64) for n in names])
     rgrads = rvjp((jnp.asarray(cts["o"]), jnp.asarray(cts["final"], rfin.dtype)))
@@ -262,18 +267,20 @@ def _check_backward(op, D, T, H, gates, seed, policy, n_seq=None):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("op,D,T,H,gates,seed,policy", [
-    ("kda", 64, 100, 2, "strong", 10, "save"),
-    ("gdn2", 64, 130, 1, "strong", 11, "recompute"),
-    ("kda", 64, 70, 1, "bounded", 12, "recompute"),
-    ("gdn2", 64, 90, 1, "bounded", 13, "save"),
-    ("kda", 128, 70, 1, "strong", 14, "recompute"),
-    ("gdn2", 128, 100, 1, "bounded", 15, "save"),
-    ("kda", 64, 150, 1, "mixed", 16, "recompute"),
-    ("gdn2", 64, 190, 1, "mixed", 17, "save"),
+@pytest.mark.parametrize("op,D,T,H,gates,seed,policy,dtype", [
+    ("kda", 64, 100, 2, "strong", 10, "save", BF16),
+    ("gdn2", 64, 130, 1, "strong", 11, "recompute", BF16),
+    ("kda", 64, 70, 1, "bounded", 12, "recompute", BF16),
+    ("gdn2", 64, 90, 1, "bounded", 13, "save", BF16),
+    ("kda", 128, 70, 1, "strong", 14, "recompute", BF16),
+    ("gdn2", 128, 100, 1, "bounded", 15, "save", BF16),
+    ("kda", 64, 150, 1, "mixed", 16, "recompute", BF16),
+    ("gdn2", 64, 190, 1, "mixed", 17, "save", BF16),
+    ("kda", 64, 100, 1, "bounded", 18, "save", F16),
+    ("gdn2", 64, 80, 1, "strong", 19, "recompute", F16),
 ])
-def test_vector_backward_matches_float64(op, D, T, H, gates, seed, policy):
-    ratios = _check_backward(op, D, T, H, gates, seed, policy)
+def test_vector_backward_matches_float64(op, D, T, H, gates, seed, policy, dtype):
+    ratios = _check_backward(op, D, T, H, gates, seed, policy, dtype=dtype)
     bad = {n: r for n, r in ratios.items() if r > tolerance(n, BF16)}
     assert not bad, f"ratios over rewy-math §8 bf16 bounds: {bad} (all: {ratios})"
 
@@ -324,9 +331,9 @@ def test_vector_serial_kernels_lower_for_cuda_packed(D):
         assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("centred", [False, True])
-def test_vector_backward_kernels_lower_for_cuda(D, centred):
+@pytest.mark.parametrize("D,centred,dtype", [(64, False, BF16), (64, True, BF16), (128, False, BF16),
+                                             (128, True, BF16), (64, True, F16), (128, False, F16)])
+def test_vector_backward_kernels_lower_for_cuda(D, centred, dtype):
     """The backward's kernels (and the forward's variants that save A, the chunk states and R)
     lower to Mosaic GPU for sm_90 on this CPU, and dg's chunk sums (a Pallas Triton kernel) for
     CUDA."""
@@ -338,8 +345,8 @@ def test_vector_backward_kernels_lower_for_cuda(D, centred):
     B, T, H = 2, 256, 2
     N = T // 64
     f32 = jnp.float32
-    tok, g2, head = S((B, T, H, D), BF16), S((B, H, T, D), f32), S((B, H, T, D), BF16)
-    cc, st, st32 = S((B, H, T, 64), BF16), S((B, H, N, D, D), BF16), S((B, H, D, D), f32)
+    tok, g2, head = S((B, T, H, D), dtype), S((B, H, T, D), f32), S((B, H, T, D), dtype)
+    cc, st, st32 = S((B, H, T, 64), dtype), S((B, H, N, D, D), dtype), S((B, H, D, D), f32)
     cfg = config.default_vector_config(D, D, 2, centred)
     flags = None if centred else S((B, H, N, 32), jnp.int32)
     cases = (
@@ -389,7 +396,8 @@ def test_vector_supports_says_why_not():
         assert vector_api.supports(**common) is None
         assert vector_api.supports(**{**common, "K": 64, "V": 64}) is None
         assert vector_api.supports(**{**common, "packed": True}) is None  # cu_seqlens: api.pack
-    for change, words in ((dict(dtype=jnp.float16), "bf16"), (dict(dtype=jnp.float32), "bf16"),
+        assert vector_api.supports(**{**common, "dtype": F16}) is None
+    for change, words in ((dict(dtype=jnp.float32), "bf16 or fp16"),
                           (dict(K=256, V=256), "K = V"), (dict(K=128, V=64), "K = V"),
                           (dict(chunk_size=32), "chunk_size"), (dict(backward="wy"), "ReWY"),
                           (dict(static_scale=False), "scale")):
@@ -399,8 +407,8 @@ def test_vector_supports_says_why_not():
 
 
 def test_vector_dispatch_on_hopper(monkeypatch):
-    """On an sm_90 GPU, backend="mosaic_gpu" serves bf16 KDA and GDN2 at K = V in {64, 128} and
-    says why it refuses fp32, K = 256 and fp16 calls (packed ones it serves); backend=None does not take these
+    """On an sm_90 GPU, backend="mosaic_gpu" serves bf16 and fp16 KDA and GDN2 at K = V in {64, 128}
+    and says why it refuses fp32 and K = 256 calls (packed ones it serves); backend=None does not take these
     kernels for vector gates (not yet checked against pallas_gpu on a GPU) (the GPU is faked, nothing runs)."""
     import rewy_jax
     from pallas_kernels.mosaic_gpu import api
@@ -430,11 +438,10 @@ def test_vector_dispatch_on_hopper(monkeypatch):
     for op in ("kda", "gdn2"):
         for D in (64, 128):
             assert picked(op, D, name="mosaic_gpu") is backends.mosaic_gpu_impl, (op, D)
+            assert picked(op, D, dtype=F16, name="mosaic_gpu") is backends.mosaic_gpu_impl, (op, D)
             assert picked(op, D) is not backends.mosaic_gpu_impl, (op, D)
             cu = jnp.asarray([0, 30, 64], jnp.int32)
             assert picked(op, D, cu=cu, name="mosaic_gpu") is backends.mosaic_gpu_impl, (op, D)
-        for kw, words in ((dict(dtype=jnp.float32), "bf16"), (dict(D=256), "K")):
+        for kw, words in ((dict(dtype=jnp.float32), "bf16 or fp16"), (dict(D=256), "K")):
             with pytest.raises(NotImplementedError, match=words):
                 picked(op, **{"D": 128, **kw}, name="mosaic_gpu")
-        with pytest.raises(NotImplementedError, match="fp16 would need"):
-            backends.select("mosaic_gpu", call(op, 64, dtype=jnp.float16), chunk_size=64, interpret=False)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mosaic_gpu import compat, config, prep
-from pallas_kernels.mosaic_gpu.common import C, META
+from pallas_kernels.mosaic_gpu.common import C, DTYPES, META
 from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
 from pallas_kernels.mosaic_gpu.forward import fused_forward
@@ -32,7 +32,6 @@ from pallas_kernels.mosaic_gpu.state_backward import state_backward
 
 HEAD_DIMS = (64, 128, 256)  # 256: the blocked tilings of config.default_config
 BACKWARDS = ("rewy", "wy")  # "wy": the whole-width per-chunk gradient kernel only (K ≤ 128)
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def is_hopper() -> bool:

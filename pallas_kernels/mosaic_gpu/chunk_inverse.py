@@ -38,8 +38,9 @@ LEVELS = (2, 4, 8, 16, 32)  # block sizes s merged into 2s (s = 1 needs no produ
 
 
 def split_pair(hi_ref, lo_ref, x):
-    """Stage ``x`` (fp32 registers) as the bf16 pair ``hi + lo ≈ x``; returns the two refs."""
-    hi = x.astype(jnp.bfloat16)
+    """Stage ``x`` (fp32 registers) as the pair ``hi + lo ≈ x`` in the refs' 16-bit dtype (bf16
+    here; the vector kernels' A for fp16 inputs is an fp16 pair); returns the two refs."""
+    hi = x.astype(hi_ref.dtype)
     stage(hi_ref, hi)
     stage(lo_ref, x - hi.astype(F32))
     return hi_ref, lo_ref

@@ -17,6 +17,7 @@ from jax import lax
 
 C = 64  # tokens per chunk: the WGMMA M-tile
 F32 = jnp.float32
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # the inputs every kernel takes
 # Per-chunk metadata of packed sequences: int32 (reset, slot, end) padded to 32 entries, because
 # a TMA copy by a 128-thread warpgroup must move a multiple of 128 bytes.
 META = 32

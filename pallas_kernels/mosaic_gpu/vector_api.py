@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from pallas_kernels.gpu.gates import gate_grad
 from pallas_kernels.mosaic_gpu import compat, config
 from pallas_kernels.mosaic_gpu import api
-from pallas_kernels.mosaic_gpu.common import C
+from pallas_kernels.mosaic_gpu.common import C, DTYPES
 from pallas_kernels.mosaic_gpu.prep import pad_time
 from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
 from pallas_kernels.mosaic_gpu.vector_chunk_backward import vector_chunk_backward
@@ -52,9 +52,8 @@ def supports(*, K: int, V: int, dtype, chunk_size: int, static_scale: bool, back
     reason = api.device_reason(interpret)
     if reason is not None:
         return reason
-    if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
-        return (f"the Mosaic GPU KDA/GDN2 kernels take bf16 inputs, got {jnp.dtype(dtype).name} "
-                "(fp16 would need fp16 staging tiles beside the bf16 split of A)")
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"the Mosaic GPU KDA/GDN2 kernels take bf16 or fp16 inputs, got {jnp.dtype(dtype).name}"
     if K not in HEAD_DIMS or V != K:
         return f"the Mosaic GPU KDA/GDN2 kernels take K = V in {HEAD_DIMS}, got K={K}, V={V}"
     reason = api.options_reason(chunk_size=chunk_size, static_scale=static_scale, backward=backward)

@@ -65,15 +65,17 @@ SMEM (vector_chunk_smem_bytes in config.py; at K = V = 128 GDN2 200 KiB as befor
 216 KiB with its twelve staging tiles, 168 KiB before; at 64 unchanged, 128 and 112 KiB):
   inputs q, k [K/64, C, 64] and x [V/64, C, 64] (16-bit, swizzled), G [K/64, C, 64] fp32 twice
   (swizzled for tiles, plain for the frame rows), b [K/64, C, 64] fp32 (GDN2) or β [C]; six or
-  twelve [C, C] bf16 staging tiles (Gram operands, the inverse's split pairs, A's hi/lo, Ē then
-  W: hence bf16 inputs only); one output tile (P). Qγ, K_tail and U are staged in place of q, k
+  twelve [C, C] 16-bit staging tiles, seen two ways: bf16 for the Gram operands (centred frame
+  factors reach e^40, past fp16's 65504) and the inverse's split pairs, the input dtype for A's
+  hi/lo, Ē and then W (A meets x in U = A Z, and a WGMMA's operands share one dtype; for fp16
+  inputs A is an fp16 pair); one output tile (P). Qγ, K_tail and U are staged in place of q, k
   and x.
 
 Reads:  q, k [B, Tp, H, K]; x [B, Tp, H, V] (v for KDA, z for GDN2); g2 [B, H, Tp, K] fp32;
         erase: β [B, H, Tp] fp32 (KDA) or b [B, Tp, H, K] fp32 (GDN2).
 Writes: w, qg, kt [B, H, Tp, K]; u [B, H, Tp, V]; p [B, H, Tp, C] (input dtype, head-major);
-        with ``out_inverse`` (the backward's policy "save", or its recompute) A as a bf16 pair
-        a_hi, a_lo [B, H, Tp, C], β not folded in.
+        with ``out_inverse`` (the backward's policy "save", or its recompute) A as a pair
+        a_hi, a_lo [B, H, Tp, C] in the input dtype, β not folded in.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def vector_chunk(q, k, x, g2, erase, centred_chunks=None, *, scale: float, centr
 def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: bool,
                   out_inverse: bool, interpret):
     """``(w, u, qg, kt, p)``, and with ``out_inverse`` also ``(a_hi, a_lo)`` [B, H, Tp, C]: the
-    chunk inverse A = (I + T)⁻¹ as a bf16 split pair (β not folded in; the backward's
+    chunk inverse A = (I + T)⁻¹ as a split pair in the input dtype (β not folded in; the backward's
     Λ = Aᵀ dR reads it). See the module docstring. KDA when ``erase`` is β ``[B, H, Tp]``, GDN2
     when it is b ``[B, Tp, H, K]``. ``centred``: every chunk's diagonal sub-chunk blocks centred
     (a declared gate bound, ``centred_chunks`` None); else ``centred_chunks`` (vector_prep) says
@@ -144,8 +146,8 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
     if K not in (PIECE, 2 * PIECE) or V % PIECE:  # a level's 3·K/64 operands fit the staging tiles
         raise ValueError(f"vector_chunk needs K in {{{PIECE}, {2 * PIECE}}} and V a multiple of {PIECE}, "
                          f"got K={K}, V={V}")
-    if dtype != bf:  # A's split pair is bf16 and multiplies x (U = A Z); W is staged in bf16 tiles
-        raise ValueError(f"vector_chunk takes bf16 inputs, got {jnp.dtype(dtype).name}")
+    if jnp.dtype(dtype) not in (jnp.dtype(bf), jnp.dtype(jnp.float16)):
+        raise ValueError(f"vector_chunk takes bf16 or fp16 inputs, got {jnp.dtype(dtype).name}")
     if centred == (centred_chunks is not None):
         raise ValueError("vector_chunk takes centred_chunks exactly when centred is False")
     nk, nv = K // PIECE, V // PIECE
@@ -158,7 +160,11 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
         # the swizzled g_s (an untransformed fp32 tile has no bank-conflict-free WGMMA load)
         g_rows=plgpu.SMEM((nk, C, PIECE), F32),
         e_s=smem((nk, C, PIECE), F32) if channel_erase else plgpu.SMEM((C,), F32),
-        st=smem((n_staging, C, C), bf), out_s=smem((C, C), dtype),
+        # the staging tiles, seen as bf16 (the Gram operands, whose frame factors reach e^40, and
+        # the inverse's split pairs) and in the input dtype (A's pair, Ē and W: the operands that
+        # meet x in U = A Z, which a WGMMA needs in one dtype); the same bytes
+        st=plgpu.RefUnion(smem((n_staging, C, C), bf), smem((n_staging, C, C), dtype)),
+        out_s=smem((C, C), dtype),
         bar=plgpu.Barrier(num_arrivals=4 * nk + nv + (nk if channel_erase else 1) + (not centred)),
     )
     if not centred:
@@ -167,11 +173,12 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
                 jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, K), dtype),
                 jax.ShapeDtypeStruct((B, H, Tp, C), dtype))
     if out_inverse:
-        out_type += (jax.ShapeDtypeStruct((B, H, Tp, C), bf), jax.ShapeDtypeStruct((B, H, Tp, C), bf))
+        out_type += (jax.ShapeDtypeStruct((B, H, Tp, C), dtype), jax.ShapeDtypeStruct((B, H, Tp, C), dtype))
 
     def vector_chunk_body(
             q_ref, k_ref, x_ref, g_ref, e_ref, *refs, q_s, k_s, x_s, g_s, g_rows, e_s, st, out_s, bar,
             flag_s=None):
+        st, st_x = st  # bf16 and input-dtype views of the staging tiles
         flag_ref = None if centred else refs[0]
         w_ref, u_ref, qg_ref, kt_ref, p_ref, *inv_refs = refs[0 if centred else 1:]
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
@@ -262,7 +269,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
                 t = t * rows_of(plgpu.load(e_s, layout=ROWS), (C, C))  # KDA: T = diag(β) tril(...)
             a = invert_unit_lower(t, (st.at[0], st.at[1]), (st.at[2], st.at[3]), (st.at[4], st.at[5]))
             if out_inverse:  # A for the backward, before β is folded in (st 4 and 5 are not reused)
-                a_out = split_pair(st.at[4], st.at[5], a)
+                a_out = split_pair(st_x.at[4], st_x.at[5], a)
                 for ref, out in zip(a_out, inv_refs):
                     plgpu.copy_smem_to_gmem(ref, out.at[b, h, rows])
             if channel_erase and out_inverse:  # GDN2 folds no β: the pair sent out is W's and U's A
@@ -270,7 +277,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
             else:
                 if not channel_erase:
                     a = a * cols_of(plgpu.load(e_s, layout=COLS), (C, C))  # A diag(β): W, U take β from here
-                a_hi, a_lo = split_pair(st.at[2], st.at[3], a)
+                a_hi, a_lo = split_pair(st_x.at[2], st_x.at[3], a)
 
             # Ē per key piece into the staging tiles the inverse left free (st 0, 1); Qγ over q and
             # K_tail over k (their last reads were the Grams), sent once one fence covers them all.
@@ -278,7 +285,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
                 g_t = load(g_s.at[j])
                 gam = jnp.exp2(g_t)  # ≤ 1
                 k_t = load(k_s.at[j])
-                put(st.at[j], (load(e_s.at[j]) * k_t if channel_erase else k_t) * gam)  # Ē
+                put(st_x.at[j], (load(e_s.at[j]) * k_t if channel_erase else k_t) * gam)  # Ē
                 g_last = cols_of(plgpu.load(g_rows.at[j, C - 1], layout=COLS), (C, PIECE))
                 put(q_s.at[j], load(q_s.at[j]) * gam * scale)  # Qγ
                 put(k_s.at[j], k_t * jnp.exp2(g_last - g_t))  # K_tail (exponent ≤ 0)
@@ -289,16 +296,16 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
                 plgpu.copy_smem_to_gmem(k_s.at[j], kt_ref.at[b, h, rows, cols])
             # W = A Ē and U = A Z, every piece in one group (A as hi + lo: one accumulator each).
             split_a = lambda x: ((a_hi, x), (a_lo, x))  # noqa: E731
-            wu = mma_group([(split_a(st.at[j]), (C, PIECE)) for j in range(nk)]
+            wu = mma_group([(split_a(st_x.at[j]), (C, PIECE)) for j in range(nk)]
                            + [(split_a(x_s.at[j]), (C, PIECE)) for j in range(nv)])
             # W over Ē, U over x: each tile's only reader was its own product, complete now.
             for j in range(nk):
-                put(st.at[j], wu[j])
+                put(st_x.at[j], wu[j])
             for j in range(nv):
                 put(x_s.at[j], wu[nk + j])
             plgpu.commit_smem()
             for j in range(nk):
-                plgpu.copy_smem_to_gmem(st.at[j], w_ref.at[b, h, rows, pl.ds(j * PIECE, PIECE)])
+                plgpu.copy_smem_to_gmem(st_x.at[j], w_ref.at[b, h, rows, pl.ds(j * PIECE, PIECE)])
             for j in range(nv):
                 plgpu.copy_smem_to_gmem(x_s.at[j], u_ref.at[b, h, rows, pl.ds(j * PIECE, PIECE)])
             plgpu.wait_smem_to_gmem(0)

@@ -45,7 +45,9 @@ out of ``pairs``: they would enter with both signs and cancel (chunk_algebra).
 Registers: the accumulators de, dq̃, dk [C, 64] fp32 (96 per thread) and, across a level's wait,
 its three products and one frame-factor tile (128 more, 224 in all: the bit levels' two sides
 share one exp2 tile, the centred level re-forms its y side from SMEM after the wait); the second
-group's five products are 160. The [C, C] tiles dT and dA wait in SMEM (bf16) between levels.
+group's five products are 160. The [C, C] tiles dT and dA wait in SMEM (input dtype) between
+levels; each level's five operands are staged in bf16 over spent input tiles (frame factors
+reach e^40, past fp16's range).
 SMEM (config.vector_chunk_backward_smem_bytes): dO, dR, R ``[V/64, C, 64]``, S0ᵀ and dSᵀ
 ``[V/64, 64, 64]`` (the piece's key columns), A hi/lo, q, k, e ``[C, 64]`` (16-bit); G twice
 (swizzled for tiles, plain for the frame rows) and three fp32 output tiles. The level loop's five
@@ -110,8 +112,12 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
     erase_b = gdn2_b is not None
     piece = lambda n: smem((n, C, PIECE), dtype)  # noqa: E731
     scratch = dict(
-        do_s=piece(nv), dr_s=piece(nv), r_s=piece(nv), s0_s=piece(nv), ds_s=piece(nv),
-        a_s=smem((2, C, C), jnp.bfloat16), q_s=smem((C, PIECE), dtype), k_s=smem((C, PIECE), dtype),
+        # dO, R, S0ᵀ, dSᵀ, dR (Λ over it) in the input dtype; once spent, their first five
+        # [C, 64] tiles are the Gram levels' staging tiles, seen as bf16 (frame factors reach
+        # e^40); the same bytes
+        io=plgpu.RefUnion((piece(nv), piece(nv), piece(nv), piece(nv), piece(nv)),
+                          tuple(smem((C, PIECE), jnp.bfloat16) for _ in range(5 * nv))),
+        a_s=smem((2, C, C), dtype), q_s=smem((C, PIECE), dtype), k_s=smem((C, PIECE), dtype),
         e_s=smem((C, PIECE), dtype), g_s=smem((C, PIECE), F32), g_rows=plgpu.SMEM((C, PIECE), F32),
         o32=smem((3, C, PIECE), F32),
         bar=plgpu.Barrier(num_arrivals=5 * nv + 7 + (not centred) + 2 * leaf + erase_b),
@@ -132,8 +138,9 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
 
     def vector_chunk_backward_body(
             q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
-            do_s, dr_s, r_s, s0_s, ds_s, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None, beta_s=None,
+            io, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None, beta_s=None,
             v_s=None, db_s=None, b_s=None):
+        (do_s, r_s, s0_s, ds_s, dr_s), spent = io
         refs = list(refs)
         flag_ref = None if centred else refs.pop(0)
         beta_ref, v_ref = (refs.pop(0), refs.pop(0)) if leaf else (None, None)
@@ -216,7 +223,6 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         dk = plgpu.layout_cast(jnp.zeros(tile, F32), WGMMA)
 
         # The decayed Gram terms, level by level; the staging tiles reuse spent buffers.
-        spent = [x.at[i] for x in (do_s, r_s, s0_s, ds_s, dr_s) for i in range(nv)]
         dtl_s, dal_s, xe_s, xq_s, ky_s = spent[:5]
         up_rows = iota(tile, 0)
 

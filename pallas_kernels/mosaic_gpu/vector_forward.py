@@ -48,8 +48,8 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, WGMMA, cols_of, finish_together, memory_warpgroup, mma, mma_sum, smem, stage,
-    replace_where, start_state, store_state)
+    C, COLS, DTYPES, F32, META, WGMMA, cols_of, finish_together, memory_warpgroup, mma, mma_sum, replace_where,
+    smem, stage, start_state, store_state)
 from pallas_kernels.mosaic_gpu.config import VectorConfig, default_vector_config
 from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
 from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, prepare_vector
@@ -226,9 +226,8 @@ def vector_forward(q, k, v, g, beta=None, b=None, w=None, h0=None, *, scale: flo
         raise ValueError("pass beta (KDA) or both b and w (GDN2)")
     if K not in HEAD_DIMS or V != K:
         raise ValueError(f"vector_forward takes K = V in {HEAD_DIMS}, got K={K}, V={V}")
-    if jnp.dtype(v.dtype) != jnp.dtype(jnp.bfloat16):
-        # (fp16 would need fp16 staging tiles: U = A X pairs the bf16 hi/lo split of A with x)
-        raise ValueError(f"vector_forward takes bf16 inputs, got {jnp.dtype(v.dtype).name}")
+    if jnp.dtype(v.dtype) not in DTYPES:
+        raise ValueError(f"vector_forward takes bf16 or fp16 inputs, got {jnp.dtype(v.dtype).name}")
     scale = K ** -0.5 if scale is None else float(scale)
     if cfg is None:
         cfg = default_vector_config(K, V, jnp.dtype(v.dtype).itemsize, centred_ok(gate_lower_bound))
