@@ -24,7 +24,7 @@ import pytest
 from pallas_kernels import chunk_algebra as ca
 from pallas_kernels.mosaic_gpu import compat, config
 from pallas_kernels.mosaic_gpu.prep import LOG2E
-from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
+from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk, vector_wu
 from pallas_kernels.mosaic_gpu.vector_forward import vector_forward, vector_state_output
 from pallas_kernels.mosaic_gpu.vector_prep import prepare_vector
 from rewy_jax.reference import reference_general
@@ -168,6 +168,29 @@ def test_vector_chunk_matches_chunk_algebra(op, centred):
                                   (loc.W, loc.U, loc.Qg, loc.Kt, loc.P)):
             r = ratio(val[n], np.asarray(ref))
             assert r < 5e-3, (name, n, r)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_vector_wu_matches_chunk_kernel(op):
+    """vector_wu (policy "recompute": W, U, Qγ, K_tail from the A the chunk kernel sent out)
+    against the chunk kernel's own outputs, D = 128 (two pieces, one CTA each): GDN2 takes the
+    same A pair, so every value is the same bits; KDA folds β into hi + lo and splits it again,
+    which may move W and U by one rounding of the input dtype (their ratio stays ≤ 1e-3)."""
+    D, T, H = 128, 128, 1
+    x = _case(op, T, H, D, 3, "strong")
+    args = prepare_vector(*(jnp.asarray(x[n], BF16) for n in "qkv"), jnp.asarray(x["g"], jnp.float32),
+                          interpret=INTERPRET, **_gate_kwargs(x, jnp.float32))
+    ip = compat.interpret_params(INTERPRET)
+    with compat.x32():
+        full = vector_chunk(*args, scale=0.1, centred=False, out_inverse=True, interpret=ip)
+        wu = vector_wu(*args[:5], *full[5:], scale=0.1, interpret=ip)
+    for name, got, ref in zip(("W", "U", "Qγ", "K_tail"), wu, full[:4]):
+        got, ref = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (got, ref))
+        if op == "gdn2" or name in ("Qγ", "K_tail"):
+            np.testing.assert_array_equal(got, ref, err_msg=name)
+        else:
+            assert ratio(got, ref) <= 1e-3, (name, ratio(got, ref))
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -355,6 +378,9 @@ def test_vector_backward_kernels_lower_for_cuda(D, centred, dtype):
         (lambda w, u, qg, kt, p, g, h0: vector_state_output(w, u, qg, kt, p, g, h0, cfg=cfg, out_final=False,
                                                              save_states=True),
          (head, head, head, head, cc, g2, st32)),
+        # policy "recompute": W, U, Qγ, K_tail from the kept A (KDA's β, GDN2's b)
+        (lambda *a: vector_wu(*a, scale=0.1), (tok, tok, tok, g2, S((B, H, T), f32), cc, cc)),
+        (lambda *a: vector_wu(*a, scale=0.1), (tok, tok, tok, g2, S((B, T, H, D), f32), cc, cc)),
         (lambda *a: vector_state_backward(*a, cfg=cfg.state_backward),
          (head, head, head, cc, tok, g2, st32)),
         (lambda *a: vector_chunk_backward(*a, scale=0.1, centred=centred),

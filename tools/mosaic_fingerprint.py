@@ -102,9 +102,10 @@ def cases():
 
 def vector_cases():
     """(name, function, argument structs) for the vector-gate (KDA, GDN2) kernels at D in
-    {64, 128}, exact and centred frames: the chunk kernel, the state/output pass (with and
-    without the saved states), the reverse state pass and the per-chunk gradients."""
-    from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
+    {64, 128}, exact and centred frames: the chunk kernel (and vector_wu, policy "recompute"'s
+    W and U from the kept A), the state/output pass (with and without the saved states), the
+    reverse state pass and the per-chunk gradients."""
+    from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk, vector_wu
     from pallas_kernels.mosaic_gpu.vector_chunk_backward import vector_chunk_backward
     from pallas_kernels.mosaic_gpu.vector_forward import vector_state_output
     from pallas_kernels.mosaic_gpu.vector_state_backward import vector_state_backward
@@ -126,6 +127,9 @@ def vector_cases():
                             lambda q, k, x, g, e, *fl, c=centred: vector_chunk(
                                 q, k, x, g, e, *fl, scale=0.1, centred=c, out_inverse=True),
                             [tok, tok, tok, g2, erase] + flags))
+                if centred:  # (no frames: once per D)
+                    out.append((f"vector_wu-{op}-D{D}", lambda *a: vector_wu(*a, scale=0.1),
+                                [tok, tok, tok, g2, erase, cc, cc]))
             for save in (False, True):
                 out.append((f"vector_state_output-{tag}-save{int(save)}",
                             lambda *a, cfg=cfg, save=save: vector_state_output(

@@ -34,7 +34,7 @@ from pallas_kernels.mosaic_gpu import compat, config
 from pallas_kernels.mosaic_gpu import api
 from pallas_kernels.mosaic_gpu.common import C, DTYPES
 from pallas_kernels.mosaic_gpu.prep import pad_time
-from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
+from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk, vector_wu
 from pallas_kernels.mosaic_gpu.vector_chunk_backward import vector_chunk_backward
 from pallas_kernels.mosaic_gpu.vector_forward import HEAD_DIMS, vector_state_output
 from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, prepare_vector
@@ -73,15 +73,10 @@ def _erase_tokens(erase, k):
     return (erase * k.astype(F32)).astype(k.dtype)
 
 
-def _chunk_products(q, k, v, g, b, w, scale, bound, cfg, interpret, save):
-    """The forward's kernels: ``(prep, chunk outputs, o, final ᵀ, states, r)``."""
+def _prepare(q, k, v, g, b, w, bound, interpret):
     kda = w is None
-    ip = compat.interpret_params(interpret)
-    prep = prepare_vector(q, k, v, g, beta=b if kda else None, b=None if kda else b, w=w,
+    return prepare_vector(q, k, v, g, beta=b if kda else None, b=None if kda else b, w=w,
                           gate_lower_bound=bound, interpret=interpret)
-    chunk = vector_chunk(*prep, scale=scale, centred=cfg.centred, out_inverse=True, interpret=ip) if save \
-        else vector_chunk(*prep, scale=scale, centred=cfg.centred, interpret=ip)
-    return prep, chunk
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
@@ -92,8 +87,10 @@ def vector_delta_rule(q, k, v, g, b, w, h0, meta, scale: float, policy: str, gat
 
     q, k: [B, T, H, K], v: [B, T, H, V] bf16; g: [B, T, H, K] fp32 (≤ 0, already clamped to the
     floor or ``gate_lower_bound``); b, w fp32; h0: [B, H, K, V] fp32. ``scale`` multiplies q.
-    ``policy``: "save" keeps A, the chunk start states and R for the backward, "recompute" reruns
-    the forward's kernels there. ``meta``: None, or packed sequences (B = 1, each sequence starting
+    ``policy``: "save" keeps every chunk kernel output, the chunk start states and R for the
+    backward; "recompute" keeps only the chunk matrices A (a pair) and P ``[B, H, Tp, C]``, as the
+    scalar-gate path keeps T0, and re-forms W, U, Qγ, K_tail from them (``vector_wu``) and the
+    states (the state pass) there. ``meta``: None, or packed sequences (B = 1, each sequence starting
     on a chunk boundary, :func:`api.pack`): int32 ``[N, META]`` per chunk (reset, slot, end, 0...),
     and h0 is ``[n_slots, H, K, V]``. Returns ``(o [B, T, H, V], final [B or n_slots, H, K, V]
     fp32)``.
@@ -105,27 +102,32 @@ def _forward(q, k, v, g, b, w, h0, meta, scale, policy, bound, cfg, interpret):
     T = q.shape[1]
     save = policy == "save"
     with compat.x32():
-        prep, chunk = _chunk_products(q, k, v, g, b, w, scale, bound, cfg, interpret, save)
+        prep = _prepare(q, k, v, g, b, w, bound, interpret)
+        # A leaves the chunk kernel under both policies: the backward's Λ = Aᵀ dR reads it
+        chunk = vector_chunk(*prep, scale=scale, centred=cfg.centred, out_inverse=True,
+                             interpret=compat.interpret_params(interpret))
         h0t = jnp.swapaxes(h0.astype(F32), -1, -2)
         outs = vector_state_output(*chunk[:5], prep[3], h0t, cfg=cfg, out_final=True, save_states=save,
                                    meta=meta, interpret=compat.interpret_params(interpret))
-    saved = (prep, chunk, outs[2], outs[3]) if save else None
+    saved = (prep, chunk, outs[2], outs[3]) if save else chunk[4:]  # recompute: P and A's pair
     res = (q, k, v, g, b, w, h0, meta, saved)
     return (outs[0][:, :T], jnp.swapaxes(outs[1], -1, -2)), res
 
 
 def _backward(scale, policy, bound, cfg, interpret, res, cts):
     with compat.x32():
-        return _backward_x32(scale, bound, cfg, interpret, res, cts)
+        return _backward_x32(scale, policy, bound, cfg, interpret, res, cts)
 
 
-def _backward_x32(scale, bound, cfg, interpret, res, cts):
+def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
     q, k, v, g, b, w, h0, meta, saved = res
     do, dfinal = cts
     B, T, H, K = k.shape
     ip = compat.interpret_params(interpret)
-    if saved is None:  # policy "recompute": the forward's kernels again, keeping what the backward reads
-        prep, chunk = _chunk_products(q, k, v, g, b, w, scale, bound, cfg, interpret, True)
+    if policy == "recompute":  # W, U, Qγ, K_tail from the kept A, then the states
+        p, a_hi, a_lo = saved
+        prep = _prepare(q, k, v, g, b, w, bound, interpret)
+        chunk = vector_wu(*prep[:5], a_hi, a_lo, scale=scale, interpret=ip) + (p, a_hi, a_lo)
         h0t = jnp.swapaxes(h0.astype(F32), -1, -2)
         _, _, states, r = vector_state_output(*chunk[:5], prep[3], h0t, cfg=cfg, out_final=False,
                                               save_states=True, meta=meta, interpret=ip)

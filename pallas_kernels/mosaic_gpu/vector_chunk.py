@@ -111,6 +111,52 @@ def _frame_tile(g_piece, size: int, offset: int):
     return tile
 
 
+def _load(ref):
+    return plgpu.load(ref, layout=WGMMA).astype(F32)
+
+
+def gated_tail(a, pair, *, q, k, x, ebar, g, g_last, erase, scale: float, qg_out, kt_out, w_out, u_out):
+    """The chunk's gated operands and its W, U from the inverse A, stored to HBM: per key piece
+    ``Ē = 2^G ⊙ E`` (E = k for KDA, b ⊙ k for GDN2), ``Qγ = scale · 2^G ⊙ q`` over q's tile and
+    ``K_tail = 2^{G_C − G} ⊙ k`` over k's, then ``W = A Ē`` over Ē's and ``U = A Z`` over x's
+    (A as hi + lo: one accumulator each, every piece in one group); waits for the stores.
+
+    ``a``: A [C, C] fp32 registers, β not folded in (KDA folds it here: A diag(β)), split into the
+    16-bit refs ``pair``; or None when ``pair`` already holds the A that W and U take (GDN2).
+    ``q``, ``k``, ``ebar`` (free tiles), ``g`` (swizzled fp32), ``g_last`` (G's last row, plain
+    fp32): per key piece ``[C, 64]``; ``x``: per value piece; ``erase``: β ``[C]`` (KDA) or b's
+    fp32 tiles per key piece (GDN2). ``*_out``: the GMEM views each piece goes to. Shared by the
+    chunk kernel and :func:`vector_wu` (one code path for the same math)."""
+    kda = not isinstance(erase, (list, tuple))
+    if a is not None:
+        if kda:
+            a = a * cols_of(plgpu.load(erase, layout=COLS), (C, C))  # A diag(β): W, U take β from here
+        pair = split_pair(*pair, a)
+    a_hi, a_lo = pair
+    tile = (C, PIECE)
+    for j in range(len(q)):
+        g_t = _load(g[j])
+        gam = jnp.exp2(g_t)  # ≤ 1
+        k_t = _load(k[j])
+        put(ebar[j], (k_t if kda else _load(erase[j]) * k_t) * gam)  # Ē
+        g_c = cols_of(plgpu.load(g_last[j], layout=COLS), tile)
+        put(q[j], _load(q[j]) * gam * scale)  # Qγ
+        put(k[j], k_t * jnp.exp2(g_c - g_t))  # K_tail (exponent ≤ 0)
+    plgpu.commit_smem()
+    for j in range(len(q)):
+        plgpu.copy_smem_to_gmem(q[j], qg_out[j])
+        plgpu.copy_smem_to_gmem(k[j], kt_out[j])
+    split_a = lambda y: ((a_hi, y), (a_lo, y))  # noqa: E731
+    wu = mma_group([(split_a(y), tile) for y in ebar] + [(split_a(y), tile) for y in x])
+    # W over Ē, U over x: each tile's only reader was its own product, complete now.
+    for y, val in zip(list(ebar) + list(x), wu):
+        put(y, val)
+    plgpu.commit_smem()
+    for y, dst in zip(list(ebar) + list(x), list(w_out) + list(u_out)):
+        plgpu.copy_smem_to_gmem(y, dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def vector_chunk(q, k, x, g2, erase, centred_chunks=None, *, scale: float, centred: bool,
                  out_inverse: bool = False, interpret=None):
     """``(w, u, qg, kt, p)``, and with ``out_inverse`` also ``(a_hi, a_lo)``: :func:`_vector_chunk`,
@@ -272,44 +318,21 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
                 a_out = split_pair(st_x.at[4], st_x.at[5], a)
                 for ref, out in zip(a_out, inv_refs):
                     plgpu.copy_smem_to_gmem(ref, out.at[b, h, rows])
-            if channel_erase and out_inverse:  # GDN2 folds no β: the pair sent out is W's and U's A
-                a_hi, a_lo = a_out
-            else:
-                if not channel_erase:
-                    a = a * cols_of(plgpu.load(e_s, layout=COLS), (C, C))  # A diag(β): W, U take β from here
-                a_hi, a_lo = split_pair(st_x.at[2], st_x.at[3], a)
-
-            # Ē per key piece into the staging tiles the inverse left free (st 0, 1); Qγ over q and
-            # K_tail over k (their last reads were the Grams), sent once one fence covers them all.
-            for j in range(nk):
-                g_t = load(g_s.at[j])
-                gam = jnp.exp2(g_t)  # ≤ 1
-                k_t = load(k_s.at[j])
-                put(st_x.at[j], (load(e_s.at[j]) * k_t if channel_erase else k_t) * gam)  # Ē
-                g_last = cols_of(plgpu.load(g_rows.at[j, C - 1], layout=COLS), (C, PIECE))
-                put(q_s.at[j], load(q_s.at[j]) * gam * scale)  # Qγ
-                put(k_s.at[j], k_t * jnp.exp2(g_last - g_t))  # K_tail (exponent ≤ 0)
-            plgpu.commit_smem()
-            for j in range(nk):
-                cols = pl.ds(j * PIECE, PIECE)
-                plgpu.copy_smem_to_gmem(q_s.at[j], qg_ref.at[b, h, rows, cols])
-                plgpu.copy_smem_to_gmem(k_s.at[j], kt_ref.at[b, h, rows, cols])
-            # W = A Ē and U = A Z, every piece in one group (A as hi + lo: one accumulator each).
-            split_a = lambda x: ((a_hi, x), (a_lo, x))  # noqa: E731
-            wu = mma_group([(split_a(st_x.at[j]), (C, PIECE)) for j in range(nk)]
-                           + [(split_a(x_s.at[j]), (C, PIECE)) for j in range(nv)])
-            # W over Ē, U over x: each tile's only reader was its own product, complete now.
-            for j in range(nk):
-                put(st_x.at[j], wu[j])
-            for j in range(nv):
-                put(x_s.at[j], wu[nk + j])
-            plgpu.commit_smem()
-            for j in range(nk):
-                plgpu.copy_smem_to_gmem(st_x.at[j], w_ref.at[b, h, rows, pl.ds(j * PIECE, PIECE)])
-            for j in range(nv):
-                plgpu.copy_smem_to_gmem(x_s.at[j], u_ref.at[b, h, rows, pl.ds(j * PIECE, PIECE)])
-            plgpu.wait_smem_to_gmem(0)
-
+            # Ē into the staging tiles the inverse left free (st 0, 1), Qγ over q, K_tail over k
+            # (their last reads were the Grams), W over Ē and U over x. GDN2 folds nothing into A, so
+            # with out_inverse the pair sent out is W's and U's.
+            cols = lambda j: pl.ds(j * PIECE, PIECE)  # noqa: E731
+            ready = channel_erase and out_inverse
+            gated_tail(
+                None if ready else a, a_out if ready else (st_x.at[2], st_x.at[3]),
+                q=[q_s.at[j] for j in range(nk)], k=[k_s.at[j] for j in range(nk)],
+                x=[x_s.at[j] for j in range(nv)], ebar=[st_x.at[j] for j in range(nk)],
+                g=[g_s.at[j] for j in range(nk)], g_last=[g_rows.at[j, C - 1] for j in range(nk)],
+                erase=[e_s.at[j] for j in range(nk)] if channel_erase else e_s, scale=scale,
+                qg_out=[qg_ref.at[b, h, rows, cols(j)] for j in range(nk)],
+                kt_out=[kt_ref.at[b, h, rows, cols(j)] for j in range(nk)],
+                w_out=[w_ref.at[b, h, rows, cols(j)] for j in range(nk)],
+                u_out=[u_ref.at[b, h, rows, cols(j)] for j in range(nv)])
 
         if centred:
             chunk(True)
@@ -321,3 +344,72 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
         grid=(B, H, N), grid_names=("b", "h", "n"),
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(q, k, x, g2, erase, *(() if centred else (centred_chunks,)))
+
+
+def vector_wu(q, k, x, g2, erase, a_hi, a_lo, *, scale: float, interpret=None):
+    """``(w, u, qg, kt)`` as :func:`vector_chunk` returns them, from the chunk inverse A that it
+    sent out (``out_inverse``): no Gram and no inverse, only :func:`gated_tail`. The backward's
+    policy "recompute" keeps A and P from the forward (``[B, H, Tp, C]`` each, as the scalar-gate
+    path keeps T0) and recomputes the ``[C, K]``-sized operands here instead of rerunning the
+    chunk kernel (a memory-bound kernel against the Gram levels and the 30-WGMMA inverse).
+
+    One CTA, one warpgroup, per ``(b, h, chunk, 64-column piece j)`` (K = V): W, Qγ, K_tail and U
+    of piece j, so the CTA holds one piece of each input (SMEM 80 KiB at 16 bits: two CTAs an SM).
+    Reads q, k, x piece j, G's piece j (fp32, and its last row), β [C] (KDA) or b's piece j
+    (GDN2), the A pair (input dtype); KDA folds β into A (A diag(β)) and splits it again.
+    """
+    B, Tp, H, K = k.shape
+    V = x.shape[-1]
+    N = Tp // C
+    dtype = k.dtype
+    channel_erase = erase.ndim == 4
+    if K != V or K % PIECE:
+        raise ValueError(f"vector_wu needs K == V, a multiple of {PIECE}; got K={K}, V={V}")
+    if a_hi.dtype != dtype or a_lo.dtype != dtype:
+        raise ValueError(f"vector_wu takes A's pair in the input dtype {jnp.dtype(dtype).name}, "
+                         f"got {jnp.dtype(a_hi.dtype).name}")
+    nk = K // PIECE
+    tile = lambda: smem((C, PIECE), dtype)  # noqa: E731
+    scratch = dict(
+        q_s=tile(), k_s=tile(), x_s=tile(), e_bar=tile(), g_s=smem((C, PIECE), F32),
+        g_last=plgpu.SMEM((PIECE,), F32), a_in=smem((2, C, C), dtype),
+        e_s=smem((C, PIECE), F32) if channel_erase else plgpu.SMEM((C,), F32),
+        bar=plgpu.Barrier(num_arrivals=8),
+    )
+    if not channel_erase:  # KDA: A diag(β) split again
+        scratch["a_split"] = smem((2, C, C), dtype)
+    out_type = (jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, V), dtype),
+                jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, K), dtype))
+
+    def vector_wu_body(q_ref, k_ref, x_ref, g_ref, e_ref, ahi_ref, alo_ref, w_ref, u_ref, qg_ref, kt_ref,
+                       q_s, k_s, x_s, e_bar, g_s, g_last, a_in, e_s, bar, a_split=None):
+        b, h, nj = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("nj")
+        n, j = lax.div(nj, jnp.int32(nk)), lax.rem(nj, jnp.int32(nk))
+        rows = pl.ds(n * C, C)
+        cols = pl.ds(j * PIECE, PIECE)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, cols], q_s, bar)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h, cols], k_s, bar)
+        plgpu.copy_gmem_to_smem(x_ref.at[b, rows, h, cols], x_s, bar)
+        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_s, bar)
+        plgpu.copy_gmem_to_smem(g_ref.at[b, h, n * C + C - 1, cols], g_last, bar)
+        plgpu.copy_gmem_to_smem(ahi_ref.at[b, h, rows], a_in.at[0], bar)
+        plgpu.copy_gmem_to_smem(alo_ref.at[b, h, rows], a_in.at[1], bar)
+        if channel_erase:
+            plgpu.copy_gmem_to_smem(e_ref.at[b, rows, h, cols], e_s, bar)
+        else:
+            plgpu.copy_gmem_to_smem(e_ref.at[b, h, rows], e_s, bar)
+        plgpu.barrier_wait(bar)
+        if channel_erase:  # GDN2: W and U take the pair as sent
+            a, pair = None, (a_in.at[0], a_in.at[1])
+        else:  # hi + lo is exact in fp32; β is folded in and the sum split again
+            a, pair = _load(a_in.at[0]) + _load(a_in.at[1]), (a_split.at[0], a_split.at[1])
+        dst = lambda ref: [ref.at[b, h, rows, cols]]  # noqa: E731
+        gated_tail(a, pair, q=[q_s], k=[k_s], x=[x_s], ebar=[e_bar], g=[g_s], g_last=[g_last],
+                   erase=[e_s] if channel_erase else e_s, scale=scale, qg_out=dst(qg_ref),
+                   kt_out=dst(kt_ref), w_out=dst(w_ref), u_out=dst(u_ref))
+
+    return plgpu.kernel(
+        vector_wu_body, out_type=out_type, scratch_types=scratch,
+        grid=(B, H, N * nk), grid_names=("b", "h", "nj"),
+        compiler_params=compat.compiler_params(), interpret=interpret,
+    )(q, k, x, g2, erase, a_hi, a_lo)
