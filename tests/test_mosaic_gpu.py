@@ -116,6 +116,19 @@ def _grads(op, x, cts, **kw):
 
 
 @needs_interpreter
+def test_forward_alone_matches_differentiated():
+    """Called without differentiation under policy "save", the op stores no chunk states: o and
+    the final state are the same bits as under jax.vjp (which stores them)."""
+    x, _, _ = _case("gdn", 100, 64, 31, "strong")
+    names, f = _grads("gdn", x, None, backend="mosaic_gpu", interpret=INTERPRET, policy="save")
+    args = [jnp.asarray(x[n], BF16 if n in "qkv" else jnp.float32) for n in names]
+    alone = jax.jit(f)(*args)
+    diff, _ = jax.vjp(f, *args)
+    for a, d in zip(alone, diff):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(d, np.float32))
+
+
+@needs_interpreter
 @pytest.mark.parametrize("op,policy,decay,T,seed,n_seq,D,dtype", [
     ("gdn", "save", "strong", 100, 0, None, 64, BF16),
     ("gdn", "recompute", "mild", 150, 1, None, 64, BF16),

@@ -471,3 +471,17 @@ def test_vector_dispatch_on_hopper(monkeypatch):
         for kw, words in ((dict(dtype=jnp.float32), "bf16 or fp16"), (dict(D=256), "K")):
             with pytest.raises(NotImplementedError, match=words):
                 picked(op, **{"D": 128, **kw}, name="mosaic_gpu")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op,policy", [("kda", "recompute"), ("gdn2", "save")])
+def test_vector_op_forward_alone_matches_differentiated(op, policy):
+    """Called without differentiation the op skips the residuals (the chunk kernel writes no A,
+    the state pass no states): o and the final state are the same bits as under jax.vjp."""
+    x = _case(op, 100, 1, 64, 30, "strong")
+    names, f = _op_grads(op, x, None, backend="mosaic_gpu", interpret=INTERPRET, policy=policy)
+    args = [jnp.asarray(x[n], BF16 if n in "qkv" else jnp.float32) for n in names]
+    alone = jax.jit(f)(*args)
+    diff, _ = jax.vjp(f, *args)
+    for a, d in zip(alone, diff):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(d, np.float32))

@@ -139,17 +139,23 @@ def delta_rule(q, k, v, g, beta, h0, meta, scale: float, policy: str, cfg: confi
     :func:`pack`): int32 ``[N, META]`` per chunk (reset, slot, end, 0...), and h0 is
     ``[n_slots, H, K, V]``. Returns ``(o [B, T, H, V], final [B or n_slots, H, K, V] fp32)``.
     """
-    return _forward(q, k, v, g, beta, h0, meta, scale, policy, cfg, interpret)[0]
+    return _forward(q, k, v, g, beta, h0, meta, scale, policy, cfg, interpret, residuals=False)[0]
 
 
-def _forward(q, k, v, g, beta, h0, meta, scale, policy, cfg, interpret):
+def _forward_rule(q, k, v, g, beta, h0, meta, scale, policy, cfg, interpret):
+    return _forward(q, k, v, g, beta, h0, meta, scale, policy, cfg, interpret, residuals=True)
+
+
+def _forward(q, k, v, g, beta, h0, meta, scale, policy, cfg, interpret, *, residuals: bool):
+    """``((o, final), residuals)``; without ``residuals`` (a call not differentiated) no chunk
+    states are stored under policy "save"."""
     T = q.shape[1]
     with compat.x32():
         qp, kp, vp, t0, g2, beta_hm = prepare(q, k, v, g, beta, interpret)
         h0t = _state_layout(h0.astype(jnp.float32), cfg.forward)
         o, final_t, states = fused_forward(qp, kp, vp, t0, g2, beta_hm, h0t, scale=scale,
                                            cfg=cfg.forward, out_final=True,
-                                           save_states=policy == "save", meta=meta,
+                                           save_states=residuals and policy == "save", meta=meta,
                                            interpret=compat.interpret_params(interpret))
     res = (qp, kp, vp, t0, g2, beta_hm, h0t, states, meta, g is None)
     return (o[:, :T], _state_layout(final_t, cfg.forward)), res
@@ -183,7 +189,7 @@ def _backward_x32(scale, cfg, interpret, res, cts):
             _state_layout(dh0t, cfg.state_backward), None)
 
 
-delta_rule.defvjp(_forward, _backward)
+delta_rule.defvjp(_forward_rule, _backward)
 
 
 def pack(plan, xs, h0):

@@ -95,20 +95,29 @@ def vector_delta_rule(q, k, v, g, b, w, h0, meta, scale: float, policy: str, gat
     and h0 is ``[n_slots, H, K, V]``. Returns ``(o [B, T, H, V], final [B or n_slots, H, K, V]
     fp32)``.
     """
-    return _forward(q, k, v, g, b, w, h0, meta, scale, policy, gate_lower_bound, cfg, interpret)[0]
+    return _forward(q, k, v, g, b, w, h0, meta, scale, policy, gate_lower_bound, cfg, interpret,
+                    residuals=False)[0]
 
 
-def _forward(q, k, v, g, b, w, h0, meta, scale, policy, bound, cfg, interpret):
+def _forward_rule(q, k, v, g, b, w, h0, meta, scale, policy, bound, cfg, interpret):
+    return _forward(q, k, v, g, b, w, h0, meta, scale, policy, bound, cfg, interpret, residuals=True)
+
+
+def _forward(q, k, v, g, b, w, h0, meta, scale, policy, bound, cfg, interpret, *, residuals: bool):
+    """``((o, final), residuals)``; without ``residuals`` (a call not differentiated) the chunk
+    kernel does not write A and nothing is kept."""
     T = q.shape[1]
-    save = policy == "save"
+    save = residuals and policy == "save"
     with compat.x32():
         prep = _prepare(q, k, v, g, b, w, bound, interpret)
-        # A leaves the chunk kernel under both policies: the backward's Λ = Aᵀ dR reads it
-        chunk = vector_chunk(*prep, scale=scale, centred=cfg.centred, out_inverse=True,
+        # differentiated, A leaves the chunk kernel under both policies: the backward's Λ = Aᵀ dR reads it
+        chunk = vector_chunk(*prep, scale=scale, centred=cfg.centred, out_inverse=residuals,
                              interpret=compat.interpret_params(interpret))
         h0t = jnp.swapaxes(h0.astype(F32), -1, -2)
         outs = vector_state_output(*chunk[:5], prep[3], h0t, cfg=cfg, out_final=True, save_states=save,
                                    meta=meta, interpret=compat.interpret_params(interpret))
+    if not residuals:
+        return (outs[0][:, :T], jnp.swapaxes(outs[1], -1, -2)), None
     saved = (prep, chunk, outs[2], outs[3]) if save else chunk[4:]  # recompute: P and A's pair
     res = (q, k, v, g, b, w, h0, meta, saved)
     return (outs[0][:, :T], jnp.swapaxes(outs[1], -1, -2)), res
@@ -171,7 +180,7 @@ def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
     return (dq, dk, dv, dg, db, dw, dh0, None)
 
 
-vector_delta_rule.defvjp(_forward, _backward)
+vector_delta_rule.defvjp(_forward_rule, _backward)
 
 
 def default_config(K: int, V: int, gate_lower_bound) -> config.VectorConfig:
