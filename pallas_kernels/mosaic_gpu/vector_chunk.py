@@ -74,8 +74,8 @@ SMEM (vector_chunk_smem_bytes in config.py; at K = V = 128 GDN2 200 KiB as befor
 Reads:  q, k [B, Tp, H, K]; x [B, Tp, H, V] (v for KDA, z for GDN2); g2 [B, H, Tp, K] fp32;
         erase: β [B, H, Tp] fp32 (KDA) or b [B, Tp, H, K] fp32 (GDN2).
 Writes: w, qg, kt [B, H, Tp, K]; u [B, H, Tp, V]; p [B, H, Tp, C] (input dtype, head-major);
-        with ``out_inverse`` (the backward's policy "save", or its recompute) A as a pair
-        a_hi, a_lo [B, H, Tp, C] in the input dtype, β not folded in.
+        with ``out_inverse`` (every differentiated call: the backward reads A under both policies)
+        A as a pair a_hi, a_lo [B, H, Tp, C] in the input dtype, β not folded in.
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ from jax import lax
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.chunk_inverse import invert_unit_lower, split_pair
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, ROWS, WGMMA, bit_level_pairs, cols_of, iota, mma_group, put, rows_of, same_block, smem,
-    stage, upper_half)
+    C, COLS, DTYPES, F32, META, ROWS, WGMMA, bit_level_pairs, cols_of, iota, mma_group, put, rows_of,
+    same_block, smem, stage, upper_half)
 from pallas_kernels.mosaic_gpu import vector_prep
 from pallas_kernels.mosaic_gpu.config import PIECE, vector_chunk_staging_tiles
 
@@ -192,7 +192,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
     if K not in (PIECE, 2 * PIECE) or V % PIECE:  # a level's 3·K/64 operands fit the staging tiles
         raise ValueError(f"vector_chunk needs K in {{{PIECE}, {2 * PIECE}}} and V a multiple of {PIECE}, "
                          f"got K={K}, V={V}")
-    if jnp.dtype(dtype) not in (jnp.dtype(bf), jnp.dtype(jnp.float16)):
+    if jnp.dtype(dtype) not in DTYPES:
         raise ValueError(f"vector_chunk takes bf16 or fp16 inputs, got {jnp.dtype(dtype).name}")
     if centred == (centred_chunks is not None):
         raise ValueError("vector_chunk takes centred_chunks exactly when centred is False")

@@ -48,8 +48,8 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, DTYPES, F32, META, WGMMA, cols_of, finish_together, memory_warpgroup, mma, mma_sum, replace_where,
-    smem, stage, start_state, store_state)
+    C, COLS, DTYPES, F32, META, WGMMA, cols_of, finish_together, memory_warpgroup, mma, mma_sum,
+    replace_where, smem, stage, start_state, store_state)
 from pallas_kernels.mosaic_gpu.config import VectorConfig, default_vector_config
 from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
 from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, prepare_vector
