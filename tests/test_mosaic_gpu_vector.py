@@ -143,12 +143,14 @@ def test_centred_chunks():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("op,centred", [("kda", False), ("gdn2", True)])
-def test_vector_chunk_matches_chunk_algebra(op, centred):
+@pytest.mark.parametrize("op,centred,D", [("kda", False, 64), ("gdn2", True, 64), ("kda", True, 256),
+                                          ("gdn2", False, 256)])
+def test_vector_chunk_matches_chunk_algebra(op, centred, D):
     """The chunk kernel's W, U, Qγ, K_tail and P against chunk_algebra.chunk_local in float64.
     Rounding one value to bf16 alone gives a ratio of ~1.6e-3 (Qγ measured 1.3e-3 to 1.9e-3), W
-    and P ~3e-3 (their operands are rounded too); a wrong frame or block is O(1)."""
-    D, T, H = 64, 128, 1
+    and P ~3e-3 (their operands are rounded too); a wrong frame or block is O(1). D = 256: the
+    Grams summed over two key blocks, then vector_wu."""
+    T, H = 128, 1
     x = _case(op, T, H, D, 7, "bounded" if centred else "strong")
     scale = D ** -0.5
     args = prepare_vector(*(jnp.asarray(x[n], BF16) for n in "qkv"), jnp.asarray(x["g"], jnp.float32),

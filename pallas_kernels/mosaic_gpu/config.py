@@ -253,25 +253,40 @@ class VectorConfig:
             raise ValueError(f"VectorConfig.gate_grad_warps must be 1, 2, 4 or 8, got {self.gate_grad_warps}")
 
 
+# Key columns the vector-gate chunk kernel holds at once. Above it (K = 256) the kernel forms the
+# chunk Grams one key block at a time (they are sums over key channels), reloading its input tiles,
+# and leaves W, U, Qγ and K_tail to vector_chunk.vector_wu: the whole width's q, k and G (twice, fp32)
+# alone would be 192 KiB.
+CHUNK_KEY_BLOCK = 128
+
+
+def vector_chunk_key_block(K: int) -> int:
+    """Key columns per block of the vector-gate chunk kernel's Grams (K itself up to 128)."""
+    return min(K, CHUNK_KEY_BLOCK)
+
+
 def _vector_chunk_bytes(K: int, V: int, itemsize: int, channel_erase: bool, staging: int) -> int:
-    inputs = 2 * C * K * itemsize + C * V * itemsize + 2 * C * K * 4 + (C * K * 4 if channel_erase else C * 4)
+    kb = vector_chunk_key_block(K)
+    x = C * V * itemsize if kb == K else 0  # x's tiles: only the one-block kernel forms U
+    inputs = 2 * C * kb * itemsize + x + 2 * C * kb * 4 + (C * kb * 4 if channel_erase else C * 4)
     return inputs + staging * C * C * 2 + C * C * itemsize
 
 
 def vector_chunk_staging_tiles(K: int, V: int, itemsize: int, channel_erase: bool) -> int:
     """[C, C] bf16 staging tiles of the vector-gate chunk kernel: room for two Gram levels' operands
-    (3·K/64 tiles each) per round trip where SMEM holds them beside the inputs, else for one; at
-    least six (the inverse's three split pairs). Six at K = 64 (two levels; KDA keeps two CTAs on
-    an SM), twelve for KDA at K = 128, six for GDN2 there (its fp32 b leaves no room: one level)."""
-    two_levels = max(6, 6 * (K // PIECE))
+    (3 tiles a 64-column key piece of one key block, each) per round trip where SMEM holds them
+    beside the inputs, else for one; at least six (the inverse's three split pairs). Six at K = 64
+    (two levels; KDA keeps two CTAs on an SM), twelve for KDA at K = 128 and 256, six for GDN2 there
+    (its fp32 b leaves no room: one level)."""
+    two_levels = max(6, 6 * (vector_chunk_key_block(K) // PIECE))
     return two_levels if _vector_chunk_bytes(K, V, itemsize, channel_erase, two_levels) <= SMEM_BUDGET else 6
 
 
 def vector_chunk_smem_bytes(K: int, V: int, itemsize: int, channel_erase: bool) -> int:
     """SMEM of the vector-gate chunk kernel (its scratch list, see vector_chunk.vector_chunk):
-    inputs q, k, v|z, G twice (fp32, swizzled and plain), b (fp32, GDN2) or β; the
-    vector_chunk_staging_tiles [C, C] bf16 staging tiles and one output tile (the other outputs
-    reuse the inputs' buffers)."""
+    inputs q, k, G twice (fp32, swizzled and plain), b (fp32, GDN2) or β over one key block, and
+    v|z when one block spans K; the vector_chunk_staging_tiles [C, C] bf16 staging tiles and one
+    output tile (the other outputs reuse the inputs' buffers)."""
     return _vector_chunk_bytes(K, V, itemsize, channel_erase,
                                vector_chunk_staging_tiles(K, V, itemsize, channel_erase))
 

@@ -92,7 +92,7 @@ from pallas_kernels.mosaic_gpu.common import (
     C, COLS, DTYPES, F32, META, ROWS, WGMMA, bit_level_pairs, cols_of, iota, mma_group, put, rows_of,
     same_block, smem, stage, upper_half)
 from pallas_kernels.mosaic_gpu import vector_prep
-from pallas_kernels.mosaic_gpu.config import PIECE, vector_chunk_staging_tiles
+from pallas_kernels.mosaic_gpu.config import PIECE, vector_chunk_key_block, vector_chunk_staging_tiles
 
 CROSS_LEVELS = (32, 16)  # pairs in different 16-row sub-chunks: bit-level frames in every chunk
 SUB_LEVELS = (8, 4, 2, 1)  # pairs within a sub-chunk, exact frames (chunks not centred)
@@ -165,14 +165,23 @@ def vector_chunk(q, k, x, g2, erase, centred_chunks=None, *, scale: float, centr
     kernel that picks frames per chunk holds both frames' code, and ptxas then serialises its
     WGMMAs for want of registers even where every chunk takes the centred side (H100, KDA at
     (2, 4096, 16, 128): 0.72 against 0.56 ms). The choice is one predicate on the device."""
-    kw = dict(scale=scale, out_inverse=out_inverse, interpret=interpret)
+    K = k.shape[-1]
+    blocked = vector_chunk_key_block(K) < K
+    # the kernel holding more key columns than one block forms only P and A (see _vector_chunk)
+    kw = dict(scale=scale, out_inverse=out_inverse or blocked, interpret=interpret)
     if centred_chunks is None:
-        return _vector_chunk(q, k, x, g2, erase, None, centred=centred, **kw)
-    if centred:
+        out = _vector_chunk(q, k, x, g2, erase, None, centred=centred, **kw)
+    elif centred:
         raise ValueError("vector_chunk takes centred_chunks exactly when centred is False")
-    return lax.cond(jnp.all(centred_chunks[..., 0] == 1),
-                    lambda: _vector_chunk(q, k, x, g2, erase, None, centred=True, **kw),
-                    lambda: _vector_chunk(q, k, x, g2, erase, centred_chunks, centred=False, **kw))
+    else:
+        out = lax.cond(jnp.all(centred_chunks[..., 0] == 1),
+                       lambda: _vector_chunk(q, k, x, g2, erase, None, centred=True, **kw),
+                       lambda: _vector_chunk(q, k, x, g2, erase, centred_chunks, centred=False, **kw))
+    if not blocked:
+        return out
+    p, a_hi, a_lo = out
+    return vector_wu(q, k, x, g2, erase, a_hi, a_lo, scale=scale, interpret=interpret) + (
+        (p, a_hi, a_lo) if out_inverse else (p,))
 
 
 def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: bool,
@@ -182,21 +191,30 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
     Λ = Aᵀ dR reads it). See the module docstring. KDA when ``erase`` is β ``[B, H, Tp]``, GDN2
     when it is b ``[B, Tp, H, K]``. ``centred``: every chunk's diagonal sub-chunk blocks centred
     (a declared gate bound, ``centred_chunks`` None); else ``centred_chunks`` (vector_prep) says
-    per chunk which frames its sub-chunk pairs take."""
+    per chunk which frames its sub-chunk pairs take.
+
+    K = 256 (more than ``config.CHUNK_KEY_BLOCK`` key columns): the Grams are sums over key
+    channels, so the CTA forms them one 128-column key block at a time (reloading q, k, G and b
+    into the same SMEM: the whole width's would need 192 KiB for those alone) and returns only
+    ``(p, a_hi, a_lo)``; :func:`vector_chunk` then forms W, U, Qγ, K_tail with :func:`vector_wu`."""
     B, Tp, H, K = k.shape
     V = x.shape[-1]
     N = Tp // C
     dtype = k.dtype
     bf = jnp.bfloat16
     channel_erase = erase.ndim == 4
-    if K not in (PIECE, 2 * PIECE) or V % PIECE:  # a level's 3·K/64 operands fit the staging tiles
-        raise ValueError(f"vector_chunk needs K in {{{PIECE}, {2 * PIECE}}} and V a multiple of {PIECE}, "
-                         f"got K={K}, V={V}")
+    kb = vector_chunk_key_block(K)  # key columns held at once
+    if K not in (PIECE, 2 * PIECE, 4 * PIECE) or V % PIECE:  # a level's 3·kb/64 operands fit the staging tiles
+        raise ValueError(f"vector_chunk needs K in {{{PIECE}, {2 * PIECE}, {4 * PIECE}}} and V a multiple of "
+                         f"{PIECE}, got K={K}, V={V}")
     if jnp.dtype(dtype) not in DTYPES:
         raise ValueError(f"vector_chunk takes bf16 or fp16 inputs, got {jnp.dtype(dtype).name}")
     if centred == (centred_chunks is not None):
         raise ValueError("vector_chunk takes centred_chunks exactly when centred is False")
-    nk, nv = K // PIECE, V // PIECE
+    nk, nv = kb // PIECE, V // PIECE  # key pieces of a block; value pieces
+    n_blocks = K // kb
+    if n_blocks > 1 and not out_inverse:
+        raise ValueError("_vector_chunk at more than one key block forms only P and A: out_inverse=True")
     # [C, C] bf16 staging tiles: two Gram levels' operands per round trip where SMEM holds them
     n_staging = vector_chunk_staging_tiles(K, V, jnp.dtype(dtype).itemsize, channel_erase)
     tile = lambda n: smem((n, C, PIECE), dtype)  # noqa: E731
@@ -211,34 +229,50 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
         # meet x in U = A Z, which a WGMMA needs in one dtype); the same bytes
         st=plgpu.RefUnion(smem((n_staging, C, C), bf), smem((n_staging, C, C), dtype)),
         out_s=smem((C, C), dtype),
-        bar=plgpu.Barrier(num_arrivals=4 * nk + nv + (nk if channel_erase else 1) + (not centred)),
+        bar=plgpu.Barrier(num_arrivals=4 * nk + (nv if n_blocks == 1 else 0) + (nk if channel_erase else 1)
+                          + (not centred)),
     )
+    if n_blocks > 1:  # no x (W and U are vector_wu's); key blocks after the first: q, k, G twice, b
+        del scratch["x_s"]
+        scratch["bar_next"] = plgpu.Barrier(num_arrivals=(4 + channel_erase) * nk)
     if not centred:
         scratch["flag_s"] = plgpu.SMEM((META,), jnp.int32)
     out_type = (jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, V), dtype),
                 jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, K), dtype),
                 jax.ShapeDtypeStruct((B, H, Tp, C), dtype))
+    if n_blocks > 1:
+        out_type = out_type[4:]  # P only (and A's pair below)
     if out_inverse:
         out_type += (jax.ShapeDtypeStruct((B, H, Tp, C), dtype), jax.ShapeDtypeStruct((B, H, Tp, C), dtype))
 
     def vector_chunk_body(
-            q_ref, k_ref, x_ref, g_ref, e_ref, *refs, q_s, k_s, x_s, g_s, g_rows, e_s, st, out_s, bar,
-            flag_s=None):
+            q_ref, k_ref, x_ref, g_ref, e_ref, *refs, q_s, k_s, g_s, g_rows, e_s, st, out_s, bar,
+            x_s=None, flag_s=None, bar_next=None):
         st, st_x = st  # bf16 and input-dtype views of the staging tiles
         flag_ref = None if centred else refs[0]
-        w_ref, u_ref, qg_ref, kt_ref, p_ref, *inv_refs = refs[0 if centred else 1:]
+        refs = refs[0 if centred else 1:]
+        if n_blocks == 1:
+            w_ref, u_ref, qg_ref, kt_ref, p_ref, *inv_refs = refs
+        else:
+            p_ref, *inv_refs = refs
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
-        for j in range(nk):
-            cols = pl.ds(j * PIECE, PIECE)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, cols], q_s.at[j], bar)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h, cols], k_s.at[j], bar)
-            plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_s.at[j], bar)
-            plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_rows.at[j], bar)
-            if channel_erase:
-                plgpu.copy_gmem_to_smem(e_ref.at[b, rows, h, cols], e_s.at[j], bar)
-        for j in range(nv):
-            plgpu.copy_gmem_to_smem(x_ref.at[b, rows, h, pl.ds(j * PIECE, PIECE)], x_s.at[j], bar)
+
+        def load_key_block(blk, barrier):
+            """TMA-loads key block ``blk``'s pieces of q, k, G (twice) and b (GDN2) on ``barrier``."""
+            for j in range(nk):
+                cols = pl.ds((blk * nk + j) * PIECE, PIECE)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, cols], q_s.at[j], barrier)
+                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h, cols], k_s.at[j], barrier)
+                plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_s.at[j], barrier)
+                plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_rows.at[j], barrier)
+                if channel_erase:
+                    plgpu.copy_gmem_to_smem(e_ref.at[b, rows, h, cols], e_s.at[j], barrier)
+
+        load_key_block(0, bar)
+        if n_blocks == 1:
+            for j in range(nv):
+                plgpu.copy_gmem_to_smem(x_ref.at[b, rows, h, pl.ds(j * PIECE, PIECE)], x_s.at[j], bar)
         if not channel_erase:
             plgpu.copy_gmem_to_smem(e_ref.at[b, h, rows], e_s, bar)
         if not centred:
@@ -290,24 +324,32 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
             # bounded KDA case).
             qk_spec = [(tuple((q_s.at[j], k_s.at[j].T) for j in range(nk)), (C, C))]
             def run(levels, t, p):
-                """The levels' products, ``per_trip`` levels a round trip, summed into T and P."""
+                """The levels' products over the key block in SMEM, ``per_trip`` levels a round trip,
+                summed into T and P (None: the first key block, which starts them)."""
                 for first in range(0, len(levels), per_trip):
                     batch = levels[first:first + per_trip]
                     specs = []
                     for i, (_, size, offset, masked) in enumerate(batch):
                         specs += level_operands(size, offset, masked, [st.at[3 * nk * i + m] for m in range(3 * nk)])
                     plgpu.commit_smem()
-                    prods = mma_group(specs + (qk_spec if t is None else []))
+                    prods = mma_group(specs + (qk_spec if first == 0 else []))
                     if t is None:  # every entry of T and P comes from exactly one level (or the diagonal)
                         t = jnp.zeros((C, C), F32)
                         p = jnp.where(r == c, prods[-1], 0.0)
+                    elif first == 0:
+                        p = p + jnp.where(r == c, prods[-1], 0.0)
                     for i, (keep, *_) in enumerate(batch):
                         t = t + jnp.where(keep, prods[2 * i], 0.0)
                         p = p + jnp.where(keep, prods[2 * i + 1], 0.0)
                 return t, p
 
-            t, p = run(bit_levels(CROSS_LEVELS) + (centred_tail if centred_frames else bit_levels(SUB_LEVELS)),
-                       None, None)
+            levels = bit_levels(CROSS_LEVELS) + (centred_tail if centred_frames else bit_levels(SUB_LEVELS))
+            t, p = run(levels, None, None)
+            for blk in range(1, n_blocks):  # the Grams are sums over key channels: block by block
+                plgpu.commit_smem()  # every thread has read the last block before TMA refills its tiles
+                load_key_block(blk, bar_next)
+                plgpu.barrier_wait(bar_next)
+                t, p = run(levels, t, p)
             stage(out_s, p * scale)
             plgpu.copy_smem_to_gmem(out_s, p_ref.at[b, h, rows])
 
@@ -318,6 +360,9 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
                 a_out = split_pair(st_x.at[4], st_x.at[5], a)
                 for ref, out in zip(a_out, inv_refs):
                     plgpu.copy_smem_to_gmem(ref, out.at[b, h, rows])
+            if n_blocks > 1:  # W, U, Qγ and K_tail are vector_wu's, from this A
+                plgpu.wait_smem_to_gmem(0)
+                return
             # Ē into the staging tiles the inverse left free (st 0, 1), Qγ over q, K_tail over k
             # (their last reads were the Grams), W over Ē and U over x. GDN2 folds nothing into A, so
             # with out_inverse the pair sent out is W's and U's.
