@@ -311,6 +311,42 @@ def test_vector_backward_matches_float64(op, D, T, H, gates, seed, policy, dtype
 
 
 @needs_interpreter
+@pytest.mark.parametrize("op,centred", [("kda", False), ("gdn2", True), ("none", True)])
+def test_vector_chunk_backward_streamed_matches_resident(op, centred, monkeypatch):
+    """At V = 256 the gradient kernel streams dO, dR, R, S0ᵀ and dSᵀ one value piece at a time
+    (three passes); in the interpreter, where SMEM is not bounded, the kernel that holds them all
+    (as at V ≤ 128) runs too, and every output must agree up to fp32 reassociation (the sums over
+    value pieces are taken in another order). KDA's leaf maps, GDN2's erase side, neither."""
+    from pallas_kernels.mosaic_gpu import vector_chunk_backward as vcb
+
+    D, T, H = 256, 128, 1
+    N = T // 64
+    rng = np.random.default_rng(31)
+    x = _case("kda" if op == "kda" else "gdn2", T, H, D, 31, "bounded" if centred else "strong")
+    args = prepare_vector(*(jnp.asarray(x[n], BF16) for n in "qkv"), jnp.asarray(x["g"], jnp.float32),
+                          gate_lower_bound=-5.0 if centred else None, interpret=INTERPRET,
+                          **_gate_kwargs(x, jnp.float32))
+    qp, kp, g2, flags = args[0], args[1], args[3], None if centred else args[5]
+    tok = lambda: jnp.asarray(rng.standard_normal((1, T, H, D)), BF16)  # noqa: E731
+    st = lambda: jnp.asarray(rng.standard_normal((1, H, N, D, D)) * 0.3, BF16)  # noqa: E731
+    a = jnp.asarray(np.tril(rng.standard_normal((1, H, T, 64)) * 0.2), BF16)
+    kw = dict(scale=D ** -0.5, centred=centred, interpret=compat.interpret_params(INTERPRET))
+    if op == "kda":
+        kw["kda_leaf"] = (jnp.asarray(rng.uniform(0, 2, (1, H, T)), jnp.float32), tok())
+    elif op == "gdn2":
+        kw["gdn2_b"] = jnp.asarray(rng.uniform(0, 2, (1, T, H, D)), jnp.float32)
+    ins = (qp, kp, tok(), g2, tok(), tok(), tok(), st(), st(), a, a * 0.01, flags)
+    with compat.x32():
+        streamed = vcb.vector_chunk_backward(*ins, **kw)
+        monkeypatch.setattr(vcb, "GRAD_RESIDENT_PIECES", 4)
+        resident = vcb.vector_chunk_backward(*ins, **kw)
+    for i, (got, ref) in enumerate(zip(streamed, resident)):
+        got, ref = (np.asarray(jnp.asarray(v, jnp.float32), np.float64) for v in (got, ref))
+        assert np.all(np.isfinite(got)), i
+        assert ratio(got, ref) <= 1e-5, (i, ratio(got, ref))
+
+
+@needs_interpreter
 @pytest.mark.parametrize("op,T,H,gates,seed,policy", [
     ("kda", 200, 1, "strong", 20, "save"),
     ("gdn2", 170, 1, "bounded", 21, "recompute"),

@@ -78,8 +78,61 @@ from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
     C, COLS, F32, META, ROWS, WGMMA, bit_level_pairs, cols_of, iota, mma_group, put, rows_of, same_block, smem,
     upper_half)
-from pallas_kernels.mosaic_gpu.config import PIECE
+from pallas_kernels.mosaic_gpu.config import GRAD_RESIDENT_PIECES, PIECE
 from pallas_kernels.mosaic_gpu.vector_chunk import CROSS_LEVELS, MID, SUB, SUB_LEVELS, _frame_tile
+
+
+def _streamed_value_products(tiles, a_s, bars, j, nv: int, lam_out, stage_dt_da, *, dr, r, do, s0, ds):
+    """The value-side products of one CTA at V = 256, one 64-column value piece at a time: sums
+    over the pieces i of Λ_i Rᵢᵀ, dO_i Rᵢᵀ (pass 1, which also forms Λ_i = Aᵀ dR_i into SMEM),
+    then Λ_i S0ᵀ_i and dO_i S0ᵀ_i (pass 2), then R_i dSᵀ_i (pass 3), each piece's tiles TMA-loaded
+    into the three slots and waited for (no prefetch: SMEM holds one piece's tiles beside Λ).
+    Each pass holds at most its own sums and one piece's fresh products (≤ 128 fp32 registers a
+    thread), and dT, dA are staged after pass 1 (A is spent then).
+
+    ``tiles``: (Λ ``[nv, C, 64]``, slots ``[3, C, 64]``) in the input dtype; ``bars``: barriers of
+    3 and 2 arrivals; ``dr(vc)`` etc.: the GMEM views of value columns ``vc``. Pieces go in the
+    order j, j + 1, … (mod nv), so pass 1's first Λ is piece j, which ``lam_out`` sends out.
+    Returns ``(Λ S0ᵀ, dO S0ᵀ, R dSᵀ, stage_dt_da's result, Σ Λ ⊙ v or None)``."""
+    lam_s, slot = tiles
+    bar3, bar2 = bars
+    tile = (C, PIECE)
+
+    def fill(srcs, bar, i):
+        """Value piece i's tiles from ``srcs`` into the slots (once every thread is done with them)."""
+        vc = pl.ds(lax.rem(j + i, jnp.int32(nv)) * PIECE, PIECE)
+        plgpu.commit_smem()
+        for m, src in enumerate(srcs):
+            plgpu.copy_gmem_to_smem(src(vc), slot.at[m], bar)
+        plgpu.barrier_wait(bar)
+
+    def add(acc, new):
+        return new if acc is None else tuple(a + x for a, x in zip(acc, new))
+
+    sums, lam_v = None, None
+    for i in range(nv):  # pass 1: Λ_i into SMEM, Λ Rᵀ and dO Rᵀ
+        fill((dr, r, do), bar3, i)
+        (lam_i,) = mma_group([(((a_s.at[0].T, slot.at[0]), (a_s.at[1].T, slot.at[0])), tile)])
+        if i == 0:
+            copy_lam, lam_v = lam_out(lam_i)
+        put(lam_s.at[i], lam_i)
+        plgpu.commit_smem()
+        if i == 0:
+            copy_lam()
+        sums = add(sums, mma_group(((((lam_s.at[i], slot.at[1].T),), (C, C)),
+                                    (((slot.at[2], slot.at[1].T),), (C, C)))))
+    dt_da = stage_dt_da(*sums)
+    sums = None
+    for i in range(nv):  # pass 2: Λ S0ᵀ and dO S0ᵀ (this CTA's key columns)
+        fill((do, s0), bar2, i)
+        sums = add(sums, mma_group(((((lam_s.at[i], slot.at[1]),), tile), (((slot.at[0], slot.at[1]),), tile))))
+    ls0, dos0 = sums
+    rds = None
+    for i in range(nv):  # pass 3: R dSᵀ
+        fill((r, ds), bar2, i)
+        (x,) = mma_group([(((slot.at[0], slot.at[1]),), tile)])
+        rds = x if rds is None else rds + x
+    return ls0, dos0, rds, dt_da, lam_v
 
 
 def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, centred_chunks=None, *,
@@ -108,20 +161,23 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
     if centred == (centred_chunks is not None):
         raise ValueError("vector_chunk_backward takes centred_chunks exactly when centred is False")
     nk = nv = K // PIECE
+    streamed = nv > GRAD_RESIDENT_PIECES  # V = 256: the value-side tiles one piece at a time
     leaf = kda_leaf is not None
     erase_b = gdn2_b is not None
     piece = lambda n: smem((n, C, PIECE), dtype)  # noqa: E731
+    staging = tuple(smem((C, PIECE), jnp.bfloat16) for _ in range(5 if streamed else 5 * nv))
     scratch = dict(
         # dO, R, S0ᵀ, dSᵀ, dR (Λ over it) in the input dtype; once spent, their first five
         # [C, 64] tiles are the Gram levels' staging tiles, seen as bf16 (frame factors reach
-        # e^40); the same bytes
-        io=plgpu.RefUnion((piece(nv), piece(nv), piece(nv), piece(nv), piece(nv)),
-                          tuple(smem((C, PIECE), jnp.bfloat16) for _ in range(5 * nv))),
+        # e^40); the same bytes. Streamed: Λ's pieces and three slots for the value pieces' tiles
+        io=plgpu.RefUnion((piece(nv), piece(3)) if streamed else (piece(nv),) * 5, staging),
         a_s=smem((2, C, C), dtype), q_s=smem((C, PIECE), dtype), k_s=smem((C, PIECE), dtype),
         e_s=smem((C, PIECE), dtype), g_s=smem((C, PIECE), F32), g_rows=plgpu.SMEM((C, PIECE), F32),
         o32=smem((3, C, PIECE), F32),
-        bar=plgpu.Barrier(num_arrivals=5 * nv + 7 + (not centred) + 2 * leaf + erase_b),
+        bar=plgpu.Barrier(num_arrivals=(0 if streamed else 5 * nv) + 7 + (not centred) + 2 * leaf + erase_b),
     )
+    if streamed:  # a value piece's (dR, R, dO), then (dO, S0ᵀ), then (R, dSᵀ)
+        scratch.update(bar3=plgpu.Barrier(num_arrivals=3), bar2=plgpu.Barrier(num_arrivals=2))
     if not centred:
         scratch["flag_s"] = plgpu.SMEM((META,), jnp.int32)
     if leaf:  # β's rows, v's piece-j columns (dv goes out over them), the dβ parts
@@ -139,8 +195,8 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
     def vector_chunk_backward_body(
             q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
             io, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None, beta_s=None,
-            v_s=None, db_s=None, b_s=None):
-        (do_s, r_s, s0_s, ds_s, dr_s), spent = io
+            v_s=None, db_s=None, b_s=None, bar3=None, bar2=None):
+        tiles, spent = io
         refs = list(refs)
         flag_ref = None if centred else refs.pop(0)
         beta_ref, v_ref = (refs.pop(0), refs.pop(0)) if leaf else (None, None)
@@ -153,13 +209,15 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         n, j = lax.div(nj, jnp.int32(nk)), lax.rem(nj, jnp.int32(nk))
         rows = pl.ds(n * C, C)
         cols = pl.ds(j * PIECE, PIECE)  # this CTA's key channels (and Λ's value columns)
-        for i in range(nv):
-            vc = pl.ds(i * PIECE, PIECE)
-            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, vc], do_s.at[i], bar)
-            plgpu.copy_gmem_to_smem(dr_ref.at[b, rows, h, vc], dr_s.at[i], bar)
-            plgpu.copy_gmem_to_smem(r_ref.at[b, rows, h, vc], r_s.at[i], bar)
-            plgpu.copy_gmem_to_smem(st_ref.at[b, h, n, vc, cols], s0_s.at[i], bar)
-            plgpu.copy_gmem_to_smem(dst_ref.at[b, h, n, vc, cols], ds_s.at[i], bar)
+        if not streamed:
+            do_s, r_s, s0_s, ds_s, dr_s = tiles
+            for i in range(nv):
+                vc = pl.ds(i * PIECE, PIECE)
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, vc], do_s.at[i], bar)
+                plgpu.copy_gmem_to_smem(dr_ref.at[b, rows, h, vc], dr_s.at[i], bar)
+                plgpu.copy_gmem_to_smem(r_ref.at[b, rows, h, vc], r_s.at[i], bar)
+                plgpu.copy_gmem_to_smem(st_ref.at[b, h, n, vc, cols], s0_s.at[i], bar)
+                plgpu.copy_gmem_to_smem(dst_ref.at[b, h, n, vc, cols], ds_s.at[i], bar)
         plgpu.copy_gmem_to_smem(ahi_ref.at[b, h, rows], a_s.at[0], bar)
         plgpu.copy_gmem_to_smem(alo_ref.at[b, h, rows], a_s.at[1], bar)
         for src, dst in ((q_ref, q_s), (k_ref, k_s), (e_ref, e_s)):
@@ -179,38 +237,56 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         rr, cc = iota((C, C), 0), iota((C, C), 1)
         tile = (C, PIECE)
 
-        # Λ = Aᵀ dR, all value pieces (Λ Rᵀ and Λ S0ᵀ contract over V); piece j goes to HBM.
-        lam = mma_group([(((a_s.at[0].T, dr_s.at[i]), (a_s.at[1].T, dr_s.at[i])), tile) for i in range(nv)])
-        if nv == 1:
-            lam_j = lam[0]
-        else:  # select piece j by arithmetic (exact for a 0/1 weight): no scalar-predicate select
-            jf = j.astype(F32)
-            lam_j = lam[0] * (1.0 - jf) + lam[1] * jf
-        if leaf:  # dv = β ⊙ Λ over v's tile, once Λ ⊙ v is summed (piece j's value columns)
-            lam_v = jnp.sum(lam_j * load(v_s), axis=1)  # one value per row, held to the end
-            put(v_s, lam_j * rows_of(plgpu.load(beta_s, layout=ROWS), tile))
-        else:
+        def lam_out(lam_j):
+            """Λ's piece j (value columns j) to HBM — KDA: dv = β ⊙ Λ over v's tile, once Λ ⊙ v
+            is summed — unfenced; returns the issue of its copy and Σ Λ ⊙ v (KDA) or None."""
+            if leaf:
+                lam_v = jnp.sum(lam_j * load(v_s), axis=1)  # one value per row, held to the end
+                put(v_s, lam_j * rows_of(plgpu.load(beta_s, layout=ROWS), tile))
+                return lambda: plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, h, cols]), lam_v
             put(o32.at[0], lam_j)
-        for i in range(nv):
-            put(dr_s.at[i], lam[i])  # Λ over dR (spent), as the operand of the products below
-        plgpu.commit_smem()
-        if leaf:
-            plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, h, cols])
+            return lambda: plgpu.copy_smem_to_gmem(o32.at[0], lam_ref.at[b, rows, h, cols]), None
+
+        def stage_dt_da(lr, dor):
+            """dT = −(Λ Rᵀ)_{s<r} and dA = (dO Rᵀ)_{s<r} over A's tiles (spent), unfenced; returns
+            diag(dO Rᵀ) and the strict-lower mask."""
+            strict = rr > cc
+            da_diag = jnp.sum(jnp.where(rr == cc, dor, 0.0), axis=1)  # decay factor 1: kept apart
+            put(a_s.at[0], jnp.where(strict, lr, 0.0) * -1.0)  # dT over A (spent)
+            put(a_s.at[1], jnp.where(strict, dor, 0.0))  # dA without its diagonal
+            return da_diag, strict
+
+        if streamed:
+            ls0, dos0, rds, (da_diag, strict), lam_v = _streamed_value_products(
+                tiles, a_s, (bar3, bar2), j, nv, lam_out, stage_dt_da,
+                dr=lambda vc: dr_ref.at[b, rows, h, vc], r=lambda vc: r_ref.at[b, rows, h, vc],
+                do=lambda vc: do_ref.at[b, rows, h, vc], s0=lambda vc: st_ref.at[b, h, n, vc, cols],
+                ds=lambda vc: dst_ref.at[b, h, n, vc, cols])
         else:
-            plgpu.copy_smem_to_gmem(o32.at[0], lam_ref.at[b, rows, h, cols])
-        lam_s = dr_s
-        # Everything else outside the Gram terms, in one group: Λ Rᵀ and dO Rᵀ (→ dT, dA), and
-        # Λ S0ᵀ, dO S0ᵀ, R dSᵀ (this piece's key columns).
-        # Σ over the value pieces of x_i y_i (or x_i y_iᵀ)
-        over_v = lambda x, y: tuple((x.at[i], y.at[i]) for i in range(nv))  # noqa: E731
-        over_v_t = lambda x, y: tuple((x.at[i], y.at[i].T) for i in range(nv))  # noqa: E731
-        lr, dor, ls0, dos0, rds = mma_group((
-            (over_v_t(lam_s, r_s), (C, C)), (over_v_t(do_s, r_s), (C, C)),
-            (over_v(lam_s, s0_s), tile), (over_v(do_s, s0_s), tile), (over_v(r_s, ds_s), tile)))
-        strict = rr > cc
-        da_diag = jnp.sum(jnp.where(rr == cc, dor, 0.0), axis=1)  # decay factor 1: kept apart
-        put(a_s.at[0], jnp.where(strict, lr, 0.0) * -1.0)  # dT over A (spent)
-        put(a_s.at[1], jnp.where(strict, dor, 0.0))  # dA without its diagonal
+            # Λ = Aᵀ dR, all value pieces (Λ Rᵀ and Λ S0ᵀ contract over V); piece j goes to HBM.
+            lam = mma_group([(((a_s.at[0].T, dr_s.at[i]), (a_s.at[1].T, dr_s.at[i])), tile) for i in range(nv)])
+            if nv == 1:
+                lam_j = lam[0]
+            elif nv == 2:  # select piece j by arithmetic (exact for a 0/1 weight): no scalar-predicate select
+                jf = j.astype(F32)
+                lam_j = lam[0] * (1.0 - jf) + lam[1] * jf
+            else:  # (V = 256 streams its pieces; held whole only in the interpreter's test of that)
+                lam_j = sum(x * (j == i).astype(F32) for i, x in enumerate(lam))
+            copy_lam, lam_v = lam_out(lam_j)
+            for i in range(nv):
+                put(dr_s.at[i], lam[i])  # Λ over dR (spent), as the operand of the products below
+            plgpu.commit_smem()
+            copy_lam()
+            lam_s = dr_s
+            # Everything else outside the Gram terms, in one group: Λ Rᵀ and dO Rᵀ (→ dT, dA), and
+            # Λ S0ᵀ, dO S0ᵀ, R dSᵀ (this piece's key columns).
+            # Σ over the value pieces of x_i y_i (or x_i y_iᵀ)
+            over_v = lambda x, y: tuple((x.at[i], y.at[i]) for i in range(nv))  # noqa: E731
+            over_v_t = lambda x, y: tuple((x.at[i], y.at[i].T) for i in range(nv))  # noqa: E731
+            lr, dor, ls0, dos0, rds = mma_group((
+                (over_v_t(lam_s, r_s), (C, C)), (over_v_t(do_s, r_s), (C, C)),
+                (over_v(lam_s, s0_s), tile), (over_v(do_s, s0_s), tile), (over_v(r_s, ds_s), tile)))
+            da_diag, strict = stage_dt_da(lr, dor)
         g_last = cols_of(plgpu.load(g_rows.at[C - 1], layout=COLS), tile)
         gam = jnp.exp2(load(g_s))  # ≤ 1
         de = ls0 * gam * -1.0
