@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import os
 
-import jax
+# The Mosaic GPU interpreter runs each warpgroup of a kernel as a host thread whose barrier waits
+# block inside XLA host callbacks on the CPU client's thread pool, one thread per CPU unless NPROC
+# says otherwise (XLA's CPU client reads it when it starts). A serial kernel's three warpgroups
+# then need three pool threads: on a 2-CPU machine two blocked waits held both threads and the
+# third warpgroup never ran (a deadlock of the simulation, not of the kernel). Four threads, set
+# before JAX starts its CPU client, let those cases run on any machine.
+os.environ.setdefault("NPROC", str(max(4, os.cpu_count() or 1)))
+
+import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 

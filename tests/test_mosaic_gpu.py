@@ -36,7 +36,11 @@ F16 = jnp.float16
 DEFAULT_CONFIG = config.default_config  # before the autouse fixture pins the layouts
 
 
-def _schedulable_cpus() -> int:
+def _pool_threads() -> int:
+    """Threads of XLA's CPU client pool: NPROC where set (tests/conftest.py sets 4), else the
+    schedulable CPUs."""
+    if os.environ.get("NPROC", "").isdigit():
+        return int(os.environ["NPROC"])
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
@@ -44,16 +48,13 @@ def _schedulable_cpus() -> int:
 
 
 # The GPU interpreter runs each warpgroup as a host thread whose barrier waits block inside XLA
-# host callbacks, and XLA may run those on its CPU intra-op pool (one thread per schedulable
-# CPU). At K = V = 256, in the key-rows forward at K = 128 or with packed sequences, and in the
-# key-rows reverse state pass at every K, it does so for the serial kernels' three warpgroups: on a 2-CPU machine two blocked waits held both pool
-# threads and the third warpgroup never ran (a deadlock of the simulation, not of the kernel: the
-# same cases pass when the process sees 3 or more CPUs, e.g. under an LD_PRELOAD shim whose
-# sched_getaffinity reports four, and on the GPU).
+# host callbacks on the CPU client's pool. At K = V = 256, in the key-rows forward at K = 128 or
+# with packed sequences, and in the key-rows reverse state pass at every K, the serial kernels'
+# three warpgroups wait at once: with two pool threads the third never ran (a deadlock of the
+# simulation, not of the kernel). tests/conftest.py gives the pool four threads (NPROC).
 needs_pool_threads = pytest.mark.skipif(
-    INTERPRET and _schedulable_cpus() < 3,
-    reason="the GPU interpreter deadlocks in these cases with < 3 CPUs "
-           "(XLA's intra-op pool is held by blocked warpgroup barriers)")
+    INTERPRET and _pool_threads() < 3,
+    reason="the GPU interpreter deadlocks in these cases with < 3 threads in XLA's CPU pool (NPROC)")
 
 
 @pytest.fixture(autouse=True)

@@ -99,6 +99,9 @@ def _gate_kwargs(x, dtype):
     # fp16: the Gram operands stay bf16 (centred factors reach e^40), A's pair, Ē and W are fp16
     ("kda", 64, 100, 1, "bounded", 9, F16),
     ("gdn2", 64, 90, 1, "strong", 7, F16),
+    # K = 256: the chunk Grams over two key blocks, W/U by vector_wu, the state in four blocks
+    ("kda", 256, 100, 1, "strong", 40, BF16),
+    ("gdn2", 256, 130, 1, "bounded", 41, BF16),
 ])
 def test_vector_forward_matches_float64(op, D, T, H, gates, seed, dtype):
     x = _case(op, T, H, D, seed, gates, dtype=dtype)
@@ -195,7 +198,7 @@ def test_vector_wu_matches_chunk_kernel(op):
             assert ratio(got, ref) <= 1e-3, (name, ratio(got, ref))
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("op,centred,dtype", [("kda", False, BF16), ("kda", True, BF16), ("gdn2", False, BF16),
                                               ("gdn2", True, BF16), ("kda", True, F16), ("gdn2", False, F16)])
 def test_vector_kernels_lower_for_cuda(D, op, centred, dtype):
@@ -217,14 +220,20 @@ def test_vector_kernels_lower_for_cuda(D, op, centred, dtype):
 
 
 def test_vector_config_fits_smem():
-    """The chosen tilings fit SMEM; K = 128 needs the single output tile."""
-    for K in (64, 128):
+    """The chosen tilings fit SMEM; K = 128 needs the single output tile; K = 256 takes the blocked
+    register state, one stage, and the chunk kernel's Grams over 128-column key blocks."""
+    for K in (64, 128, 256):
         cfg = config.default_vector_config(K, K, 2, False)
-        assert config.vector_chunk_smem_bytes(K, K, 2, True) <= config.SMEM_BUDGET
-        state = config.vector_state_smem_bytes(K, 64, cfg.state.stages, 2, cfg.out_buffers, True)
+        for erase in (False, True):
+            assert config.vector_chunk_smem_bytes(K, K, 2, erase) <= config.SMEM_BUDGET
+        state = config.vector_state_smem_bytes(K, 64, cfg.state.stages, 2, cfg.out_buffers, True,
+                                               cfg.state.k_block)
         assert state <= config.SMEM_BUDGET
     assert config.default_vector_config(64, 64, 2, False).out_buffers == 2
     assert config.default_vector_config(128, 128, 2, False).out_buffers == 1
+    assert config.vector_chunk_key_block(256) == 128 and config.vector_chunk_key_block(128) == 128
+    big = config.default_vector_config(256, 256, 2, True)
+    assert (big.state.k_block, big.state.stages, big.state_backward.k_block) == (64, 1, 64), big
 
 
 def test_vector_forward_refuses():
@@ -234,8 +243,8 @@ def test_vector_forward_refuses():
     with pytest.raises(ValueError, match="beta"):
         vector_forward(q, q, q, g)
     with pytest.raises(ValueError, match="K = V"):
-        big = jnp.zeros((1, 64, 1, 256), BF16)
-        vector_forward(big, big, big, jnp.zeros((1, 64, 1, 256), jnp.float32), beta)
+        big = jnp.zeros((1, 64, 1, 192), BF16)
+        vector_forward(big, big, big, jnp.zeros((1, 64, 1, 192), jnp.float32), beta)
     with pytest.raises(ValueError, match="bf16 or fp16 inputs"):
         f = jnp.zeros((1, 64, 1, 64), jnp.float32)
         vector_forward(f, f, f, g, beta)
@@ -303,6 +312,9 @@ def _check_backward(op, D, T, H, gates, seed, policy, n_seq=None, dtype=BF16):
     ("gdn2", 64, 190, 1, "mixed", 17, "save", BF16),
     ("kda", 64, 100, 1, "bounded", 18, "save", F16),
     ("gdn2", 64, 80, 1, "strong", 19, "recompute", F16),
+    # K = 256: also the gradient kernel's streamed value pieces and the blocked reverse pass
+    ("kda", 256, 100, 1, "bounded", 42, "recompute", BF16),
+    ("gdn2", 256, 90, 1, "strong", 43, "save", BF16),
 ])
 def test_vector_backward_matches_float64(op, D, T, H, gates, seed, policy, dtype):
     ratios = _check_backward(op, D, T, H, gates, seed, policy, dtype=dtype)
@@ -361,7 +373,7 @@ def test_vector_packed_matches_float64(op, T, H, gates, seed, policy):
     assert not bad, f"ratios over rewy-math §8 bf16 bounds: {bad} (all: {ratios})"
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_vector_serial_kernels_lower_for_cuda_packed(D):
     """The two serial vector kernels with packed sequences (meta, h0 / final / d(final) / dh0 per
     slot) lower to Mosaic GPU for sm_90 on this CPU (both forward variants)."""
@@ -393,7 +405,8 @@ def test_vector_serial_kernels_lower_for_cuda_packed(D):
 
 
 @pytest.mark.parametrize("D,centred,dtype", [(64, False, BF16), (64, True, BF16), (128, False, BF16),
-                                             (128, True, BF16), (64, True, F16), (128, False, F16)])
+                                             (128, True, BF16), (64, True, F16), (128, False, F16),
+                                             (256, False, BF16), (256, True, F16)])
 def test_vector_backward_kernels_lower_for_cuda(D, centred, dtype):
     """The backward's kernels (and the forward's variants that save A, the chunk states and R)
     lower to Mosaic GPU for sm_90 on this CPU, and dg's chunk sums (a Pallas Triton kernel) for
@@ -441,10 +454,11 @@ def test_vector_backward_kernels_lower_for_cuda(D, centred, dtype):
 
 
 def test_vector_backward_config_fits_smem():
-    for K in (64, 128):
+    for K in (64, 128, 256):
         cfg = config.default_vector_config(K, K, 2, False)
         stages = cfg.state_backward.stages
-        assert config.vector_state_backward_smem_bytes(K, 64, stages, 2) <= config.SMEM_BUDGET
+        assert config.vector_state_backward_smem_bytes(K, 64, stages, 2, cfg.state_backward.k_block) <= \
+            config.SMEM_BUDGET
         for op in ("kda", "gdn2"):
             assert config.vector_chunk_backward_smem_bytes(K, K, 2, op) <= config.SMEM_BUDGET
     assert config.default_vector_config(128, 128, 2, False).state_backward.stages == 2
@@ -461,8 +475,9 @@ def test_vector_supports_says_why_not():
         assert vector_api.supports(**{**common, "K": 64, "V": 64}) is None
         assert vector_api.supports(**{**common, "packed": True}) is None  # cu_seqlens: api.pack
         assert vector_api.supports(**{**common, "dtype": F16}) is None
+        assert vector_api.supports(**{**common, "K": 256, "V": 256}) is None
     for change, words in ((dict(dtype=jnp.float32), "bf16 or fp16"),
-                          (dict(K=256, V=256), "K = V"), (dict(K=128, V=64), "K = V"),
+                          (dict(K=32, V=32), "K = V"), (dict(K=128, V=64), "K = V"),
                           (dict(chunk_size=32), "chunk_size"), (dict(backward="wy"), "ReWY"),
                           (dict(static_scale=False), "scale")):
         reason = vector_api.supports(**{**common, **change})
@@ -471,8 +486,8 @@ def test_vector_supports_says_why_not():
 
 
 def test_vector_dispatch_on_hopper(monkeypatch):
-    """On an sm_90 GPU, backend="mosaic_gpu" serves bf16 and fp16 KDA and GDN2 at K = V in {64, 128}
-    and says why it refuses fp32 and K = 256 calls (packed ones it serves); backend=None does not take these
+    """On an sm_90 GPU, backend="mosaic_gpu" serves bf16 and fp16 KDA and GDN2 at K = V in {64, 128,
+    256} and says why it refuses fp32 and K = 32 calls (packed ones it serves); backend=None does not take these
     kernels for vector gates (not yet checked against pallas_gpu on a GPU) (the GPU is faked, nothing runs)."""
     import rewy_jax
     from pallas_kernels.mosaic_gpu import api
@@ -500,13 +515,13 @@ def test_vector_dispatch_on_hopper(monkeypatch):
         return getattr(impl, "__wrapped__", impl)
 
     for op in ("kda", "gdn2"):
-        for D in (64, 128):
+        for D in (64, 128, 256):
             assert picked(op, D, name="mosaic_gpu") is backends.mosaic_gpu_impl, (op, D)
             assert picked(op, D, dtype=F16, name="mosaic_gpu") is backends.mosaic_gpu_impl, (op, D)
             assert picked(op, D) is not backends.mosaic_gpu_impl, (op, D)
             cu = jnp.asarray([0, 30, 64], jnp.int32)
             assert picked(op, D, cu=cu, name="mosaic_gpu") is backends.mosaic_gpu_impl, (op, D)
-        for kw, words in ((dict(dtype=jnp.float32), "bf16 or fp16"), (dict(D=256), "K")):
+        for kw, words in ((dict(dtype=jnp.float32), "bf16 or fp16"), (dict(D=32), "K")):
             with pytest.raises(NotImplementedError, match=words):
                 picked(op, **{"D": 128, **kw}, name="mosaic_gpu")
 

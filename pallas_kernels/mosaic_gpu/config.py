@@ -37,7 +37,7 @@ class PassConfig:
         block, the whole-width program). A smaller block holds the state as ``K / k_block``
         tiles ``[block_v, k_block]``, runs the state update one WGMMA per block (one block's
         fresh accumulator live beside the state, not a second whole state) and moves the fp32
-        initial/final state through SMEM one block at a time. The vector-gate kernels ignore it.
+        initial/final state through SMEM one block at a time (the vector-gate serial kernels too).
     key_rows: the pass holds its register state as ``S [K, block_v]`` (``K / 64`` blocks of 64
         key rows; every chain product takes both operands from SMEM; ``k_block`` is ignored)
         instead of ``Sᵀ [block_v, K]``, so that ``block_v = 32`` is possible (twice the CTAs).
@@ -295,35 +295,42 @@ def vector_chunk_smem_bytes(K: int, V: int, itemsize: int, channel_erase: bool) 
 
 
 def vector_state_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, out_buffers: int,
-                            with_state: bool) -> int:
+                            with_state: bool, k_block: int | None = None) -> int:
     """SMEM of the vector-gate state + output pass (its scratch list, see
-    vector_forward.vector_state_output)."""
+    vector_forward.vector_state_output); the fp32 state buffer holds one ``[block_v, k_block]``
+    block (``None``: the whole ``[block_v, K]``)."""
     per_stage = 3 * C * K * itemsize + C * block_v * itemsize + C * C * itemsize + K * 4
     fixed = 2 * block_v * K * itemsize + 2 * C * block_v * itemsize + out_buffers * C * block_v * itemsize
-    fixed += block_v * K * 4 if with_state else 0
+    fixed += block_v * (k_block or K) * 4 if with_state else 0
     return stages * per_stage + fixed
 
 
 def default_vector_config(K: int, V: int, itemsize: int, centred: bool) -> VectorConfig:
     """The deepest state-pass pipeline that fits SMEM with a double-buffered output tile, else
-    the deepest with a single one (K = 128: 2 stages, one output tile)."""
+    the deepest with a single one (K = 128: 2 stages, one output tile). K = 256: the serial
+    kernels' fp32 register state as four ``[64, 64]`` blocks (:func:`k_block_for`: the whole
+    width and its update's fresh accumulator would be 256 registers a thread) and one stage (a
+    chunk's W, Qγ and K_tail alone are 96 KiB there)."""
     if vector_chunk_smem_bytes(K, V, itemsize, True) > SMEM_BUDGET:
         raise ValueError(f"the vector-gate chunk kernel does not fit SMEM at K={K}, V={V}")
+    kb = None if K <= 128 else k_block_for(K)
     for out_buffers in (2, 1):
-        for stages in (4, 3, 2):
-            if vector_state_smem_bytes(K, 64, stages, itemsize, out_buffers, True) <= SMEM_BUDGET:
+        for stages in (4, 3, 2) if kb is None else (4, 3, 2, 1):
+            if vector_state_smem_bytes(K, 64, stages, itemsize, out_buffers, True, kb) <= SMEM_BUDGET:
                 bwd = default_vector_backward_stages(K, itemsize)
-                return VectorConfig(centred=centred, state=PassConfig(block_v=64, stages=stages),
+                return VectorConfig(centred=centred, state=PassConfig(block_v=64, stages=stages, k_block=kb),
                                     out_buffers=out_buffers,
-                                    state_backward=PassConfig(block_v=64, stages=bwd))
+                                    state_backward=PassConfig(block_v=64, stages=bwd, k_block=kb))
     raise ValueError(f"no vector-gate state-pass tiling fits SMEM at K={K}")
 
 
-def vector_state_backward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int) -> int:
+def vector_state_backward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int,
+                                     k_block: int | None = None) -> int:
     """SMEM of the vector-gate reverse state pass (its scratch list, see
-    vector_state_backward.vector_state_backward)."""
+    vector_state_backward.vector_state_backward); the fp32 cotangent buffer holds one
+    ``[block_v, k_block]`` block (``None``: the whole)."""
     per_stage = 3 * C * K * itemsize + C * C * itemsize + C * block_v * itemsize + K * 4
-    fixed = block_v * K * itemsize + 2 * block_v * C * itemsize + block_v * K * 4
+    fixed = block_v * K * itemsize + 2 * block_v * C * itemsize + block_v * (k_block or K) * 4
     return stages * per_stage + fixed
 
 
@@ -340,5 +347,8 @@ def vector_chunk_backward_smem_bytes(K: int, V: int, itemsize: int, op: str | No
 
 
 def default_vector_backward_stages(K: int, itemsize: int) -> int:
-    """The deepest reverse-state-pass pipeline that fits SMEM (K = 128: 2, K = 64: 4)."""
-    return _deepest(lambda s: vector_state_backward_smem_bytes(K, 64, s, itemsize) <= SMEM_BUDGET)
+    """The deepest reverse-state-pass pipeline that fits SMEM (K = 128: 2, K = 64: 4, K = 256 with
+    its blocked cotangent: 1)."""
+    kb = None if K <= 128 else k_block_for(K)
+    return _deepest(lambda s: vector_state_backward_smem_bytes(K, 64, s, itemsize, kb) <= SMEM_BUDGET,
+                    2 if kb is None else 1)

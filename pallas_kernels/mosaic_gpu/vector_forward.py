@@ -48,13 +48,13 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, DTYPES, F32, META, WGMMA, cols_of, finish_together, memory_warpgroup, mma, mma_sum,
-    replace_where, smem, stage, start_state, store_state)
+    C, COLS, DTYPES, F32, META, WGMMA, cols_of, finish_together, key_block, memory_warpgroup, mma, mma_sum,
+    replace_where, smem, stage_blocks, start_state, store_state)
 from pallas_kernels.mosaic_gpu.config import VectorConfig, default_vector_config
 from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
 from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, prepare_vector
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 
 
 def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_final: bool,
@@ -70,6 +70,8 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
     N = Tp // C
     bv = cfg.state.block_v
     stages = cfg.state.stages
+    kb = cfg.state.key_block(K)  # key columns per register block of the state
+    nkb = K // kb
     n_out = cfg.out_buffers
     dtype = w.dtype
     has_h0 = h0t is not None
@@ -93,7 +95,7 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
         state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
     )
     if has_h0 or out_final:
-        scratch["state_s"] = smem((bv, K), F32)
+        scratch["state_s"] = smem((bv, kb), F32)  # one block of h0 / the final state at a time
     if packed:
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
@@ -126,8 +128,8 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
         @pl.when(wg == 0)
         def _state_chain():
             plgpu.set_max_registers(232, action="increase")
-            src = (lambda j: h0_ref.at[b, h, vcols]) if has_h0 and not packed else None
-            (s0,) = start_state(state_s, src, state_bar, (bv, K))
+            src = (lambda j: key_block(h0_ref.at[b, h, vcols], j, kb)) if has_h0 and not packed else None
+            s0 = start_state(state_s, src, state_bar, (bv, kb), nkb)
 
             def step(n, s_t):
                 slot, half = lax.rem(n, stages), lax.rem(n, 2)
@@ -139,12 +141,12 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
 
                 if packed:  # a sequence starts here: its initial state replaces the carry
                     reset, seq = meta_s[slot, 0], meta_s[slot, 1]
-                    (s_t,) = replace_where(reset, (s_t,), lambda j: h0_ref.at[seq, h, vcols], state_s,
-                                           state_bar)
+                    s_t = replace_where(reset, s_t, lambda j: key_block(h0_ref.at[seq, h, vcols], j, kb),
+                                        state_s, state_bar)
 
                 if save_states:  # the stores from this half, two chunks ago, have read it
                     plgpu.wait_smem_to_gmem(2, wait_read_only=True)
-                s_lo = stage(s_pub.at[half], s_t)  # the chunk start state, for WG1 and the chain
+                s_lo = stage_blocks(s_pub.at[half], s_t, kb)  # the chunk start state, for WG1 and the chain
                 if save_states:
                     plgpu.copy_smem_to_gmem(s_lo, st_ref.at[b, h, n, vcols])
                 pred = mma(s_lo, w_s.at[slot].T, (bv, C))  # Sᵀ Wᵀ = (W S)ᵀ
@@ -154,14 +156,20 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
                 plgpu.barrier_arrive(s_ready.at[half])
                 if save_states:
                     plgpu.copy_smem_to_gmem(r_pub.at[half], r_ref.at[b, pl.ds(n * C, C), h, vcols])
-                decay = cols_of(jnp.exp2(plgpu.load(gl_s.at[slot], layout=COLS)), (bv, K))  # 2^{G_C} per key
-                s_new = mma(r_pub.at[half].T, kt_s.at[slot], (bv, K), acc=s_t * decay)
+                s_new = []
+                for j, s_j in enumerate(s_t):  # block by block: one block's fresh accumulator live
+                    decay = cols_of(jnp.exp2(plgpu.load(key_block(gl_s.at[slot], j, kb), layout=COLS)),
+                                    (bv, kb))  # 2^{G_C} per key
+                    s_new.append(mma(r_pub.at[half].T, key_block(kt_s.at[slot], j, kb), (bv, kb),
+                                     acc=s_j * decay))
+                s_new = tuple(s_new)
                 if packed and out_final:  # a sequence ends here: store its final state
                     end, seq = meta_s[slot, 2], meta_s[slot, 1]
 
                     @pl.when(end == 1)
                     def _():  # (an earlier sequence's final store may still read state_s)
-                        store_state(state_s, (s_new,), lambda j: fin_ref.at[seq, h, vcols], wait_first=True)
+                        store_state(state_s, s_new, lambda j: key_block(fin_ref.at[seq, h, vcols], j, kb),
+                                    wait_first=True)
                 plgpu.barrier_arrive(in_free.at[slot])
                 return s_new
 
@@ -169,9 +177,7 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
             for n in range(max(N - 2, 0), N):  # observe WG1's last releases of the published tiles
                 plgpu.barrier_wait(s_free.at[n % 2])
             if out_final and not packed:  # no earlier store read state_s
-                state_s[...] = s_t
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(state_s, fin_ref.at[b, h, vcols])
+                store_state(state_s, s_t, lambda j: key_block(fin_ref.at[b, h, vcols], j, kb), wait_first=False)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 1)
@@ -218,7 +224,8 @@ def vector_forward(q, k, v, g, beta=None, b=None, w=None, h0=None, *, scale: flo
     [B, T, H]; GDN2: ``b`` [B, T, H, K] (erase) and ``w`` [B, T, H, V] (write), all in [0, 2].
     h0: [B, H, K, V] fp32 or None; final: [B, H, K, V] fp32. ``scale`` defaults to K^−1/2.
     ``gate_lower_bound``: a declared bound on g (g is clamped to it); ≥ −5 takes the centred
-    diagonal blocks (vector_prep.py). K = V ∈ {64, 128}. Forward only (no VJP yet).
+    diagonal blocks (vector_prep.py). K = V ∈ {64, 128, 256}. Forward only (the differentiable op is
+    vector_api.vector_delta_rule).
     """
     B, T, H, K = k.shape
     V = v.shape[-1]

@@ -48,8 +48,8 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, cols_of, finish_together, memory_warpgroup, mma_sum, smem, stage,
-    replace_where, start_state, store_state)
+    C, COLS, F32, META, cols_of, finish_together, key_block, memory_warpgroup, mma_sum, smem, stage,
+    stage_blocks, replace_where, start_state, store_state)
 from pallas_kernels.mosaic_gpu.config import PassConfig
 
 
@@ -63,6 +63,8 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
     N = Tp // C
     bv = cfg.block_v
     stages = cfg.stages
+    kb = cfg.key_block(K)  # key columns per register block of the cotangent
+    nkb = K // kb
     dtype = w.dtype
     has_df = dfinal_t is not None
     packed = meta is not None
@@ -78,7 +80,7 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
         # Single-buffered: only this warpgroup's TMA stores read ds_pub and dr_out, and each store
         # has the next chunk's first product to finish before the tile is rewritten.
         ds_pub=smem((bv, K), dtype), ndr_s=smem((bv, C), dtype), dr_out=smem((C, bv), dtype),
-        state_s=smem((bv, K), F32),
+        state_s=smem((bv, kb), F32),  # one block of d(final) / dh0 at a time
         in_bar=plgpu.Barrier(num_arrivals=6 + packed, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=2),
@@ -115,8 +117,8 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
         @pl.when(wg == 0)
         def _chain():
             plgpu.set_max_registers(232, action="increase")
-            src = (lambda j: df_ref.at[b, h, vcols]) if has_df and not packed else None
-            (ds0,) = start_state(state_s, src, state_bar, (bv, K))
+            src = (lambda j: key_block(df_ref.at[b, h, vcols], j, kb)) if has_df and not packed else None
+            ds0 = start_state(state_s, src, state_bar, (bv, kb), nkb)
 
             def step(i, ds_t):
                 slot = lax.rem(i, stages)
@@ -125,36 +127,38 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
                 if packed:  # a sequence ends here: its final-state cotangent replaces the carry
                     end, seq = meta_s[slot, 2], meta_s[slot, 1]
                     if has_df:
-                        (ds_t,) = replace_where(end, (ds_t,), lambda j: df_ref.at[seq, h, vcols],
-                                                state_s, state_bar)
+                        ds_t = replace_where(end, ds_t, lambda j: key_block(df_ref.at[seq, h, vcols], j, kb),
+                                             state_s, state_bar)
                     else:
-                        ds_t = jnp.where(end == 1, 0.0, ds_t)
+                        ds_t = tuple(jnp.where(end == 1, 0.0, x) for x in ds_t)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk i − 1's stores have read
-                ds_lo = stage(ds_pub, ds_t)  # the chunk's end cotangent: operand and output
+                ds_lo = stage_blocks(ds_pub, ds_t, kb)  # the chunk's end cotangent: operand and output
                 plgpu.copy_smem_to_gmem(ds_pub, dst_ref.at[b, h, n, vcols])
                 dr_t = mma_sum(((ds_lo, kt_s.at[slot].T), (do_s.at[slot].T, p_s.at[slot])), (bv, C))
                 dr_out.T[...] = dr_t.astype(dtype)
                 # −dRᵀ: the sign rides on the staged operand, so the update is one accumulator
                 ndr = stage(ndr_s, dr_t * -1.0)  # (its fence also covers the dr_out store)
                 plgpu.copy_smem_to_gmem(dr_out, dr_ref.at[b, pl.ds(n * C, C), h, vcols])
-                decay = cols_of(jnp.exp2(plgpu.load(gl_s.at[slot], layout=COLS)), (bv, K))  # 2^{G_C}
-                ds_new = mma_sum(((do_s.at[slot].T, qg_s.at[slot]), (ndr, w_s.at[slot])), (bv, K),
-                                 acc=ds_t * decay)
+                ds_new = []
+                for j, ds_j in enumerate(ds_t):  # block by block: one block's fresh accumulator live
+                    decay = cols_of(jnp.exp2(plgpu.load(key_block(gl_s.at[slot], j, kb), layout=COLS)),
+                                    (bv, kb))  # 2^{G_C}
+                    ds_new.append(mma_sum(((do_s.at[slot].T, key_block(qg_s.at[slot], j, kb)),
+                                           (ndr, key_block(w_s.at[slot], j, kb))), (bv, kb), acc=ds_j * decay))
+                ds_new = tuple(ds_new)
                 if packed:  # a sequence starts here: its initial state's cotangent is done
                     reset, seq = meta_s[slot, 0], meta_s[slot, 1]
 
                     @pl.when(reset == 1)
                     def _():
-                        store_state(state_s, (ds_new,), lambda j: dh0_ref.at[seq, h, vcols], wait_first=True)
+                        store_state(state_s, ds_new, lambda j: key_block(dh0_ref.at[seq, h, vcols], j, kb),
+                                    wait_first=True)
                 plgpu.barrier_arrive(in_free.at[slot])
                 return ds_new
 
             ds_t = lax.fori_loop(0, N, step, ds0)
             if not packed:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                state_s[...] = ds_t
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(state_s, dh0_ref.at[b, h, vcols])
+                store_state(state_s, ds_t, lambda j: key_block(dh0_ref.at[b, h, vcols], j, kb), wait_first=True)
             plgpu.wait_smem_to_gmem(0)
 
         finish_together(done)
