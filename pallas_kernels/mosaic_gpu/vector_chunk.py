@@ -71,6 +71,11 @@ SMEM (vector_chunk_smem_bytes in config.py; at K = V = 128 GDN2 200 KiB as befor
   inputs A is an fp16 pair); one output tile (P). Qγ, K_tail and U are staged in place of q, k
   and x.
 
+K = 256: the Grams one 128-column key block at a time (``config.CHUNK_KEY_BLOCK``; T and P are
+sums over key channels), the block's q, k, G and b reloaded into the same tiles; the kernel then
+writes P and A's pair only, and :func:`vector_wu` forms W, U, Qγ and K_tail (KDA 200 KiB, GDN2
+184 KiB of SMEM).
+
 Reads:  q, k [B, Tp, H, K]; x [B, Tp, H, V] (v for KDA, z for GDN2); g2 [B, H, Tp, K] fp32;
         erase: β [B, H, Tp] fp32 (KDA) or b [B, Tp, H, K] fp32 (GDN2).
 Writes: w, qg, kt [B, H, Tp, K]; u [B, H, Tp, V]; p [B, H, Tp, C] (input dtype, head-major);

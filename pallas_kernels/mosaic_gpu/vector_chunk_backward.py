@@ -53,7 +53,9 @@ SMEM (config.vector_chunk_backward_smem_bytes): dO, dR, R ``[V/64, C, 64]``, S0�
 (swizzled for tiles, plain for the frame rows) and three fp32 output tiles. The level loop's five
 staging tiles reuse the dO, R, S0, dS buffers (spent by then); Λ is staged over dR, dT and dA
 over A. 200 KiB at K = V = 128, 160 KiB at 64 (unchanged by the grouping); KDA's leaf maps add
-v's piece, β and dβ's part (8.5 KiB at 128), GDN2's erase side b's piece (16 KiB).
+v's piece, β and dβ's part (8.5 KiB at 128), GDN2's erase side b's piece (16 KiB). At V = 256
+the five value-side tiles would take 160 KiB: they stream one value piece at a time instead
+(:func:`_streamed_value_products`; Λ ``[C, V]`` and three ``[C, 64]`` slots, 176 KiB).
 
 Reads:  q, k, e [B, Tp, H, K]; g2 [B, H, Tp, K] fp32; do, dr, r [B, Tp, H, V];
         states, dstates [B, H, N, V, K]; a_hi, a_lo [B, H, Tp, C] (per piece: all of dO, dR, R, A,

@@ -23,6 +23,10 @@ Neither R nor the chunk states reach HBM.
 SMEM (config.vector_state_smem_bytes): per stage 3·C·K + C·64 + C·C 16-bit values and K fp32;
 fixed: published Sᵀ and R (two each), ``out_buffers`` output tiles, the fp32 state tile for h0 and
 the final state. K = 128: 2 stages, one output tile, 217 KiB; K = 64: 3 stages, two, 185 KiB.
+K = 256 (``cfg.state.k_block = 64``): WG0 holds ``Sᵀ`` as four ``[64, 64]`` register blocks and
+updates them one WGMMA per block (the whole width and its fresh accumulator would be 256
+registers a thread); h0 and the final state pass through one fp32 ``[64, 64]`` block of SMEM;
+1 stage, one output tile, 217 KiB.
 
 Reads:  w, kt, qg [B, H, Tp, K]; u [B, H, Tp, V]; p [B, H, Tp, C]; g2 [B, H, Tp, K] fp32 (row
         C − 1 of each chunk); h0t [B, H, V, K] fp32 (optional).

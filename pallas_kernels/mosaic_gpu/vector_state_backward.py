@@ -26,6 +26,8 @@ Warpgroups:
 SMEM (config.vector_state_backward_smem_bytes): per stage 3·C·K + C·C + C·64 16-bit values and K
 fp32; fixed: dSᵀ (16-bit) for the chain and its store, −dRᵀ (WGMMA operand), dR (store tile),
 the fp32 tile for d(final) and dh0. K = 128: 2 stages, 193 KiB; K = 64: 4 stages, 201 KiB.
+K = 256 (``cfg.k_block = 64``): the cotangent as four ``[64, 64]`` register blocks, each updated
+by its own accumulator, d(final) and dh0 one block at a time; 1 stage, 177 KiB.
 
 Reads:  kt, w, qg [B, H, Tp, K]; p [B, H, Tp, C]; do [B, Tp, H, V]; g2 [B, H, Tp, K] fp32 (row
         C − 1 of each chunk); dfinal ᵀ [B, H, V, K] fp32 (optional).
