@@ -55,7 +55,8 @@ staging tiles reuse the dO, R, S0, dS buffers (spent by then); Λ is staged over
 over A. 200 KiB at K = V = 128, 160 KiB at 64 (unchanged by the grouping); KDA's leaf maps add
 v's piece, β and dβ's part (8.5 KiB at 128), GDN2's erase side b's piece (16 KiB). At V = 256
 the five value-side tiles would take 160 KiB: they stream one value piece at a time instead
-(:func:`_streamed_value_products`; Λ ``[C, V]`` and three ``[C, 64]`` slots, 176 KiB).
+(:func:`_streamed_value_products`; Λ ``[C, V]`` and two sets of three ``[C, 64]`` slots, 200
+KiB).
 
 Reads:  q, k, e [B, Tp, H, K]; g2 [B, H, Tp, K] fp32; do, dr, r [B, Tp, H, V];
         states, dstates [B, H, N, V, K]; a_hi, a_lo [B, H, Tp, C] (per piece: all of dO, dR, R, A,
@@ -87,33 +88,44 @@ from pallas_kernels.mosaic_gpu.vector_chunk import CROSS_LEVELS, MID, SUB, SUB_L
 def _streamed_value_products(tiles, a_s, bars, j, nv: int, lam_out, stage_dt_da, *, dr, r, do, s0, ds):
     """The value-side products of one CTA at V = 256, one 64-column value piece at a time: sums
     over the pieces i of Λ_i Rᵢᵀ, dO_i Rᵢᵀ (pass 1, which also forms Λ_i = Aᵀ dR_i into SMEM),
-    then Λ_i S0ᵀ_i and dO_i S0ᵀ_i (pass 2), then R_i dSᵀ_i (pass 3), each piece's tiles TMA-loaded
-    into the three slots and waited for (no prefetch: SMEM holds one piece's tiles beside Λ).
-    Each pass holds at most its own sums and one piece's fresh products (≤ 128 fp32 registers a
-    thread), and dT, dA are staged after pass 1 (A is spent then).
+    then Λ_i S0ᵀ_i and dO_i S0ᵀ_i (pass 2), then R_i dSᵀ_i (pass 3). The 3·nv steps' tiles go
+    through two slot sets: step s + 1's TMA loads are issued before step s's products, so they
+    overlap. Each pass holds at most its own sums and one piece's fresh products (≤ 128 fp32
+    registers a thread), and dT, dA are staged after pass 1 (A is spent then).
 
-    ``tiles``: (Λ ``[nv, C, 64]``, slots ``[3, C, 64]``) in the input dtype; ``bars``: barriers of
-    3 and 2 arrivals; ``dr(vc)`` etc.: the GMEM views of value columns ``vc``. Pieces go in the
-    order j, j + 1, … (mod nv), so pass 1's first Λ is piece j, which ``lam_out`` sends out.
-    Returns ``(Λ S0ᵀ, dO S0ᵀ, R dSᵀ, stage_dt_da's result, Σ Λ ⊙ v or None)``."""
-    lam_s, slot = tiles
+    ``tiles``: (Λ ``[nv, C, 64]``, slots ``[2, 3, C, 64]``) in the input dtype; ``bars``: two
+    barrier pairs, of 3 arrivals (pass 1) and 2 (passes 2 and 3), one barrier per slot set;
+    ``dr(vc)`` etc.: the GMEM views of value columns ``vc``. Pieces go in the order j, j + 1, …
+    (mod nv), so pass 1's first Λ is piece j, which ``lam_out`` sends out. Returns
+    ``(Λ S0ᵀ, dO S0ᵀ, R dSᵀ, stage_dt_da's result, Σ Λ ⊙ v or None)``."""
+    lam_s, slots = tiles
     bar3, bar2 = bars
     tile = (C, PIECE)
+    steps = [((dr, r, do), bar3, i) for i in range(nv)] + [((do, s0), bar2, i) for i in range(nv)] + \
+        [((r, ds), bar2, i) for i in range(nv)]
 
-    def fill(srcs, bar, i):
-        """Value piece i's tiles from ``srcs`` into the slots (once every thread is done with them)."""
+    def issue(s):
+        """Step s's tiles into slot set s % 2 (its last reader, step s − 2, has completed)."""
+        srcs, bar, i = steps[s]
         vc = pl.ds(lax.rem(j + i, jnp.int32(nv)) * PIECE, PIECE)
-        plgpu.commit_smem()
+        plgpu.commit_smem()  # every thread is past step s − 2's products
         for m, src in enumerate(srcs):
-            plgpu.copy_gmem_to_smem(src(vc), slot.at[m], bar)
-        plgpu.barrier_wait(bar)
+            plgpu.copy_gmem_to_smem(src(vc), slots.at[s % 2, m], bar.at[s % 2])
+
+    def arrive(s):
+        """Waits for step s's tiles, issues step s + 1's; returns step s's slots."""
+        plgpu.barrier_wait(steps[s][1].at[s % 2])
+        if s + 1 < len(steps):
+            issue(s + 1)
+        return slots.at[s % 2]
 
     def add(acc, new):
         return new if acc is None else tuple(a + x for a, x in zip(acc, new))
 
+    issue(0)
     sums, lam_v = None, None
     for i in range(nv):  # pass 1: Λ_i into SMEM, Λ Rᵀ and dO Rᵀ
-        fill((dr, r, do), bar3, i)
+        slot = arrive(i)
         (lam_i,) = mma_group([(((a_s.at[0].T, slot.at[0]), (a_s.at[1].T, slot.at[0])), tile)])
         if i == 0:
             copy_lam, lam_v = lam_out(lam_i)
@@ -126,12 +138,12 @@ def _streamed_value_products(tiles, a_s, bars, j, nv: int, lam_out, stage_dt_da,
     dt_da = stage_dt_da(*sums)
     sums = None
     for i in range(nv):  # pass 2: Λ S0ᵀ and dO S0ᵀ (this CTA's key columns)
-        fill((do, s0), bar2, i)
+        slot = arrive(nv + i)
         sums = add(sums, mma_group(((((lam_s.at[i], slot.at[1]),), tile), (((slot.at[0], slot.at[1]),), tile))))
     ls0, dos0 = sums
     rds = None
     for i in range(nv):  # pass 3: R dSᵀ
-        fill((r, ds), bar2, i)
+        slot = arrive(2 * nv + i)
         (x,) = mma_group([(((slot.at[0], slot.at[1]),), tile)])
         rds = x if rds is None else rds + x
     return ls0, dos0, rds, dt_da, lam_v
@@ -171,15 +183,17 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
     scratch = dict(
         # dO, R, S0ᵀ, dSᵀ, dR (Λ over it) in the input dtype; once spent, their first five
         # [C, 64] tiles are the Gram levels' staging tiles, seen as bf16 (frame factors reach
-        # e^40); the same bytes. Streamed: Λ's pieces and three slots for the value pieces' tiles
-        io=plgpu.RefUnion((piece(nv), piece(3)) if streamed else (piece(nv),) * 5, staging),
+        # e^40); the same bytes. Streamed: Λ's pieces and two sets of three slots for the value
+        # pieces' tiles
+        io=plgpu.RefUnion((piece(nv), smem((2, 3, C, PIECE), dtype)) if streamed else (piece(nv),) * 5, staging),
         a_s=smem((2, C, C), dtype), q_s=smem((C, PIECE), dtype), k_s=smem((C, PIECE), dtype),
         e_s=smem((C, PIECE), dtype), g_s=smem((C, PIECE), F32), g_rows=plgpu.SMEM((C, PIECE), F32),
         o32=smem((3, C, PIECE), F32),
         bar=plgpu.Barrier(num_arrivals=(0 if streamed else 5 * nv) + 7 + (not centred) + 2 * leaf + erase_b),
     )
     if streamed:  # a value piece's (dR, R, dO), then (dO, S0ᵀ), then (R, dSᵀ)
-        scratch.update(bar3=plgpu.Barrier(num_arrivals=3), bar2=plgpu.Barrier(num_arrivals=2))
+        scratch.update(bar3=plgpu.Barrier(num_arrivals=3, num_barriers=2),
+                       bar2=plgpu.Barrier(num_arrivals=2, num_barriers=2))
     if not centred:
         scratch["flag_s"] = plgpu.SMEM((META,), jnp.int32)
     if leaf:  # β's rows, v's piece-j columns (dv goes out over them), the dβ parts
