@@ -200,7 +200,7 @@ def mosaic_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
         w = None if call.w is call.b else call.w.astype(jnp.float32)
         xs = [call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), call.g,
               call.b.astype(jnp.float32), w]
-        vcfg = vector_api.default_config(K, V, call.g_bound)
+        vcfg = vector_api.default_config(K, V, call.g_bound, backward)
         run = lambda xs, h0, meta: vector_api.vector_delta_rule(  # noqa: E731
             *xs, h0, meta, float(call.scale), policy, call.g_bound, vcfg, bool(interpret))
     else:

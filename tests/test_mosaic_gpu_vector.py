@@ -271,7 +271,7 @@ def _op_grads(op, x, bound, **kw):
     return names, f
 
 
-def _check_backward(op, D, T, H, gates, seed, policy, n_seq=None, dtype=BF16):
+def _check_backward(op, D, T, H, gates, seed, policy, n_seq=None, dtype=BF16, backward="rewy", got_out=None):
     """Every output and gradient of the Mosaic GPU op (interpreter) against the float64
     reference; returns the ratios. ``n_seq``: packed sequences (cu_seqlens, h0 and the final
     state's cotangent per sequence); ``dtype``: q, k, v and dO's."""
@@ -281,7 +281,7 @@ def _check_backward(op, D, T, H, gates, seed, policy, n_seq=None, dtype=BF16):
     cts = dict(o=rng.standard_normal((1, T, H, D)), final=rng.standard_normal((x["h0"].shape[0], H, D, D)))
     cu = x.get("cu")
     names, f = _op_grads(op, x, bound, backend="mosaic_gpu", interpret=INTERPRET, policy=policy,
-                         cu_seqlens=None if cu is None else jnp.asarray(cu))
+                         backward=backward, cu_seqlens=None if cu is None else jnp.asarray(cu))
     cast = {"q": dtype, "k": dtype, "v": dtype}
     args = [jnp.asarray(x[n], cast.get(n, jnp.float32)) for n in names]
     (o, fin), vjp = jax.vjp(f, *args)
@@ -297,6 +297,8 @@ def _check_backward(op, D, T, H, gates, seed, policy, n_seq=None, dtype=BF16):
         val = np.asarray(jnp.asarray(val, jnp.float32), np.float64)
         assert np.all(np.isfinite(val)), name
         ratios[name] = ratio(val, np.asarray(ref[name]))
+        if got_out is not None:
+            got_out[name] = val
     return ratios
 
 
@@ -356,6 +358,30 @@ def test_vector_chunk_backward_streamed_matches_resident(op, centred, monkeypatc
         got, ref = (np.asarray(jnp.asarray(v, jnp.float32), np.float64) for v in (got, ref))
         assert np.all(np.isfinite(got)), i
         assert ratio(got, ref) <= 1e-5, (i, ratio(got, ref))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op,D,gates,policy", [("kda", 64, "strong", "save"), ("gdn2", 64, "bounded", "recompute"),
+                                               ("gdn2", 128, "mixed", "save")])
+def test_vector_wy_agrees_with_rewy(op, D, gates, policy):
+    """backward="wy" (the seven-product ablation: dT = −(Aᵀ dA Aᵀ)_{s<r} and dĒ = Aᵀ dW in their
+    own kernel, vector_wy.py) against "rewy" on the same inputs: both within rewy-math §8's
+    bounds of float64; the kernels they share give the same bits (the forward, the reverse state
+    pass, and in the gradient kernel dq and Λ's dv / dw); dk and the gate gradients, which take
+    the differently formed dT and dĒ, agree to bf16 rounding and differ (the wy kernel ran)."""
+    got = {}
+    for backward in ("rewy", "wy"):
+        got[backward] = {}
+        ratios = _check_backward(op, D, 130, 1, gates, 50, policy, backward=backward, got_out=got[backward])
+        bad = {n: r for n, r in ratios.items() if r > tolerance(n, BF16)}
+        assert not bad, f"{backward}: ratios over rewy-math §8 bf16 bounds: {bad} (all: {ratios})"
+    rewy, wy = got["rewy"], got["wy"]
+    same = ("o", "final_state", "dq", "dv", "dinitial_state") + (("dw",) if op == "gdn2" else ())
+    for name in same:
+        np.testing.assert_array_equal(wy[name], rewy[name], err_msg=name)
+    apart = {n: ratio(wy[n], rewy[n]) for n in ("dk", "dg", "dbeta" if op == "kda" else "db")}
+    assert all(r < tolerance(n, BF16) for n, r in apart.items()), apart
+    assert apart["dk"] > 0, apart
 
 
 @needs_interpreter
@@ -441,6 +467,13 @@ def test_vector_backward_kernels_lower_for_cuda(D, centred, dtype):
         (lambda *a: vector_chunk_backward(*a[:12], scale=0.1, centred=centred, gdn2_b=a[12]),  # GDN2's
          (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags, S((B, T, H, D), f32))),
     )
+    if D <= 128:  # the seven-product ablation: dT and dĒ, then the gradient kernel reading them
+        from pallas_kernels.mosaic_gpu.vector_wy import vector_wy_products
+
+        for erase in (S((B, H, T), f32), S((B, T, H, D), f32)):
+            cases += ((lambda *a: vector_wy_products(*a), (cc, cc, tok, tok, st, tok, g2, erase)),)
+        cases += ((lambda *a: vector_chunk_backward(*a[:12], scale=0.1, centred=centred, wy=a[12:]),
+                   (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags, cc, S((B, T, H, D), f32))),)
     for f, args in cases:
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
@@ -476,9 +509,10 @@ def test_vector_supports_says_why_not():
         assert vector_api.supports(**{**common, "packed": True}) is None  # cu_seqlens: api.pack
         assert vector_api.supports(**{**common, "dtype": F16}) is None
         assert vector_api.supports(**{**common, "K": 256, "V": 256}) is None
+        assert vector_api.supports(**{**common, "backward": "wy"}) is None  # the ablation, K <= 128
     for change, words in ((dict(dtype=jnp.float32), "bf16 or fp16"),
                           (dict(K=32, V=32), "K = V"), (dict(K=128, V=64), "K = V"),
-                          (dict(chunk_size=32), "chunk_size"), (dict(backward="wy"), "ReWY"),
+                          (dict(chunk_size=32), "chunk_size"), (dict(backward="wy", K=256, V=256), "K = V <= 128"),
                           (dict(static_scale=False), "scale")):
         reason = vector_api.supports(**{**common, **change})
         assert reason is not None and words in reason, (change, reason)

@@ -241,6 +241,8 @@ class VectorConfig:
     gate_grad_warps: warps of the gate gradient's chunk sums (``pallas_kernels.gpu.gates.gate_grad``,
         a Pallas Triton kernel: Mosaic GPU has no scan, and XLA's cumsums cost 0.30 ms at the
         anchor; 4 as in the Pallas GPU backend).
+    backward: "rewy" (the reduced backward) or "wy": the seven-product chunk backward for the
+        ablation (vector_wy.py; K = V ≤ 128), same gradients.
     """
 
     centred: bool = False
@@ -248,8 +250,11 @@ class VectorConfig:
     out_buffers: int = 2
     state_backward: PassConfig = PassConfig()
     gate_grad_warps: int = 4
+    backward: Literal["rewy", "wy"] = "rewy"
 
     def __post_init__(self):
+        if self.backward not in ("rewy", "wy"):
+            raise ValueError(f"VectorConfig.backward must be 'rewy' or 'wy', got {self.backward!r}")
         if self.out_buffers not in (1, 2):
             raise ValueError(f"VectorConfig.out_buffers must be 1 or 2, got {self.out_buffers}")
         if self.gate_grad_warps not in (1, 2, 4, 8):
@@ -305,7 +310,8 @@ def vector_state_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, ou
     return stages * per_stage + fixed
 
 
-def default_vector_config(K: int, V: int, itemsize: int, centred: bool) -> VectorConfig:
+def default_vector_config(K: int, V: int, itemsize: int, centred: bool,
+                          backward: Literal["rewy", "wy"] = "rewy") -> VectorConfig:
     """The deepest state-pass pipeline that fits SMEM with a double-buffered output tile, else
     the deepest with a single one (K = 128: 2 stages, one output tile). K = 256: the serial
     kernels' fp32 register state as four ``[64, 64]`` blocks (:func:`k_block_for`: the whole
@@ -320,7 +326,8 @@ def default_vector_config(K: int, V: int, itemsize: int, centred: bool) -> Vecto
                 bwd = default_vector_backward_stages(K, itemsize)
                 return VectorConfig(centred=centred, state=PassConfig(block_v=64, stages=stages, k_block=kb),
                                     out_buffers=out_buffers,
-                                    state_backward=PassConfig(block_v=64, stages=bwd, k_block=kb))
+                                    state_backward=PassConfig(block_v=64, stages=bwd, k_block=kb),
+                                    backward=backward)
     raise ValueError(f"no vector-gate state-pass tiling fits SMEM at K={K}")
 
 

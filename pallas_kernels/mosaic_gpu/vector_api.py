@@ -39,6 +39,7 @@ from pallas_kernels.mosaic_gpu.vector_chunk_backward import vector_chunk_backwar
 from pallas_kernels.mosaic_gpu.vector_forward import HEAD_DIMS, vector_state_output
 from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, prepare_vector
 from pallas_kernels.mosaic_gpu.vector_state_backward import vector_state_backward
+from pallas_kernels.mosaic_gpu.vector_wy import vector_wy_products
 
 F32 = jnp.float32
 
@@ -59,9 +60,9 @@ def supports(*, K: int, V: int, dtype, chunk_size: int, static_scale: bool, back
     reason = api.options_reason(chunk_size=chunk_size, static_scale=static_scale, backward=backward)
     if reason is not None:
         return reason
-    if backward != "rewy":
-        return ("the Mosaic GPU KDA/GDN2 kernels implement the ReWY backward only (backward='rewy'); "
-                "the seven-product form is in the DeltaNet/GDN kernels")
+    if backward != "rewy" and K > 128:
+        return (f"the Mosaic GPU KDA/GDN2 seven-product backward (backward='wy', the ablation) takes "
+                f"K = V <= 128, got K={K}")
     return None
 
 
@@ -151,10 +152,13 @@ def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
     dr, dstates, dh0t = vector_state_backward(kt, w_, qg, p, dop, g2, dfinal_t, cfg=cfg.state_backward,
                                               meta=meta, n_slots=h0.shape[0], interpret=ip)
     kda = w is None
+    wy = None
+    if cfg.backward == "wy":  # the ablation: dT and dĒ by the seven products (vector_wy.py)
+        wy = vector_wy_products(a_hi, a_lo, dr, prep[2], states, kp, g2, erase, interpret=ip)
     outs = vector_chunk_backward(
         qp, kp, _erase_tokens(erase, kp), g2, dop, dr, r, states, dstates, a_hi, a_lo, flags, scale=scale,
         centred=cfg.centred, kda_leaf=(erase, prep[2]) if kda else None, gdn2_b=None if kda else erase,
-        interpret=ip)
+        wy=wy, interpret=ip)
     pairs, yk = outs[4:]
 
     # dg: dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} yk_s + 2^{G_C} ⊙ Σ_v dS ⊙ S0, per key channel and
@@ -183,6 +187,6 @@ def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
 vector_delta_rule.defvjp(_forward_rule, _backward)
 
 
-def default_config(K: int, V: int, gate_lower_bound) -> config.VectorConfig:
-    """The kernels' settings for these head dims and gate bound (bf16)."""
-    return config.default_vector_config(K, V, 2, centred_ok(gate_lower_bound))
+def default_config(K: int, V: int, gate_lower_bound, backward: str = "rewy") -> config.VectorConfig:
+    """The kernels' settings for these head dims, gate bound and backward (bf16)."""
+    return config.default_vector_config(K, V, 2, centred_ok(gate_lower_bound), backward)

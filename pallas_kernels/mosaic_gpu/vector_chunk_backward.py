@@ -150,7 +150,7 @@ def _streamed_value_products(tiles, a_s, bars, j, nv: int, lam_out, stage_dt_da,
 
 
 def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, centred_chunks=None, *,
-                          scale: float, centred: bool, kda_leaf=None, gdn2_b=None, interpret=None):
+                          scale: float, centred: bool, kda_leaf=None, gdn2_b=None, wy=None, interpret=None):
     """``(lam, dq, dk_raw, de, pairs, yk)``; see the module docstring. ``centred`` and
     ``centred_chunks`` as for vector_chunk.vector_chunk (the same frames per chunk).
 
@@ -163,7 +163,11 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
     ``gdn2_b``: GDN2's erase gate b ``[B, Tp, H, K]`` fp32 — the erase side's leaf maps are then
     applied here, and the outputs are ``(lam, dq, dk, db, pairs, yk)``: dk = dk_raw + b ⊙ de in
     the input dtype and db = de ⊙ k fp32 in place of dk_raw and de (the write side, dv = w ⊙ Λ
-    and dw = v ⊙ Λ, stays in XLA: w and v's tiles do not fit beside b's)."""
+    and dw = v ⊙ Λ, stays in XLA: w and v's tiles do not fit beside b's).
+
+    ``wy``: the seven-product backward's ``(dt [B, H, Tp, C], debar [B, Tp, H, K] fp32)`` from
+    vector_wy.vector_wy_products (the ablation, K ≤ 128): the kernel reads dT and its piece of dĒ
+    in place of forming ``−(Λ Rᵀ)_{s<r}`` and ``−Λ S0ᵀ``; everything else is the same."""
     if kda_leaf is not None and gdn2_b is not None:
         raise ValueError("vector_chunk_backward takes kda_leaf (KDA) or gdn2_b (GDN2), not both")
     B, Tp, H, K = k.shape
@@ -176,6 +180,8 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         raise ValueError("vector_chunk_backward takes centred_chunks exactly when centred is False")
     nk = nv = K // PIECE
     streamed = nv > GRAD_RESIDENT_PIECES  # V = 256: the value-side tiles one piece at a time
+    if wy is not None and streamed:
+        raise ValueError("vector_chunk_backward's seven-product form (wy=) takes K = V <= 128")
     leaf = kda_leaf is not None
     erase_b = gdn2_b is not None
     piece = lambda n: smem((n, C, PIECE), dtype)  # noqa: E731
@@ -198,6 +204,8 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         scratch["flag_s"] = plgpu.SMEM((META,), jnp.int32)
     if leaf:  # β's rows, v's piece-j columns (dv goes out over them), the dβ parts
         scratch.update(beta_s=plgpu.SMEM((C,), F32), v_s=smem((C, PIECE), dtype), db_s=plgpu.SMEM((C,), F32))
+    if wy is not None:  # dT over A's first tile once Λ is formed, dĒ's piece over an fp32 tile
+        scratch["wy_bar"] = plgpu.Barrier(num_arrivals=2)
     if erase_b:  # b's piece-j columns
         scratch["b_s"] = smem((C, PIECE), F32)
     tok32 = jax.ShapeDtypeStruct((B, Tp, H, K), F32)
@@ -211,12 +219,13 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
     def vector_chunk_backward_body(
             q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
             io, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None, beta_s=None,
-            v_s=None, db_s=None, b_s=None, bar3=None, bar2=None):
+            v_s=None, db_s=None, b_s=None, bar3=None, bar2=None, wy_bar=None):
         tiles, spent = io
         refs = list(refs)
         flag_ref = None if centred else refs.pop(0)
         beta_ref, v_ref = (refs.pop(0), refs.pop(0)) if leaf else (None, None)
         b_ref = refs.pop(0) if erase_b else None
+        dt_ref, debar_ref = (refs.pop(0), refs.pop(0)) if wy is not None else (None, None)
         if leaf:
             dv_ref, dq_ref, dk_ref, db_ref, pairs_ref, yk_ref = refs
         else:
@@ -265,10 +274,11 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
 
         def stage_dt_da(lr, dor):
             """dT = −(Λ Rᵀ)_{s<r} and dA = (dO Rᵀ)_{s<r} over A's tiles (spent), unfenced; returns
-            diag(dO Rᵀ) and the strict-lower mask."""
+            diag(dO Rᵀ) and the strict-lower mask. ``lr`` None: dT is there already (wy)."""
             strict = rr > cc
             da_diag = jnp.sum(jnp.where(rr == cc, dor, 0.0), axis=1)  # decay factor 1: kept apart
-            put(a_s.at[0], jnp.where(strict, lr, 0.0) * -1.0)  # dT over A (spent)
+            if lr is not None:
+                put(a_s.at[0], jnp.where(strict, lr, 0.0) * -1.0)  # dT over A (spent)
             put(a_s.at[1], jnp.where(strict, dor, 0.0))  # dA without its diagonal
             return da_diag, strict
 
@@ -299,10 +309,19 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
             # Σ over the value pieces of x_i y_i (or x_i y_iᵀ)
             over_v = lambda x, y: tuple((x.at[i], y.at[i]) for i in range(nv))  # noqa: E731
             over_v_t = lambda x, y: tuple((x.at[i], y.at[i].T) for i in range(nv))  # noqa: E731
-            lr, dor, ls0, dos0, rds = mma_group((
-                (over_v_t(lam_s, r_s), (C, C)), (over_v_t(do_s, r_s), (C, C)),
-                (over_v(lam_s, s0_s), tile), (over_v(do_s, s0_s), tile), (over_v(r_s, ds_s), tile)))
-            da_diag, strict = stage_dt_da(lr, dor)
+            if wy is None:
+                lr, dor, ls0, dos0, rds = mma_group((
+                    (over_v_t(lam_s, r_s), (C, C)), (over_v_t(do_s, r_s), (C, C)),
+                    (over_v(lam_s, s0_s), tile), (over_v(do_s, s0_s), tile), (over_v(r_s, ds_s), tile)))
+                da_diag, strict = stage_dt_da(lr, dor)
+            else:  # the seven-product form: dT and dĒ from vector_wy, A spent since Λ (fenced above)
+                plgpu.copy_gmem_to_smem(dt_ref.at[b, h, rows], a_s.at[0], wy_bar)
+                plgpu.copy_gmem_to_smem(debar_ref.at[b, rows, h, cols], o32.at[2], wy_bar)
+                dor, dos0, rds = mma_group(((over_v_t(do_s, r_s), (C, C)), (over_v(do_s, s0_s), tile),
+                                            (over_v(r_s, ds_s), tile)))
+                plgpu.barrier_wait(wy_bar)
+                da_diag, strict = stage_dt_da(None, dor)
+                ls0 = load(o32.at[2]) * -1.0  # ReWY's Λ S0ᵀ is −dĒ (o32[2] is rewritten with y below)
         g_last = cols_of(plgpu.load(g_rows.at[C - 1], layout=COLS), tile)
         gam = jnp.exp2(load(g_s))  # ≤ 1
         de = ls0 * gam * -1.0
@@ -398,4 +417,4 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         grid=(B, H, N * nk), grid_names=("b", "h", "nj"),
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *(() if centred else (centred_chunks,)),
-      *(kda_leaf if leaf else ()), *((gdn2_b,) if erase_b else ()))
+      *(kda_leaf if leaf else ()), *((gdn2_b,) if erase_b else ()), *(wy if wy is not None else ()))
