@@ -9,6 +9,7 @@ Pipeline (each stage's module docstring gives its shapes):
     vector_forward.py         fused state pass + output; saves chunk start states and R
                               (policy "save"; "recompute" reruns both kernels in the backward)
     vector_state_backward.py  reverse state pass: dR per chunk, each chunk's end cotangent, dh0
+    vector_wy.py              backward="wy" only (the ablation): dT and dĒ by the seven products
     vector_chunk_backward.py  per (chunk, 64 key channels): Λ = Aᵀ dR, dq, the raw-frame dk, de,
                               and the per-row parts of dg (KDA: dv, dk and dβ's parts instead of
                               Λ, dk_raw and de; GDN2: dk and db instead of dk_raw and de)
