@@ -102,20 +102,22 @@ def cases():
 
 def vector_cases():
     """(name, function, argument structs) for the vector-gate (KDA, GDN2) kernels at D in
-    {64, 128}, exact and centred frames: the chunk kernel (and vector_wu, policy "recompute"'s
+    {64, 128, 256}, exact and centred frames: the chunk kernel (and vector_wu, policy "recompute"'s
     W and U from the kept A), the state/output pass (with and without the saved states), the
-    reverse state pass and the per-chunk gradients."""
+    reverse state pass and the per-chunk gradients; at D ≤ 128 also the seven-product ablation's
+    kernel and the gradient kernel reading its dT and dĒ (the "-wy" cases)."""
     from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk, vector_wu
     from pallas_kernels.mosaic_gpu.vector_chunk_backward import vector_chunk_backward
     from pallas_kernels.mosaic_gpu.vector_forward import vector_state_output
     from pallas_kernels.mosaic_gpu.vector_state_backward import vector_state_backward
+    from pallas_kernels.mosaic_gpu.vector_wy import vector_wy_products
 
     S = jax.ShapeDtypeStruct
     f32 = jnp.float32
     B, T, H = 2, 256, 2
     N = T // 64
     out = []
-    for D in (64, 128):
+    for D in (64, 128, 256):
         tok, g2, head = S((B, T, H, D), BF16), S((B, H, T, D), f32), S((B, H, T, D), BF16)
         cc, st, st32 = S((B, H, T, 64), BF16), S((B, H, N, D, D), BF16), S((B, H, D, D), f32)
         for centred in (False, True):
@@ -141,6 +143,16 @@ def vector_cases():
             out.append((f"vector_chunk_backward-{tag}",
                         lambda *a, c=centred: vector_chunk_backward(*a, scale=0.1, centred=c),
                         [tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc] + flags))
+            if D <= 128:  # the seven-product ablation (backward="wy")
+                nf = len(flags)
+                out.append((f"vector_chunk_backward-{tag}-wy",
+                            lambda *a, c=centred, nf=nf: vector_chunk_backward(
+                                *a[:11 + nf], scale=0.1, centred=c, wy=a[11 + nf:]),
+                            [tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc] + flags + [cc, S((B, T, H, D), f32)]))
+        if D <= 128:
+            for op, erase in (("kda", S((B, H, T), f32)), ("gdn2", S((B, T, H, D), f32))):
+                out.append((f"vector_wy-{op}-D{D}", lambda *a: vector_wy_products(*a),
+                            [cc, cc, tok, tok, st, tok, g2, erase]))
     return out
 
 
