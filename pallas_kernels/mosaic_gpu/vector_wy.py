@@ -91,14 +91,14 @@ def vector_wy_products(a_hi, a_lo, dr, x, states, k, g2, erase, *, interpret=Non
         load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)  # noqa: E731
         tile = (C, PIECE)
         a_pair = (a_s.at[0], a_s.at[1])
-        # dW = −dR S0ᵀ, one key piece per accumulator (summed over the value pieces)
-        dw = mma_group([(tuple((dr_s.at[i], s0_s.at[i, j]) for i in range(nv)), tile) for j in range(nk)])
+        # dR S0ᵀ (= −dW), one key piece per accumulator (summed over the value pieces)
+        dr_s0 = mma_group([(tuple((dr_s.at[i], s0_s.at[i, j]) for i in range(nv)), tile) for j in range(nk)])
         # Ē over k (its only reader), KDA's Z = β v over v; dW over S0ᵀ's first value row (spent)
         beta = None if channel_erase else rows_of(plgpu.load(e_s, layout=ROWS), tile)
         for j in range(nk):
             e_j = load(e_s.at[j]) * load(k_s.at[j]) if channel_erase else beta * load(k_s.at[j])
             put(k_s.at[j], e_j * jnp.exp2(load(g_s.at[j])))
-            put(s0_s.at[0, j], dw[j] * -1.0)
+            put(s0_s.at[0, j], dr_s0[j] * -1.0)  # dW
         if not channel_erase:
             for i in range(nv):
                 put(x_s.at[i], beta * load(x_s.at[i]))
