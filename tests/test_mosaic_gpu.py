@@ -70,7 +70,7 @@ def _state_layouts(request, monkeypatch):
     def pinned(*a, **kw):
         cfg = default(*a, **{**kw, "heads": heads})
         assert cfg.forward.key_rows == cfg.state_backward.key_rows, cfg
-        if forward_only:  # the reverse pass in value rows (it interprets on 2 CPUs)
+        if forward_only:  # the reverse pass in value rows (it interprets with 2 pool threads)
             cfg = dataclasses.replace(cfg, state_backward=default(*a, **{**kw, "heads": None}).state_backward)
             assert cfg.forward.key_rows and not cfg.state_backward.key_rows, cfg
         return cfg
@@ -145,8 +145,8 @@ def test_forward_alone_matches_differentiated():
     pytest.param("gdn", "save", "mild", 150, 7, 2, 256, BF16, marks=needs_pool_threads),
     # the key-rows forward and reverse state pass (32 value columns per CTA): their 64-row state
     # blocks, h0, the final state, its cotangent and dh0 in [K, V] layout, packed resets and
-    # ends. (The interpreter deadlocks with < 3 CPUs in the key-rows reverse pass, at K = 64
-    # too, and in the key-rows forward at K = 128 and packed, as at K = 256.)
+    # ends. (The interpreter deadlocks with < 3 pool threads in the key-rows reverse pass, at
+    # K = 64 too, and in the key-rows forward at K = 128 and packed, as at K = 256: NPROC.)
     pytest.param("gdn", "save", "strong", 100, 20, None, 64, BF16,
                  marks=[pytest.mark.key_rows, needs_pool_threads]),
     # the key-rows forward beside a value-rows reverse pass: the forward's layout on any machine
