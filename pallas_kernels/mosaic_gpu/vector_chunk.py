@@ -295,22 +295,32 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
 
             def level_operands(size, offset, masked, tiles):
                 """Stores (unfenced) the operands of one level's (T, P) products in the frames of row
-                groups of ``size`` rows, frame row ``offset`` in each, into ``tiles`` (three per key
+                groups of ``size`` rows, frame row ``offset`` in each, into ``tiles`` = (staging ref, first
+                index) (three per key
                 piece: E_x, Q_x, Y), and returns the two products' specs for mma_group:
                 ``Σ_j E_x,j Y_jᵀ`` and ``Σ_j Q_x,j Y_jᵀ`` (T and P share Y). ``masked``: bit-level
                 frames (x side only on rows ≥ the frame, y side only on rows below it: every factor
                 ≤ 1); else centred (both sides on every row)."""
                 assert 2 * offset == size  # the frame row starts the group's upper half
                 up = upper_half(iota((C, PIECE), 0), size)
-                t_pairs, p_pairs = [], []
-                for j in range(nk):
-                    xe_s, xq_s, y_s = tiles[3 * j:3 * j + 3]
+                def piece(j, carry):  # one loop body for the key pieces (less code, same work)
+                    xe_s, xq_s, y_s = (tiles_ref.at[first_tile + 3 * j + m] for m in range(3))
                     d = load(g_s.at[j]) - _frame_tile(g_rows.at[j], size, offset)  # G_r − G_f(r)
                     fx = jnp.exp2(jnp.where(up, d, -jnp.inf) if masked else d)
                     put(xe_s, erase_piece(j) * fx)
                     put(xq_s, load(q_s.at[j]) * fx)
                     fy = jnp.exp2(jnp.where(up, -jnp.inf, -d) if masked else -d)
                     put(y_s, load(k_s.at[j]) * fy)
+                    return carry
+
+                tiles_ref, first_tile = tiles
+                if nk == 1:
+                    piece(0, None)
+                else:
+                    lax.fori_loop(jnp.int32(0), jnp.int32(nk), piece, None)
+                t_pairs, p_pairs = [], []
+                for j in range(nk):
+                    xe_s, xq_s, y_s = (tiles_ref.at[first_tile + 3 * j + m] for m in range(3))
                     t_pairs.append((xe_s, y_s.T))
                     p_pairs.append((xq_s, y_s.T))
                 return [(tuple(t_pairs), (C, C)), (tuple(p_pairs), (C, C))]
@@ -335,7 +345,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
                     batch = levels[first:first + per_trip]
                     specs = []
                     for i, (_, size, offset, masked) in enumerate(batch):
-                        specs += level_operands(size, offset, masked, [st.at[3 * nk * i + m] for m in range(3 * nk)])
+                        specs += level_operands(size, offset, masked, (st, 3 * nk * i))
                     plgpu.commit_smem()
                     prods = mma_group(specs + (qk_spec if first == 0 else []))
                     if t is None:  # every entry of T and P comes from exactly one level (or the diagonal)
