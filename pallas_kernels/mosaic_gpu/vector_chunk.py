@@ -170,10 +170,10 @@ def vector_chunk(q, k, x, g2, erase, centred_chunks=None, *, scale: float, centr
     kernel that picks frames per chunk holds both frames' code, and ptxas then serialises its
     WGMMAs for want of registers even where every chunk takes the centred side (H100, KDA at
     (2, 4096, 16, 128): 0.72 against 0.56 ms). The choice is one predicate on the device."""
-    K = k.shape[-1]
-    blocked = vector_chunk_key_block(K) < K
-    # the kernel holding more key columns than one block forms only P and A (see _vector_chunk)
-    kw = dict(scale=scale, out_inverse=out_inverse or blocked, interpret=interpret)
+    # The chunk kernel forms the Grams only and writes T and P; the inverse and W, U are kernels
+    # of their own (the three together held 255 registers and the CTA's time was more than the
+    # sum of its halves: docs/mosaic-gpu.md's ablation).
+    kw = dict(scale=scale, out_inverse=False, out_gram=True, interpret=interpret)
     if centred_chunks is None:
         out = _vector_chunk(q, k, x, g2, erase, None, centred=centred, **kw)
     elif centred:
@@ -182,15 +182,14 @@ def vector_chunk(q, k, x, g2, erase, centred_chunks=None, *, scale: float, centr
         out = lax.cond(jnp.all(centred_chunks[..., 0] == 1),
                        lambda: _vector_chunk(q, k, x, g2, erase, None, centred=True, **kw),
                        lambda: _vector_chunk(q, k, x, g2, erase, centred_chunks, centred=False, **kw))
-    if not blocked:
-        return out
-    p, a_hi, a_lo = out
+    p, t = out
+    a_hi, a_lo = vector_inverse(t, k.dtype, interpret=interpret)
     return vector_wu(q, k, x, g2, erase, a_hi, a_lo, scale=scale, interpret=interpret) + (
         (p, a_hi, a_lo) if out_inverse else (p,))
 
 
 def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: bool,
-                  out_inverse: bool, interpret):
+                  out_inverse: bool, interpret, out_gram: bool = False):
     """``(w, u, qg, kt, p)``, and with ``out_inverse`` also ``(a_hi, a_lo)`` [B, H, Tp, C]: the
     chunk inverse A = (I + T)⁻¹ as a split pair in the input dtype (β not folded in; the backward's
     Λ = Aᵀ dR reads it). See the module docstring. KDA when ``erase`` is β ``[B, H, Tp]``, GDN2
@@ -218,7 +217,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
         raise ValueError("vector_chunk takes centred_chunks exactly when centred is False")
     nk, nv = kb // PIECE, V // PIECE  # key pieces of a block; value pieces
     n_blocks = K // kb
-    if n_blocks > 1 and not out_inverse:
+    if n_blocks > 1 and not (out_inverse or out_gram):
         raise ValueError("_vector_chunk at more than one key block forms only P and A: out_inverse=True")
     # [C, C] bf16 staging tiles: two Gram levels' operands per round trip where SMEM holds them
     n_staging = vector_chunk_staging_tiles(K, V, jnp.dtype(dtype).itemsize, channel_erase)
@@ -234,19 +233,22 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
         # meet x in U = A Z, which a WGMMA needs in one dtype); the same bytes
         st=plgpu.RefUnion(smem((n_staging, C, C), bf), smem((n_staging, C, C), dtype)),
         out_s=smem((C, C), dtype),
-        bar=plgpu.Barrier(num_arrivals=4 * nk + (nv if n_blocks == 1 else 0) + (nk if channel_erase else 1)
+        bar=plgpu.Barrier(num_arrivals=4 * nk + (nv if n_blocks == 1 and not out_gram else 0) + (nk if channel_erase else 1)
                           + (not centred)),
     )
-    if n_blocks > 1:  # no x (W and U are vector_wu's); key blocks after the first: q, k, G twice, b
+    if n_blocks > 1 or out_gram:  # no x (W and U are vector_wu's)
         del scratch["x_s"]
+    if n_blocks > 1:  # key blocks after the first: q, k, G twice, b
         scratch["bar_next"] = plgpu.Barrier(num_arrivals=(4 + channel_erase) * nk)
     if not centred:
         scratch["flag_s"] = plgpu.SMEM((META,), jnp.int32)
     out_type = (jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, V), dtype),
                 jax.ShapeDtypeStruct((B, H, Tp, K), dtype), jax.ShapeDtypeStruct((B, H, Tp, K), dtype),
                 jax.ShapeDtypeStruct((B, H, Tp, C), dtype))
-    if n_blocks > 1:
+    if n_blocks > 1 or out_gram:
         out_type = out_type[4:]  # P only (and A's pair below)
+    if out_gram:
+        out_type += (jax.ShapeDtypeStruct((B, H, Tp, C), F32),)
     if out_inverse:
         out_type += (jax.ShapeDtypeStruct((B, H, Tp, C), dtype), jax.ShapeDtypeStruct((B, H, Tp, C), dtype))
 
@@ -256,7 +258,9 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
         st, st_x = st  # bf16 and input-dtype views of the staging tiles
         flag_ref = None if centred else refs[0]
         refs = refs[0 if centred else 1:]
-        if n_blocks == 1:
+        if out_gram:
+            p_ref, t_ref = refs
+        elif n_blocks == 1:
             w_ref, u_ref, qg_ref, kt_ref, p_ref, *inv_refs = refs
         else:
             p_ref, *inv_refs = refs
@@ -275,7 +279,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
                     plgpu.copy_gmem_to_smem(e_ref.at[b, rows, h, cols], e_s.at[j], barrier)
 
         load_key_block(0, bar)
-        if n_blocks == 1:
+        if n_blocks == 1 and not out_gram:
             for j in range(nv):
                 plgpu.copy_gmem_to_smem(x_ref.at[b, rows, h, pl.ds(j * PIECE, PIECE)], x_s.at[j], bar)
         if not channel_erase:
@@ -360,6 +364,11 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
 
             if not channel_erase:
                 t = t * rows_of(plgpu.load(e_s, layout=ROWS), (C, C))  # KDA: T = diag(β) tril(...)
+            if out_gram:  # T through G's first tile (spent): vector_inverse takes it from here
+                stage(g_s.at[0], t)
+                plgpu.copy_smem_to_gmem(g_s.at[0], t_ref.at[b, h, rows])
+                plgpu.wait_smem_to_gmem(0)
+                return
             a = invert_unit_lower(t, (st.at[0], st.at[1]), (st.at[2], st.at[3]), (st.at[4], st.at[5]))
             if out_inverse:  # A for the backward, before β is folded in (st 4 and 5 are not reused)
                 a_out = split_pair(st_x.at[4], st_x.at[5], a)
@@ -394,6 +403,39 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
         grid=(B, H, N), grid_names=("b", "h", "n"),
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(q, k, x, g2, erase, *(() if centred else (centred_chunks,)))
+
+
+def vector_inverse(t, dtype, *, interpret=None):
+    """``(a_hi, a_lo)`` [B, H, Tp, C] in ``dtype``: A = (I + T)⁻¹ of each chunk's strictly lower
+    fp32 ``t`` [B, H, Tp, C] (β folded in for KDA), by chunk_inverse.invert_unit_lower. One CTA,
+    one warpgroup, per ``(b, h, chunk)``; SMEM: T (16 KiB), six bf16 staging tiles (48 KiB), whose
+    first two hold the output pair."""
+    B, H, Tp, _ = t.shape
+    N = Tp // C
+    bf = jnp.bfloat16
+    scratch = dict(t_s=smem((C, C), F32),
+                   st=plgpu.RefUnion(smem((6, C, C), bf), smem((2, C, C), dtype)),
+                   bar=plgpu.Barrier(num_arrivals=1))
+    out_type = (jax.ShapeDtypeStruct((B, H, Tp, C), dtype),) * 2
+
+    def vector_inverse_body(t_ref, hi_ref, lo_ref, t_s, st, bar):
+        st, out = st
+        b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+        rows = pl.ds(n * C, C)
+        plgpu.copy_gmem_to_smem(t_ref.at[b, h, rows], t_s, bar)
+        plgpu.barrier_wait(bar)
+        a = invert_unit_lower(plgpu.load(t_s, layout=WGMMA), (st.at[0], st.at[1]), (st.at[2], st.at[3]),
+                              (st.at[4], st.at[5]))
+        split_pair(out.at[0], out.at[1], a)
+        plgpu.copy_smem_to_gmem(out.at[0], hi_ref.at[b, h, rows])
+        plgpu.copy_smem_to_gmem(out.at[1], lo_ref.at[b, h, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        vector_inverse_body, out_type=out_type, scratch_types=scratch,
+        grid=(B, H, N), grid_names=("b", "h", "n"),
+        compiler_params=compat.compiler_params(), interpret=interpret,
+    )(t)
 
 
 def vector_wu(q, k, x, g2, erase, a_hi, a_lo, *, scale: float, interpret=None):
