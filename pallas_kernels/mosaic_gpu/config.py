@@ -265,7 +265,7 @@ class VectorConfig:
 # chunk Grams one key block at a time (they are sums over key channels), reloading its input tiles,
 # and leaves W, U, Qγ and K_tail to vector_chunk.vector_wu: the whole width's q, k and G (twice, fp32)
 # alone would be 192 KiB.
-CHUNK_KEY_BLOCK = 128
+CHUNK_KEY_BLOCK = 64
 
 
 def vector_chunk_key_block(K: int) -> int:
