@@ -31,6 +31,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
+from pallas_kernels.mosaic_gpu.config import SMS
 from pallas_kernels.mosaic_gpu.common import (
     C, F32, ROWS, bit_level_pairs, iota, mma, mma_sum, rows_of, smem, stage)
 
@@ -70,39 +71,63 @@ def invert_unit_lower(a, x_pair, a_pair, y_pair):
     return x
 
 
-def chunk_inverse(k, beta, *, interpret=None):
-    """``t0 [B, H, Tp, C]``; see the module docstring."""
+def chunks_per_cta(B: int, H: int, N: int, sms: int = SMS) -> int:
+    """Chunks one CTA walks (the next one's keys prefetched): the most of 8, 4, 2 that divides N
+    and leaves at least 1.5 CTAs per SM (two fit on one), else 1."""
+    for cpc in (8, 4, 2):
+        if N % cpc == 0 and 2 * B * H * (N // cpc) >= 3 * sms:
+            return cpc
+    return 1
+
+
+def chunk_inverse(k, beta, *, interpret=None, cpc: int | None = None):
+    """``t0 [B, H, Tp, C]``; see the module docstring. Each CTA walks :func:`chunks_per_cta`
+    chunks, the next chunk's k and β loading while this one's inverse runs, and its T0 store left
+    in flight (two slots each)."""
     B, Tp, H, K = k.shape
     N = Tp // C
+    cpc = chunks_per_cta(B, H, N) if cpc is None else cpc
     dtype = k.dtype
     bf = jnp.bfloat16
-    tile = lambda: smem((C, C), bf)  # noqa: E731
-    # Buffers with disjoint lifetimes share SMEM, so four CTAs fit on an SM (48 KB each): k is
-    # dead once the Gram is formed and its bytes hold the split X and Y; the split A is dead
-    # after the last level and its bytes hold the result.
-    scratch = dict(k_or_xy=plgpu.RefUnion(smem((C, K), dtype), (tile(), tile(), tile(), tile())),
-                   a_or_out=plgpu.RefUnion((tile(), tile()), smem((C, C), dtype)),
-                   b_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=2))
+    scratch = dict(k_s=smem((2, C, K), dtype), b_s=plgpu.SMEM((2, C), F32),
+                   st=smem((6, C, C), bf), out=smem((2, C, C), dtype),
+                   bar=plgpu.Barrier(num_arrivals=2, num_barriers=2))
 
-    def chunk_inverse_body(k_ref, b_ref, t_ref, k_or_xy, a_or_out, b_s, bar):
-        k_s, (xh, xl, yh, yl) = k_or_xy
-        (ah, al), out = a_or_out
-        b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
-        rows = pl.ds(n * C, C)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_s, bar)
-        plgpu.copy_gmem_to_smem(b_ref.at[b, h, rows], b_s, bar)
-        plgpu.barrier_wait(bar)
+    def chunk_inverse_body(k_ref, b_ref, t_ref, k_s, b_s, st, out, bar):
+        b, h, nb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+
+        def rows(i):
+            return pl.ds((nb * cpc + i) * C, C)
+
+        def issue(i, slot):
+            plgpu.copy_gmem_to_smem(k_ref.at[b, rows(i), h], k_s.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(b_ref.at[b, h, rows(i)], b_s.at[slot], bar.at[slot])
+
+        issue(0, 0)
         r, c = iota((C, C), 0), iota((C, C), 1)
-        gram = mma(k_s, k_s.T, (C, C))
-        a = jnp.where(r > c, gram * rows_of(plgpu.load(b_s, layout=ROWS), (C, C)), 0.0)
-        x = invert_unit_lower(a, (xh, xl), (ah, al), (yh, yl))
-        out[...] = x.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out, t_ref.at[b, h, rows])
+
+        @pl.loop(0, cpc)
+        def _chunk(i):
+            slot = lax.rem(i, 2)
+            plgpu.barrier_wait(bar.at[slot])
+
+            @pl.when(i + 1 < cpc)
+            def _prefetch():  # the other slot's last reader was chunk i − 1's Gram (complete)
+                plgpu.commit_smem()
+                issue(i + 1, 1 - slot)
+
+            gram = mma(k_s.at[slot], k_s.at[slot].T, (C, C))
+            a = jnp.where(r > c, gram * rows_of(plgpu.load(b_s.at[slot], layout=ROWS), (C, C)), 0.0)
+            x = invert_unit_lower(a, (st.at[0], st.at[1]), (st.at[2], st.at[3]), (st.at[4], st.at[5]))
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out[slot] of chunk i − 2 has been read
+            out.at[slot][...] = x.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out.at[slot], t_ref.at[b, h, rows(i)])
+
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
         chunk_inverse_body, out_type=jax.ShapeDtypeStruct((B, H, Tp, C), dtype), scratch_types=scratch,
-        grid=(B, H, N), grid_names=("b", "h", "n"), compiler_params=compat.compiler_params(),
+        grid=(B, H, N // cpc), grid_names=("b", "h", "n"), compiler_params=compat.compiler_params(),
         interpret=interpret,
     )(k, beta)
