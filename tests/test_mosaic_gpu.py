@@ -18,7 +18,7 @@ import pytest
 
 from pallas_kernels.mosaic_gpu import compat, config
 from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
-from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
+from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse, chunks_per_cta
 from pallas_kernels.mosaic_gpu.common import C, META, bit_level_pairs, same_block, upper_half
 from pallas_kernels.mosaic_gpu.forward import fused_forward
 from pallas_kernels.mosaic_gpu.state_backward import state_backward
@@ -321,6 +321,23 @@ def test_chunk_inverse_interpret(K):
     ref = np.linalg.inv(L)
     err = np.sqrt(np.mean((got - ref) ** 2)) / np.sqrt(np.mean(ref ** 2))
     assert err < 2e-3, err  # bf16 rounding of the result is ~1e-3; a wrong block is O(1)
+
+
+@needs_interpreter
+def test_chunk_inverse_chunks_per_cta():
+    """A CTA walking 2, 4 or 8 chunks (prefetch and in-flight stores through two slots) writes the
+    same bits as one chunk per CTA; the default takes several only on a large grid."""
+    rng = np.random.default_rng(6)
+    B, T, H, K = 1, 512, 2, 64
+    k = rng.standard_normal((B, T, H, K))
+    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), BF16)
+    beta = jnp.asarray(rng.uniform(0, 2, (B, H, T)), jnp.float32)
+    ip = compat.interpret_params(INTERPRET)
+    one = np.asarray(chunk_inverse(k, beta, interpret=ip, cpc=1).astype(jnp.float32))
+    for cpc in (2, 4, 8):
+        got = np.asarray(chunk_inverse(k, beta, interpret=ip, cpc=cpc).astype(jnp.float32))
+        np.testing.assert_array_equal(got, one, err_msg=f"cpc={cpc}")
+    assert chunks_per_cta(1, 2, 8) == 1 and chunks_per_cta(2, 16, 64) == 8
 
 
 def test_bit_level_masks():
