@@ -85,6 +85,19 @@ from pallas_kernels.mosaic_gpu.config import GRAD_RESIDENT_PIECES, PIECE
 from pallas_kernels.mosaic_gpu.vector_chunk import CROSS_LEVELS, MID, SUB, SUB_LEVELS, _frame_tile
 
 
+def _frame_tile_traced(g_piece, lev):
+    """:func:`vector_chunk._frame_tile` for groups of ``2·lev`` rows with frame row ``lev``, ``lev``
+    traced (16 or 32: at most two groups)."""
+    r = iota((C, PIECE), 0)
+    base = r - (r & (2 * lev - 1))  # the first row of r's group
+    tile = None
+    for grp in range(C // 32):
+        row = jnp.minimum(grp * 2 * lev + lev, C - 1)
+        vals = cols_of(plgpu.load(g_piece.at[row], layout=COLS), (C, PIECE))
+        tile = vals if tile is None else jnp.where(base == grp * 2 * lev, vals, tile)
+    return tile
+
+
 def _streamed_value_products(tiles, a_s, bars, j, nv: int, lam_out, stage_dt_da, *, dr, r, do, s0, ds):
     """The value-side products of one CTA at V = 256, one 64-column value piece at a time: sums
     over the pieces i of Λ_i Rᵢᵀ, dO_i Rᵢᵀ (pass 1, which also forms Λ_i = Aᵀ dR_i into SMEM),
@@ -345,9 +358,13 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
             de, dq, dk = acc
             put(dtl_s, jnp.where(pair, load(a_s.at[0]), 0.0))
             put(dal_s, jnp.where(pair, load(a_s.at[1]), 0.0))
-            assert 2 * offset == size  # the frame row starts the group's upper half
-            up = upper_half(up_rows, size)
-            offsets = lambda: load(g_s) - _frame_tile(g_rows, size, offset)  # noqa: E731  G_r − G_f(r)
+            if isinstance(size, int):
+                assert 2 * offset == size  # the frame row starts the group's upper half
+                up = upper_half(up_rows, size)
+                offsets = lambda: load(g_s) - _frame_tile(g_rows, size, offset)  # noqa: E731  G_r − G_f(r)
+            else:  # a traced bit level (the cross levels' loop): offset = size / 2
+                up = (up_rows & offset) != 0
+                offsets = lambda: load(g_s) - _frame_tile_traced(g_rows, offset)  # noqa: E731
             d = offsets()
             if masked:
                 # bit levels: x side on rows ≥ the frame, y side below it (every factor ≤ 1); the
@@ -376,7 +393,14 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         def centred_tail(acc):  # the diagonal sub-chunk blocks, frame = row 8 (operands ≤ e^40, finite)
             return level(same_block(rr, cc, SUB) & strict, SUB, MID, False, acc)
 
-        acc = bit_levels(CROSS_LEVELS, (de, dq, dk))
+        def cross_level(i, acc):  # the cross levels 32, 16 as one loop body (less code)
+            lev = jnp.int32(CROSS_LEVELS[0]) >> i
+            e = jnp.int32(CROSS_LEVELS[0].bit_length() - 1) - i  # lev = 2^e
+            pair = (lax.shift_right_logical(rr ^ cc, e) == 1) & ((lax.shift_right_logical(rr, e) & 1) == 1)
+            return level(pair, 2 * lev, lev, True, acc)
+
+        assert CROSS_LEVELS == (32, 16)
+        acc = lax.fori_loop(jnp.int32(0), jnp.int32(len(CROSS_LEVELS)), cross_level, (de, dq, dk))
         if centred:
             acc = centred_tail(acc)
         else:  # the chunk's frames, as in the forward (vector_prep.centred_chunks)
