@@ -295,9 +295,9 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
 
             def level_operands(size, offset, masked, tiles):
                 """Stores (unfenced) the operands of one level's (T, P) products in the frames of row
-                groups of ``size`` rows, frame row ``offset`` in each, into ``tiles`` = (staging ref, first
-                index) (three per key
-                piece: E_x, Q_x, Y), and returns the two products' specs for mma_group:
+                groups of ``size`` rows, frame row ``offset`` in each, into ``tiles`` = (staging
+                ref, first index): three tiles per key piece, E_x, Q_x, Y; returns the two
+                products' specs for mma_group:
                 ``Σ_j E_x,j Y_jᵀ`` and ``Σ_j Q_x,j Y_jᵀ`` (T and P share Y). ``masked``: bit-level
                 frames (x side only on rows ≥ the frame, y side only on rows below it: every factor
                 ≤ 1); else centred (both sides on every row)."""
