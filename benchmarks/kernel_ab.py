@@ -99,10 +99,12 @@ def _vector(x, case, ip):
     B, T, H, D = x["shape"]
     bf = x["bf"]
     q, k, _, g2, _ = prep[:5]
-    args = [q, k, k, g2, bf(B, T, H, D), bf(B, T, H, D), bf(B, T, H, D), bf(B, H, T // 64, D, D),
-            bf(B, H, T // 64, D, D), bf(B, H, T, 64), bf(B, H, T, 64)] + list(prep[5:])
+    params = inspect.signature(vector_chunk_backward).parameters
+    erase = [k] if "e" in params else []  # trees whose gradient kernel read e = β k (any 16-bit tile times it)
+    args = [q, k] + erase + [g2, bf(B, T, H, D), bf(B, T, H, D), bf(B, T, H, D), bf(B, H, T // 64, D, D),
+                             bf(B, H, T // 64, D, D), bf(B, H, T, 64), bf(B, H, T, 64)] + list(prep[5:])
     gkw = dict(kw)
-    if "kda_leaf" in inspect.signature(vector_chunk_backward).parameters:  # trees that apply KDA's leaf maps there
+    if "kda_leaf" in params:  # trees that apply KDA's leaf maps there
         gkw["kda_leaf"] = (prep[4], prep[2])
     grad = jax.jit(lambda *a: vector_chunk_backward(*a, **gkw))
     return (lambda: chunk(*prep)), (lambda: grad(*args))

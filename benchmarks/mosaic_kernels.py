@@ -208,11 +208,10 @@ def vector_parts(op, s: Shape, bound=None, resets=False, interpret=None):
     w_, _, qg, kt, p, a_hi, a_lo = chunk
     dr, dstates, _ = sb(kt, w_, qg, p, do, g2)
     out["state backward"] = time_ms(lambda: sb(kt, w_, qg, p, do, g2))
-    e = jax.jit(va._erase_tokens)(erase, kp)
     leaf = (erase, prep[2]) if kda else None  # the leaf maps the op runs in the kernel
     cb = jax.jit(lambda *a: vector_chunk_backward(*a, scale=scale, centred=cfg.centred, kda_leaf=leaf,
                                                   gdn2_b=None if kda else erase, interpret=interpret))
-    args = (qp, kp, e, g2, do, dr, r, states, dstates, a_hi, a_lo, flags)
+    args = (qp, kp, g2, do, dr, r, states, dstates, a_hi, a_lo, flags)
     out["chunk backward"] = time_ms(lambda: cb(*args))
     return out
 

@@ -140,15 +140,21 @@ def vector_cases():
             out.append((f"vector_state_backward-{tag}",
                         lambda *a, cfg=cfg: vector_state_backward(*a, cfg=cfg.state_backward),
                         [head, head, head, cc, tok, g2, st32]))
-            out.append((f"vector_chunk_backward-{tag}",
-                        lambda *a, c=centred: vector_chunk_backward(*a, scale=0.1, centred=c),
-                        [tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc] + flags))
+            nf = len(flags)
+            grad_in = [tok, tok, g2, tok, tok, tok, st, st, cc, cc] + flags
+            out.append((f"vector_chunk_backward-kda-{tag}",
+                        lambda *a, c=centred, nf=nf: vector_chunk_backward(
+                            *a[:10 + nf], scale=0.1, centred=c, kda_leaf=a[10 + nf:]),
+                        grad_in + [S((B, H, T), f32), tok]))
+            out.append((f"vector_chunk_backward-gdn2-{tag}",
+                        lambda *a, c=centred, nf=nf: vector_chunk_backward(
+                            *a[:10 + nf], scale=0.1, centred=c, gdn2_b=a[10 + nf]),
+                        grad_in + [S((B, T, H, D), f32)]))
             if D <= 128:  # the seven-product ablation (backward="wy")
-                nf = len(flags)
                 out.append((f"vector_chunk_backward-{tag}-wy",
                             lambda *a, c=centred, nf=nf: vector_chunk_backward(
-                                *a[:11 + nf], scale=0.1, centred=c, wy=a[11 + nf:]),
-                            [tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc] + flags + [cc, S((B, T, H, D), f32)]))
+                                *a[:10 + nf], scale=0.1, centred=c, gdn2_b=a[10 + nf], wy=a[11 + nf:]),
+                            grad_in + [S((B, T, H, D), f32), cc, S((B, T, H, D), f32)]))
         if D <= 128:
             for op, erase in (("kda", S((B, H, T), f32)), ("gdn2", S((B, T, H, D), f32))):
                 out.append((f"vector_wy-{op}-D{D}", lambda *a: vector_wy_products(*a),

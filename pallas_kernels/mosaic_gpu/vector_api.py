@@ -67,14 +67,6 @@ def supports(*, K: int, V: int, dtype, chunk_size: int, static_scale: bool, back
     return None
 
 
-def _erase_tokens(erase, k):
-    """e = β k or b ⊙ k in the input dtype, token layout ``[B, Tp, H, K]`` (the backward kernel's
-    operand; β arrives head-major ``[B, H, Tp]`` from vector_prep)."""
-    if erase.ndim == 3:
-        erase = jnp.swapaxes(erase, 1, 2)[..., None]
-    return (erase * k.astype(F32)).astype(k.dtype)
-
-
 def _prepare(q, k, v, g, b, w, bound, interpret):
     kda = w is None
     return prepare_vector(q, k, v, g, beta=b if kda else None, b=None if kda else b, w=w,
@@ -147,7 +139,6 @@ def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
     qp, kp, _, g2, erase, flags = prep
     w_, _, qg, kt, p, a_hi, a_lo = chunk
     Tp = kp.shape[1]
-    N = Tp // C
     dop = pad_time(do.astype(kp.dtype), Tp)
     dfinal_t = jnp.swapaxes(dfinal.astype(F32), -1, -2)
     dr, dstates, dh0t = vector_state_backward(kt, w_, qg, p, dop, g2, dfinal_t, cfg=cfg.state_backward,
@@ -157,18 +148,16 @@ def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
     if cfg.backward == "wy":  # the ablation: dT and dĒ by the seven products (vector_wy.py)
         wy = vector_wy_products(a_hi, a_lo, dr, prep[2], states, kp, g2, erase, interpret=ip)
     outs = vector_chunk_backward(
-        qp, kp, _erase_tokens(erase, kp), g2, dop, dr, r, states, dstates, a_hi, a_lo, flags, scale=scale,
+        qp, kp, g2, dop, dr, r, states, dstates, a_hi, a_lo, flags, scale=scale,
         centred=cfg.centred, kda_leaf=(erase, prep[2]) if kda else None, gdn2_b=None if kda else erase,
         wy=wy, interpret=ip)
     pairs, yk = outs[4:]
 
-    # dg: dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} yk_s + 2^{G_C} ⊙ Σ_v dS ⊙ S0, per key channel and
-    # chunk (the start state's decay crosses every token of the chunk). The two sums along each
-    # chunk are the Pallas GPU backend's gate_grad kernel (each output sums only its own terms).
-    sds = jnp.einsum("bhnvk,bhnvk->bnhk", states.astype(F32), dstates.astype(F32))
-    gam_c = jnp.exp2(jnp.swapaxes(g2.reshape(B, H, N, C, K)[:, :, :, -1], 1, 2))  # [B, N, H, K]
-    dg = gate_grad(pairs, yk, C, interpret=interpret, warps=cfg.gate_grad_warps).reshape(B, N, C, H, K)
-    dg = (dg + (gam_c * sds)[:, :, None]).reshape(B, Tp, H, K)[:, :T]
+    # dg: dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} yk_s per key channel and chunk (the gradient
+    # kernel put the start state's term 2^{G_C} ⊙ Σ_v dS ⊙ S0 into each chunk's last row of
+    # pairs: it crosses every token of the chunk). The two sums along each chunk are the Pallas
+    # GPU backend's gate_grad kernel (each output sums only its own terms).
+    dg = gate_grad(pairs, yk, C, interpret=interpret, warps=cfg.gate_grad_warps)[:, :T]
 
     # Leaf maps. KDA (β erases and writes): applied in the gradient kernel, which returns dv,
     # dk and dβ's parts per key piece. GDN2: the erase side e = b ⊙ k there too (dk += b ⊙ de,

@@ -1,17 +1,20 @@
-"""Per-chunk gradients of the vector-gate (KDA, GDN2) ReWY backward, in raw frames.
+"""Per-chunk gradients of the vector-gate (KDA, GDN2) ReWY backward, in raw frames, with the
+op's leaf maps.
 
 Pipeline position:  vector_state_backward.py (dR per chunk, each chunk's end cotangent dS)  ->
-**this kernel** (KDA: with its leaf maps to dk, dv, dβ)  ->  XLA (vector_api.py: GDN2's leaf maps
-to dk, dv, db, dw) and dg's chunk sums (gpu/gates.gate_grad).
+**this kernel**  ->  XLA (vector_api.py: GDN2's write-side leaf maps to dv, dw) and dg's chunk
+sums (gpu/gates.gate_grad).
 
-One CTA, one warpgroup, per ``(b, h, chunk, 64-column key piece j)``. Every chunk is independent;
-the K/64 pieces of a chunk repeat the small [C, C] part (Λ, dT, dA) and each forms the per-channel
-terms of its own 64 key channels, so one piece's tiles fit registers and SMEM at K = 128.
+One CTA, two warpgroups, per ``(b, h, chunk, 64-column key piece j)``. Every chunk is
+independent; the K/64 pieces of a chunk repeat the small [C, C] part (Λ, dT, dA) and each forms
+the per-channel terms of its own 64 key channels, so one piece's tiles fit registers and SMEM at
+K = 128.
 
-With q̃ = scale·q, e the erase vectors (β k or b ⊙ k, rounded to the input dtype), G the chunk's
-log2 cumulative gates, A the chunk inverse (split pair from vector_chunk), S0 / dS the chunk's start
-state and end cotangent, R its residual (saved by the forward's state pass), and decay factors
-``D_rs = 2^{G_r − G_s}`` per key channel (rewy-math §4–§5, chunk_algebra._leaf_grads):
+With q̃ = scale·q, e the erase vectors (β k or b ⊙ k, formed here from k's tile and rounded to
+the input dtype, as the forward's), G the chunk's log2 cumulative gates, A the chunk inverse
+(split pair from vector_chunk), S0 / dS the chunk's start state and end cotangent, R its residual
+(saved by the forward's state pass), and decay factors ``D_rs = 2^{G_r − G_s}`` per key channel
+(rewy-math §4–§5, chunk_algebra._leaf_grads):
 
     Λ   = Aᵀ dR                          (ReWY's one adjoint solve; A as hi + lo: two WGMMAs)
     dT  = −(Λ Rᵀ)_{s<r}     dA = (dO Rᵀ)_{s<r}     dA_diag = diag(dO Rᵀ)
@@ -22,51 +25,58 @@ state and end cotangent, R its residual (saved by the forward's state pass), and
 
 The four decayed contractions are evaluated in the forward's reference frames
 (vector_chunk.py, with the same per-chunk choice): per bit level (exact: 32…1; centred: 32, 16,
-then the 16-row diagonal blocks around row 8) the kept pairs (r upper, s lower half of a row group) share the frame row f, so
-``Σ_s dT_rs k_s D_rs = 2^{G_r − G_f} Σ_s dT_rs (k_s 2^{G_f − G_s})``: the masked [C, C] tile
-times a frame-scaled [C, 64] tile, one WGMMA, then a per-row factor ≤ 1 (≤ e^40 centred). Per
-level one round trip: dT_l K_y, dA_l K_y and dT_lᵀ E_x + dA_lᵀ Q_x (one accumulator), four
-WGMMAs in one group.
+then the 16-row diagonal blocks around row 8) the kept pairs (r upper, s lower half of a row
+group) share the frame row f, so ``Σ_s dT_rs k_s D_rs = 2^{G_r − G_f} Σ_s dT_rs (k_s 2^{G_f − G_s})``:
+the masked [C, C] tile times a frame-scaled [C, 64] tile, one WGMMA, then a per-row factor ≤ 1
+(≤ e^40 centred).
 
-**Round trips.** Λ is one group (A as hi + lo, every value piece); everything else outside the
-Gram terms (Λ Rᵀ, dO Rᵀ, Λ S0ᵀ, dO S0ᵀ, R dSᵀ) a second; then one per level. Per chunk and key
-piece (counted from the traced program): exact 38 WGMMAs in 8 round trips at D = 128, 31 in 8
-at D = 64; centred 26 in 5, 19 in 5.
+**Two warpgroups, split by side.** The row side of each level (``dT_l K_y`` into de, ``dA_l K_y``
+into dq̃) and its key side (``dT_lᵀ E_x + dA_lᵀ Q_x`` into dk) share nothing but dT, dA and the
+frames, so they run on two warpgroups, each staging its own operands (the masked dT, dA tiles
+twice: no hand-over inside the level loop):
 
-The gate gradient is left as per-row parts for XLA (the sums along the chunk do not fit the
+    WG0 (values, rows; issues the loads)   Λ and (S0ᵀ)ᵀ dSᵀ (one group); Λ Rᵀ, dO Rᵀ, Λ S0ᵀ,
+        dO S0ᵀ, R dSᵀ (one group); dT, dA over A, e over its tile, y and y ⊙ k  -> ``cc_ready``;
+        the row side of every level (de, dq̃); its parts of pairs and dk to SMEM -> ``x_ready``;
+        dq and dβ's part (KDA) or db (GDN2) out
+    WG1 (keys)                             the key side of every level (dk); after ``x_ready``
+        pairs = (WG0's part) − dk ⊙ k and dk = dk + (WG0's part), out
+
+Each holds at most its accumulators, one level's products and one frame-factor tile: WG0 de, dq̃
+and two products (≈ 160 fp32 registers a thread; its second group's five products 160), WG1 dk
+and one (≈ 96). The one-warpgroup kernel held all three accumulators and four products
+(224 registers, 876 bytes spilled on the H100) and waited out every round trip alone.
+Per chunk and key piece (counted from the traced program): the same WGMMAs as before the
+split, plus one per value piece for Σ_v dS ⊙ S0.
+
+The gate gradient is left as per-row parts for gate_grad (the sums along the chunk do not fit the
 per-row register layout): dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} (y ⊙ k)_s + 2^{G_C} ⊙ Σ_v (dS ⊙ S0).
+The last term is the same for every row of the chunk, so it rides in the chunk's last row of
+``pairs``, which every suffix sum includes; Σ_v dS ⊙ S0 per key channel is the diagonal of
+(S0ᵀ)ᵀ dSᵀ, one WGMMA per value piece (its bf16 products are exact in fp32).
 (Summing along the chunk in here — two 0/1 triangular tiles times a three-way bf16 split of
 ``pairs`` and ``y ⊙ k``, six WGMMAs — made this kernel 0.27 ms slower on an H100
-(docs/performance-log.md); the two fp32 parts it saves are 134 MB written and read again at
-the anchor, about 0.08 ms of HBM time, plus XLA's cumsums, not yet timed apart.) The terms with
-decay factor 1 (the diagonal query-key pairs, each row's own path into the end state) are kept
-out of ``pairs``: they would enter with both signs and cancel (chunk_algebra).
+(docs/performance-log.md).) The terms with decay factor 1 (the diagonal query-key pairs, each
+row's own path into the end state) are kept out of ``pairs``: they would enter with both signs
+and cancel (chunk_algebra).
 
-Registers: the accumulators de, dq̃, dk [C, 64] fp32 (96 per thread) and, across a level's wait,
-its three products and one frame-factor tile (128 more, 224 in all: the bit levels' two sides
-share one exp2 tile, the centred level re-forms its y side from SMEM after the wait); the second
-group's five products are 160. The [C, C] tiles dT and dA wait in SMEM (input dtype) between
-levels; each level's five operands are staged in bf16 over spent input tiles (frame factors
-reach e^40, past fp16's range).
 SMEM (config.vector_chunk_backward_smem_bytes): dO, dR, R ``[V/64, C, 64]``, S0ᵀ and dSᵀ
 ``[V/64, 64, 64]`` (the piece's key columns), A hi/lo, q, k, e ``[C, 64]`` (16-bit); G twice
-(swizzled for tiles, plain for the frame rows) and three fp32 output tiles. The level loop's five
-staging tiles reuse the dO, R, S0, dS buffers (spent by then); Λ is staged over dR, dT and dA
-over A. 200 KiB at K = V = 128, 160 KiB at 64 (unchanged by the grouping); KDA's leaf maps add
-v's piece, β and dβ's part (8.5 KiB at 128), GDN2's erase side b's piece (16 KiB). At V = 256
-the five value-side tiles would take 160 KiB: they stream one value piece at a time instead
-(:func:`_streamed_value_products`; Λ ``[C, V]`` and two sets of three ``[C, 64]`` slots, 200
-KiB).
+(swizzled for tiles, plain for the frame rows) and three fp32 tiles. The levels' seven staging
+tiles (bf16; three WG0's, four WG1's) reuse the value-side buffers, which WG0 has spent before
+``cc_ready``; Λ is staged over dR, dT and dA over A. KDA's leaf maps add v's piece, β and dβ's
+part; GDN2's erase side b's piece (fp32). 209 KiB (KDA) / 216 KiB (GDN2) at K = V = 128,
+185 / 192 at 64 (the staging tiles outgrow the value-side tiles there). At V = 256 the five value-side tiles would take 160 KiB: they stream one value
+piece at a time instead (:func:`_streamed_value_products`, in WG0; Λ ``[C, V]`` and two sets of
+three ``[C, 64]`` slots).
 
-Reads:  q, k, e [B, Tp, H, K]; g2 [B, H, Tp, K] fp32; do, dr, r [B, Tp, H, V];
+Reads:  q, k [B, Tp, H, K]; g2 [B, H, Tp, K] fp32; do, dr, r [B, Tp, H, V];
         states, dstates [B, H, N, V, K]; a_hi, a_lo [B, H, Tp, C] (per piece: all of dO, dR, R, A,
-        and the piece's columns of the others).
-Writes: lam [B, Tp, H, V] fp32 (piece j writes value columns j); dq [B, Tp, H, K] (scale applied,
-        input dtype); dk_raw, de, pairs, yk [B, Tp, H, K] fp32. With KDA's leaf maps (``kda_leaf``:
-        also reads β [B, H, Tp] and v's piece-j columns) dv = β ⊙ Λ [B, Tp, H, V] and
-        dk = dk_raw + β ⊙ de [B, Tp, H, K] in the input dtype and dβ's parts [B, H, K/64, Tp] fp32
-        take the place of lam, dk_raw and de: 3 × 67 MB of fp32 at the anchor not written, nor read
-        again by XLA.
+        and the piece's columns of the others); KDA: β [B, H, Tp] fp32 and v's piece-j columns;
+        GDN2: b [B, Tp, H, K] fp32.
+Writes: dq, dk [B, Tp, H, K] (input dtype); pairs, yk [B, Tp, H, K] fp32; KDA: dv = β ⊙ Λ
+        [B, Tp, H, V] (input dtype) and dβ's parts [B, H, K/64, Tp] fp32; GDN2: Λ [B, Tp, H, V]
+        fp32 (piece j writes value columns j) and db = de ⊙ k [B, Tp, H, K] fp32.
 """
 
 from __future__ import annotations
@@ -79,30 +89,30 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, ROWS, WGMMA, bit_level_pairs, cols_of, iota, mma_group, put, rows_of, same_block, smem,
-    upper_half)
-from pallas_kernels.mosaic_gpu.config import GRAD_RESIDENT_PIECES, PIECE
+    C, COLS, F32, META, ROWS, WGMMA, bit_level_pairs, cols_of, finish_together, iota, mma_group, put, rows_of,
+    same_block, smem, upper_half)
+from pallas_kernels.mosaic_gpu.config import GRAD_RESIDENT_PIECES, GRAD_STAGING_TILES, PIECE
 from pallas_kernels.mosaic_gpu.vector_chunk import CROSS_LEVELS, MID, SUB, SUB_LEVELS, _frame_tile
 
 
 def _streamed_value_products(tiles, a_s, bars, j, nv: int, lam_out, stage_dt_da, *, dr, r, do, s0, ds):
     """The value-side products of one CTA at V = 256, one 64-column value piece at a time: sums
     over the pieces i of Λ_i Rᵢᵀ, dO_i Rᵢᵀ (pass 1, which also forms Λ_i = Aᵀ dR_i into SMEM),
-    then Λ_i S0ᵀ_i and dO_i S0ᵀ_i (pass 2), then R_i dSᵀ_i (pass 3). The 3·nv steps' tiles go
-    through two slot sets: step s + 1's TMA loads are issued before step s's products, so they
-    overlap. Each pass holds at most its own sums and one piece's fresh products (≤ 128 fp32
-    registers a thread), and dT, dA are staged after pass 1 (A is spent then).
+    then Λ_i S0ᵀ_i and dO_i S0ᵀ_i (pass 2), then R_i dSᵀ_i and S0ᵢᵀ dSᵀ_i (pass 3). The 3·nv
+    steps' tiles go through two slot sets: step s + 1's TMA loads are issued before step s's
+    products, so they overlap. Each pass holds at most its own sums and one piece's fresh products
+    (≤ 128 fp32 registers a thread), and dT, dA are staged after pass 1 (A is spent then).
 
     ``tiles``: (Λ ``[nv, C, 64]``, slots ``[2, 3, C, 64]``) in the input dtype; ``bars``: two
-    barrier pairs, of 3 arrivals (pass 1) and 2 (passes 2 and 3), one barrier per slot set;
+    barrier pairs, of 3 arrivals (passes 1 and 3) and 2 (pass 2), one barrier per slot set;
     ``dr(vc)`` etc.: the GMEM views of value columns ``vc``. Pieces go in the order j, j + 1, …
     (mod nv), so pass 1's first Λ is piece j, which ``lam_out`` sends out. Returns
-    ``(Λ S0ᵀ, dO S0ᵀ, R dSᵀ, stage_dt_da's result, Σ Λ ⊙ v or None)``."""
+    ``(Λ S0ᵀ, dO S0ᵀ, R dSᵀ, S0ᵀᵀ dSᵀ [64, 64], stage_dt_da's result, Σ Λ ⊙ v or None)``."""
     lam_s, slots = tiles
     bar3, bar2 = bars
     tile = (C, PIECE)
     steps = [((dr, r, do), bar3, i) for i in range(nv)] + [((do, s0), bar2, i) for i in range(nv)] + \
-        [((r, ds), bar2, i) for i in range(nv)]
+        [((r, ds, s0), bar3, i) for i in range(nv)]
 
     def issue(s):
         """Step s's tiles into slot set s % 2 (its last reader, step s − 2, has completed)."""
@@ -141,35 +151,38 @@ def _streamed_value_products(tiles, a_s, bars, j, nv: int, lam_out, stage_dt_da,
         slot = arrive(nv + i)
         sums = add(sums, mma_group(((((lam_s.at[i], slot.at[1]),), tile), (((slot.at[0], slot.at[1]),), tile))))
     ls0, dos0 = sums
-    rds = None
-    for i in range(nv):  # pass 3: R dSᵀ
+    sums = None
+    for i in range(nv):  # pass 3: R dSᵀ and (S0ᵀ)ᵀ dSᵀ, whose diagonal is the state term of dg
         slot = arrive(2 * nv + i)
-        (x,) = mma_group([(((slot.at[0], slot.at[1]),), tile)])
-        rds = x if rds is None else rds + x
-    return ls0, dos0, rds, dt_da, lam_v
+        sums = add(sums, mma_group(((((slot.at[0], slot.at[1]),), tile), (((slot.at[2].T, slot.at[1]),), (C, C)))))
+    rds, sds = sums
+    return ls0, dos0, rds, sds, dt_da, lam_v
 
 
-def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, centred_chunks=None, *,
+def vector_chunk_backward(q, k, g2, do, dr, r, states, dstates, a_hi, a_lo, centred_chunks=None, *,
                           scale: float, centred: bool, kda_leaf=None, gdn2_b=None, wy=None, interpret=None):
-    """``(lam, dq, dk_raw, de, pairs, yk)``; see the module docstring. ``centred`` and
-    ``centred_chunks`` as for vector_chunk.vector_chunk (the same frames per chunk).
+    """The per-chunk gradients with the op's leaf maps (see the module docstring); ``centred`` and
+    ``centred_chunks`` as for vector_chunk.vector_chunk (the same frames per chunk). Exactly one
+    of ``kda_leaf`` and ``gdn2_b`` names the op:
 
-    ``kda_leaf``: KDA's ``(β [B, H, Tp] fp32, v [B, Tp, H, V])`` — the leaf maps of e = z = β
-    rows are then applied here, and the outputs are ``(dv, dq, dk, db_parts, pairs, yk)``: dv =
-    β ⊙ Λ and dk = dk_raw + β ⊙ de in the input dtype, and db_parts ``[B, H, K/64, Tp]`` fp32,
-    piece j's ``Σ de ⊙ k`` over its key channels plus ``Σ Λ ⊙ v`` over its value columns (dβ is
-    their sum over j). So Λ, de and dk_raw (three fp32 tensors) never reach HBM.
+    ``kda_leaf``: KDA's ``(β [B, H, Tp] fp32, v [B, Tp, H, V])``, e = z = β rows; the outputs are
+    ``(dv, dq, dk, db_parts, pairs, yk)``: dv = β ⊙ Λ and dk = dk_raw + β ⊙ de in the input dtype,
+    and db_parts ``[B, H, K/64, Tp]`` fp32, piece j's ``Σ de ⊙ k`` over its key channels plus
+    ``Σ Λ ⊙ v`` over its value columns (dβ is their sum over j).
 
-    ``gdn2_b``: GDN2's erase gate b ``[B, Tp, H, K]`` fp32 — the erase side's leaf maps are then
-    applied here, and the outputs are ``(lam, dq, dk, db, pairs, yk)``: dk = dk_raw + b ⊙ de in
-    the input dtype and db = de ⊙ k fp32 in place of dk_raw and de (the write side, dv = w ⊙ Λ
-    and dw = v ⊙ Λ, stays in XLA: w and v's tiles do not fit beside b's).
+    ``gdn2_b``: GDN2's erase gate b ``[B, Tp, H, K]`` fp32, e = b ⊙ k; the outputs are
+    ``(lam, dq, dk, db, pairs, yk)``: Λ fp32 (the write side's leaf maps dv = w ⊙ Λ and dw = v ⊙ Λ
+    stay in XLA: w and v's tiles do not fit beside b's), dk = dk_raw + b ⊙ de in the input dtype
+    and db = de ⊙ k fp32.
+
+    ``pairs`` and ``yk`` are dg's per-row parts; ``pairs`` carries the state term
+    ``2^{G_C} ⊙ Σ_v dS ⊙ S0`` in each chunk's last row (dg's suffix sums take it to every row).
 
     ``wy``: the seven-product backward's ``(dt [B, H, Tp, C], debar [B, Tp, H, K] fp32)`` from
     vector_wy.vector_wy_products (the ablation, K ≤ 128): the kernel reads dT and its piece of dĒ
     in place of forming ``−(Λ Rᵀ)_{s<r}`` and ``−Λ S0ᵀ``; everything else is the same."""
-    if kda_leaf is not None and gdn2_b is not None:
-        raise ValueError("vector_chunk_backward takes kda_leaf (KDA) or gdn2_b (GDN2), not both")
+    if (kda_leaf is None) == (gdn2_b is None):
+        raise ValueError("vector_chunk_backward takes exactly one of kda_leaf (KDA) and gdn2_b (GDN2)")
     B, Tp, H, K = k.shape
     V = do.shape[-1]
     N = Tp // C
@@ -182,239 +195,277 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
     streamed = nv > GRAD_RESIDENT_PIECES  # V = 256: the value-side tiles one piece at a time
     if wy is not None and streamed:
         raise ValueError("vector_chunk_backward's seven-product form (wy=) takes K = V <= 128")
-    leaf = kda_leaf is not None
-    erase_b = gdn2_b is not None
+    kda = kda_leaf is not None
     piece = lambda n: smem((n, C, PIECE), dtype)  # noqa: E731
-    staging = tuple(smem((C, PIECE), jnp.bfloat16) for _ in range(5 if streamed else 5 * nv))
+    # The Gram levels' staging tiles, over the value-side tiles once WG0 has spent them: three
+    # for WG0, four for WG1; seen as bf16 (frame factors reach e^40) and, for WG0's dq, in the
+    # input dtype (the same bytes).
+    staging = tuple(smem((C, PIECE), jnp.bfloat16) for _ in range(GRAD_STAGING_TILES))
+    out16 = tuple(smem((C, PIECE), dtype) for _ in range(GRAD_STAGING_TILES))
     scratch = dict(
-        # dO, R, S0ᵀ, dSᵀ, dR (Λ over it) in the input dtype; once spent, their first five
-        # [C, 64] tiles are the Gram levels' staging tiles, seen as bf16 (frame factors reach
-        # e^40); the same bytes. Streamed: Λ's pieces and two sets of three slots for the value
-        # pieces' tiles
-        io=plgpu.RefUnion((piece(nv), smem((2, 3, C, PIECE), dtype)) if streamed else (piece(nv),) * 5, staging),
+        io=plgpu.RefUnion((piece(nv), smem((2, 3, C, PIECE), dtype)) if streamed else (piece(nv),) * 5,
+                          staging, out16),
         a_s=smem((2, C, C), dtype), q_s=smem((C, PIECE), dtype), k_s=smem((C, PIECE), dtype),
         e_s=smem((C, PIECE), dtype), g_s=smem((C, PIECE), F32), g_rows=plgpu.SMEM((C, PIECE), F32),
-        o32=smem((3, C, PIECE), F32),
-        bar=plgpu.Barrier(num_arrivals=(0 if streamed else 5 * nv) + 7 + (not centred) + 2 * leaf + erase_b),
+        o32=smem((3, C, PIECE), F32), sds_s=plgpu.SMEM((C,), F32),
+        bar=plgpu.Barrier(num_arrivals=(0 if streamed else 5 * nv) + 6 + (not centred) + 2 * kda + (not kda)),
+        cc_ready=plgpu.Barrier(), x_ready=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=2),
     )
-    if streamed:  # a value piece's (dR, R, dO), then (dO, S0ᵀ), then (R, dSᵀ)
+    if streamed:  # a value piece's (dR, R, dO), then (dO, S0ᵀ), then (R, dSᵀ, S0ᵀ)
         scratch.update(bar3=plgpu.Barrier(num_arrivals=3, num_barriers=2),
                        bar2=plgpu.Barrier(num_arrivals=2, num_barriers=2))
     if not centred:
         scratch["flag_s"] = plgpu.SMEM((META,), jnp.int32)
-    if leaf:  # β's rows, v's piece-j columns (dv goes out over them), the dβ parts
+    if kda:  # β's rows, v's piece-j columns (dv goes out over them), the dβ part
         scratch.update(beta_s=plgpu.SMEM((C,), F32), v_s=smem((C, PIECE), dtype), db_s=plgpu.SMEM((C,), F32))
+    else:  # b's piece-j columns
+        scratch["b_s"] = smem((C, PIECE), F32)
     if wy is not None:  # dT over A's first tile once Λ is formed, dĒ's piece over an fp32 tile
         scratch["wy_bar"] = plgpu.Barrier(num_arrivals=2)
-    if erase_b:  # b's piece-j columns
-        scratch["b_s"] = smem((C, PIECE), F32)
     tok32 = jax.ShapeDtypeStruct((B, Tp, H, K), F32)
     tok = jax.ShapeDtypeStruct((B, Tp, H, K), dtype)
-    if leaf:
+    if kda:
         out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), dtype), tok, tok,
                     jax.ShapeDtypeStruct((B, H, nk, Tp), F32), tok32, tok32)
     else:
-        out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), F32), tok, tok if erase_b else tok32, tok32, tok32, tok32)
+        out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), F32), tok, tok, tok32, tok32, tok32)
 
     def vector_chunk_backward_body(
-            q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
-            io, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None, beta_s=None,
-            v_s=None, db_s=None, b_s=None, bar3=None, bar2=None, wy_bar=None):
-        tiles, spent = io
+            q_ref, k_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
+            io, a_s, q_s, k_s, e_s, g_s, g_rows, o32, sds_s, bar, cc_ready, x_ready, done, flag_s=None,
+            beta_s=None, v_s=None, db_s=None, b_s=None, bar3=None, bar2=None, wy_bar=None):
+        tiles, spent, spent16 = io
         refs = list(refs)
         flag_ref = None if centred else refs.pop(0)
-        beta_ref, v_ref = (refs.pop(0), refs.pop(0)) if leaf else (None, None)
-        b_ref = refs.pop(0) if erase_b else None
+        beta_ref, v_ref = (refs.pop(0), refs.pop(0)) if kda else (None, None)
+        b_ref = None if kda else refs.pop(0)
         dt_ref, debar_ref = (refs.pop(0), refs.pop(0)) if wy is not None else (None, None)
-        if leaf:
+        if kda:
             dv_ref, dq_ref, dk_ref, db_ref, pairs_ref, yk_ref = refs
         else:
-            lam_ref, dq_ref, dk_ref, de_ref, pairs_ref, yk_ref = refs
+            lam_ref, dq_ref, dk_ref, db_ref, pairs_ref, yk_ref = refs
         b, h, nj = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("nj")
+        wg = lax.axis_index("wg")
         n, j = lax.div(nj, jnp.int32(nk)), lax.rem(nj, jnp.int32(nk))
         rows = pl.ds(n * C, C)
         cols = pl.ds(j * PIECE, PIECE)  # this CTA's key channels (and Λ's value columns)
-        if not streamed:
-            do_s, r_s, s0_s, ds_s, dr_s = tiles
-            for i in range(nv):
-                vc = pl.ds(i * PIECE, PIECE)
-                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, vc], do_s.at[i], bar)
-                plgpu.copy_gmem_to_smem(dr_ref.at[b, rows, h, vc], dr_s.at[i], bar)
-                plgpu.copy_gmem_to_smem(r_ref.at[b, rows, h, vc], r_s.at[i], bar)
-                plgpu.copy_gmem_to_smem(st_ref.at[b, h, n, vc, cols], s0_s.at[i], bar)
-                plgpu.copy_gmem_to_smem(dst_ref.at[b, h, n, vc, cols], ds_s.at[i], bar)
-        plgpu.copy_gmem_to_smem(ahi_ref.at[b, h, rows], a_s.at[0], bar)
-        plgpu.copy_gmem_to_smem(alo_ref.at[b, h, rows], a_s.at[1], bar)
-        for src, dst in ((q_ref, q_s), (k_ref, k_s), (e_ref, e_s)):
-            plgpu.copy_gmem_to_smem(src.at[b, rows, h, cols], dst, bar)
-        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_s, bar)
-        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_rows, bar)
-        if not centred:
-            plgpu.copy_gmem_to_smem(flag_ref.at[b, h, n], flag_s, bar)
-        if leaf:
-            plgpu.copy_gmem_to_smem(beta_ref.at[b, h, rows], beta_s, bar)
-            plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols], v_s, bar)
-        if erase_b:
-            plgpu.copy_gmem_to_smem(b_ref.at[b, rows, h, cols], b_s, bar)
-        plgpu.barrier_wait(bar)
-
         load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)  # noqa: E731
         rr, cc = iota((C, C), 0), iota((C, C), 1)
         tile = (C, PIECE)
-
-        def lam_out(lam_j):
-            """Λ's piece j (value columns j) to HBM — KDA: dv = β ⊙ Λ over v's tile, once Λ ⊙ v
-            is summed — unfenced; returns the issue of its copy and Σ Λ ⊙ v (KDA) or None."""
-            if leaf:
-                lam_v = jnp.sum(lam_j * load(v_s), axis=1)  # one value per row, held to the end
-                put(v_s, lam_j * rows_of(plgpu.load(beta_s, layout=ROWS), tile))
-                return lambda: plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, h, cols]), lam_v
-            put(o32.at[0], lam_j)
-            return lambda: plgpu.copy_smem_to_gmem(o32.at[0], lam_ref.at[b, rows, h, cols]), None
-
-        def stage_dt_da(lr, dor):
-            """dT = −(Λ Rᵀ)_{s<r} and dA = (dO Rᵀ)_{s<r} over A's tiles (spent), unfenced; returns
-            diag(dO Rᵀ) and the strict-lower mask. ``lr`` None: dT is there already (wy)."""
-            strict = rr > cc
-            da_diag = jnp.sum(jnp.where(rr == cc, dor, 0.0), axis=1)  # decay factor 1: kept apart
-            if lr is not None:
-                put(a_s.at[0], jnp.where(strict, lr, 0.0) * -1.0)  # dT over A (spent)
-            put(a_s.at[1], jnp.where(strict, dor, 0.0))  # dA without its diagonal
-            return da_diag, strict
-
-        if streamed:
-            ls0, dos0, rds, (da_diag, strict), lam_v = _streamed_value_products(
-                tiles, a_s, (bar3, bar2), j, nv, lam_out, stage_dt_da,
-                dr=lambda vc: dr_ref.at[b, rows, h, vc], r=lambda vc: r_ref.at[b, rows, h, vc],
-                do=lambda vc: do_ref.at[b, rows, h, vc], s0=lambda vc: st_ref.at[b, h, n, vc, cols],
-                ds=lambda vc: dst_ref.at[b, h, n, vc, cols])
-        else:
-            # Λ = Aᵀ dR, all value pieces (Λ Rᵀ and Λ S0ᵀ contract over V); piece j goes to HBM.
-            lam = mma_group([(((a_s.at[0].T, dr_s.at[i]), (a_s.at[1].T, dr_s.at[i])), tile) for i in range(nv)])
-            if nv == 1:
-                lam_j = lam[0]
-            elif nv == 2:  # select piece j by arithmetic (exact for a 0/1 weight): no scalar-predicate select
-                jf = j.astype(F32)
-                lam_j = lam[0] * (1.0 - jf) + lam[1] * jf
-            else:  # (V = 256 streams its pieces; held whole only in the interpreter's test of that)
-                lam_j = sum(x * (j == i).astype(F32) for i, x in enumerate(lam))
-            copy_lam, lam_v = lam_out(lam_j)
-            for i in range(nv):
-                put(dr_s.at[i], lam[i])  # Λ over dR (spent), as the operand of the products below
-            plgpu.commit_smem()
-            copy_lam()
-            lam_s = dr_s
-            # Everything else outside the Gram terms, in one group: Λ Rᵀ and dO Rᵀ (→ dT, dA), and
-            # Λ S0ᵀ, dO S0ᵀ, R dSᵀ (this piece's key columns).
-            # Σ over the value pieces of x_i y_i (or x_i y_iᵀ)
-            over_v = lambda x, y: tuple((x.at[i], y.at[i]) for i in range(nv))  # noqa: E731
-            over_v_t = lambda x, y: tuple((x.at[i], y.at[i].T) for i in range(nv))  # noqa: E731
-            if wy is None:
-                lr, dor, ls0, dos0, rds = mma_group((
-                    (over_v_t(lam_s, r_s), (C, C)), (over_v_t(do_s, r_s), (C, C)),
-                    (over_v(lam_s, s0_s), tile), (over_v(do_s, s0_s), tile), (over_v(r_s, ds_s), tile)))
-                da_diag, strict = stage_dt_da(lr, dor)
-            else:  # the seven-product form: dT and dĒ from vector_wy, A spent since Λ (fenced above)
-                plgpu.copy_gmem_to_smem(dt_ref.at[b, h, rows], a_s.at[0], wy_bar)
-                plgpu.copy_gmem_to_smem(debar_ref.at[b, rows, h, cols], o32.at[2], wy_bar)
-                dor, dos0, rds = mma_group(((over_v_t(do_s, r_s), (C, C)), (over_v(do_s, s0_s), tile),
-                                            (over_v(r_s, ds_s), tile)))
-                plgpu.barrier_wait(wy_bar)
-                da_diag, strict = stage_dt_da(None, dor)
-                ls0 = load(o32.at[2]) * -1.0  # ReWY's Λ S0ᵀ is −dĒ (o32[2] is rewritten with y below)
-        g_last = cols_of(plgpu.load(g_rows.at[C - 1], layout=COLS), tile)
-        gam = jnp.exp2(load(g_s))  # ≤ 1
-        de = ls0 * gam * -1.0
-        dq = dos0 * gam
-        y = rds * jnp.exp2(g_last - load(g_s))  # each row's path into the end state (≤ 1)
-        put(o32.at[2], y)  # kept for dk (not summed into the accumulator: see pairs)
-        put(o32.at[1], y * load(k_s))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o32.at[1], yk_ref.at[b, rows, h, cols])
-        dk = plgpu.layout_cast(jnp.zeros(tile, F32), WGMMA)
-
-        # The decayed Gram terms, level by level; the staging tiles reuse spent buffers.
-        dtl_s, dal_s, xe_s, xq_s, ky_s = spent[:5]
         up_rows = iota(tile, 0)
+        strict = rr > cc
 
-        def level(pair, size, offset, masked, acc):
-            """One level's four products in one round trip: ``dT_l K_y``, ``dA_l K_y`` and
-            ``dT_lᵀ E_x + dA_lᵀ Q_x`` (one accumulator), scaled per row into ``acc`` = (de, dq̃,
-            dk). Besides the three products and ``acc``, one factor tile (32 registers a
-            thread) waits for them."""
-            de, dq, dk = acc
+        def levels(level):
+            """Every Gram level of this chunk's frames (as in the forward), ``level(pair, size,
+            offset, masked, acc)`` each; returns ``acc -> acc``."""
+            def bit_levels(levs, acc):
+                for lev in levs:
+                    acc = level(bit_level_pairs(rr, cc, lev), 2 * lev, lev, True, acc)
+                return acc
+
+            def centred_tail(acc):  # the diagonal sub-chunk blocks, frame = row 8 (operands ≤ e^40, finite)
+                return level(same_block(rr, cc, SUB) & strict, SUB, MID, False, acc)
+
+            def run(acc):
+                acc = bit_levels(CROSS_LEVELS, acc)
+                if centred:
+                    return centred_tail(acc)
+                return lax.cond(flag_s[0] == 1, centred_tail, lambda acc: bit_levels(SUB_LEVELS, acc), acc)
+            return run
+
+        def frames(pair, size, offset, dtl_s, dal_s):
+            """Stages the level's masked dT and dA tiles; returns ``G_r − G_f(r)`` and the rows
+            on the x side (at or after the frame row)."""
             put(dtl_s, jnp.where(pair, load(a_s.at[0]), 0.0))
             put(dal_s, jnp.where(pair, load(a_s.at[1]), 0.0))
             assert 2 * offset == size  # the frame row starts the group's upper half
-            up = upper_half(up_rows, size)
-            offsets = lambda: load(g_s) - _frame_tile(g_rows, size, offset)  # noqa: E731  G_r − G_f(r)
-            d = offsets()
-            if masked:
-                # bit levels: x side on rows ≥ the frame, y side below it (every factor ≤ 1); the
-                # two sides' rows are disjoint, so one exp2 tile holds both
-                f = jnp.exp2(jnp.where(up, d, -d))
-                fx, fy = jnp.where(up, f, 0.0), jnp.where(up, 0.0, f)
+            return load(g_s) - _frame_tile(g_rows, size, offset), upper_half(up_rows, size)
+
+        @pl.when(wg == 0)
+        def _values():
+            if not streamed:
+                do_s, r_s, s0_s, ds_s, dr_s = tiles
+                for i in range(nv):
+                    vc = pl.ds(i * PIECE, PIECE)
+                    plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, vc], do_s.at[i], bar)
+                    plgpu.copy_gmem_to_smem(dr_ref.at[b, rows, h, vc], dr_s.at[i], bar)
+                    plgpu.copy_gmem_to_smem(r_ref.at[b, rows, h, vc], r_s.at[i], bar)
+                    plgpu.copy_gmem_to_smem(st_ref.at[b, h, n, vc, cols], s0_s.at[i], bar)
+                    plgpu.copy_gmem_to_smem(dst_ref.at[b, h, n, vc, cols], ds_s.at[i], bar)
+            plgpu.copy_gmem_to_smem(ahi_ref.at[b, h, rows], a_s.at[0], bar)
+            plgpu.copy_gmem_to_smem(alo_ref.at[b, h, rows], a_s.at[1], bar)
+            for src, dst in ((q_ref, q_s), (k_ref, k_s)):
+                plgpu.copy_gmem_to_smem(src.at[b, rows, h, cols], dst, bar)
+            plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_s, bar)
+            plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_rows, bar)
+            if not centred:
+                plgpu.copy_gmem_to_smem(flag_ref.at[b, h, n], flag_s, bar)
+            if kda:
+                plgpu.copy_gmem_to_smem(beta_ref.at[b, h, rows], beta_s, bar)
+                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols], v_s, bar)
             else:
-                fx, fy = jnp.exp2(d), jnp.exp2(-d)
-            put(xe_s, load(e_s) * fx)
-            put(xq_s, load(q_s) * (fx * scale))
-            put(ky_s, load(k_s) * fy)
+                plgpu.copy_gmem_to_smem(b_ref.at[b, rows, h, cols], b_s, bar)
+            plgpu.barrier_wait(bar)
+            # the erase rows e = β k or b ⊙ k, rounded to the input dtype as the forward's
+            erase = lambda: rows_of(plgpu.load(beta_s, layout=ROWS), tile) if kda else load(b_s)  # noqa: E731
+            put(e_s, erase() * load(k_s))
+
+            def lam_out(lam_j):
+                """Λ's piece j (value columns j) to HBM — KDA: dv = β ⊙ Λ over v's tile, once
+                Λ ⊙ v is summed — unfenced; returns the issue of its copy and Σ Λ ⊙ v (KDA) or
+                None."""
+                if kda:
+                    lam_v = jnp.sum(lam_j * load(v_s), axis=1)  # one value per row, held to the end
+                    put(v_s, lam_j * erase())
+                    return lambda: plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, h, cols]), lam_v
+                put(o32.at[0], lam_j)
+                return lambda: plgpu.copy_smem_to_gmem(o32.at[0], lam_ref.at[b, rows, h, cols]), None
+
+            def stage_dt_da(lr, dor):
+                """dT = −(Λ Rᵀ)_{s<r} and dA = (dO Rᵀ)_{s<r} over A's tiles (spent), unfenced;
+                returns diag(dO Rᵀ). ``lr`` None: dT is there already (wy)."""
+                da_diag = jnp.sum(jnp.where(rr == cc, dor, 0.0), axis=1)  # decay factor 1: kept apart
+                if lr is not None:
+                    put(a_s.at[0], jnp.where(strict, lr, 0.0) * -1.0)  # dT over A (spent)
+                put(a_s.at[1], jnp.where(strict, dor, 0.0))  # dA without its diagonal
+                return da_diag
+
+            if streamed:
+                ls0, dos0, rds, sds, da_diag, lam_v = _streamed_value_products(
+                    tiles, a_s, (bar3, bar2), j, nv, lam_out, stage_dt_da,
+                    dr=lambda vc: dr_ref.at[b, rows, h, vc], r=lambda vc: r_ref.at[b, rows, h, vc],
+                    do=lambda vc: do_ref.at[b, rows, h, vc], s0=lambda vc: st_ref.at[b, h, n, vc, cols],
+                    ds=lambda vc: dst_ref.at[b, h, n, vc, cols])
+            else:
+                # Λ = Aᵀ dR, all value pieces (Λ Rᵀ and Λ S0ᵀ contract over V); piece j goes to
+                # HBM. With it (S0ᵀ)ᵀ dSᵀ over the value pieces: its diagonal is Σ_v dS ⊙ S0.
+                *lam, sds = mma_group(
+                    [(((a_s.at[0].T, dr_s.at[i]), (a_s.at[1].T, dr_s.at[i])), tile) for i in range(nv)]
+                    + [(tuple((s0_s.at[i].T, ds_s.at[i]) for i in range(nv)), (C, C))])
+                if nv == 1:
+                    lam_j = lam[0]
+                elif nv == 2:  # select piece j by arithmetic (exact for a 0/1 weight): no scalar-predicate select
+                    jf = j.astype(F32)
+                    lam_j = lam[0] * (1.0 - jf) + lam[1] * jf
+                else:  # (V = 256 streams its pieces; held whole only in the interpreter's test of that)
+                    lam_j = sum(x * (j == i).astype(F32) for i, x in enumerate(lam))
+                copy_lam, lam_v = lam_out(lam_j)
+                for i in range(nv):
+                    put(dr_s.at[i], lam[i])  # Λ over dR (spent), as the operand of the products below
+                plgpu.commit_smem()
+                copy_lam()
+                lam_s = dr_s
+                # Everything else outside the Gram terms, in one group: Λ Rᵀ and dO Rᵀ (→ dT, dA),
+                # and Λ S0ᵀ, dO S0ᵀ, R dSᵀ (this piece's key columns).
+                # Σ over the value pieces of x_i y_i (or x_i y_iᵀ)
+                over_v = lambda x, y: tuple((x.at[i], y.at[i]) for i in range(nv))  # noqa: E731
+                over_v_t = lambda x, y: tuple((x.at[i], y.at[i].T) for i in range(nv))  # noqa: E731
+                if wy is None:
+                    lr, dor, ls0, dos0, rds = mma_group((
+                        (over_v_t(lam_s, r_s), (C, C)), (over_v_t(do_s, r_s), (C, C)),
+                        (over_v(lam_s, s0_s), tile), (over_v(do_s, s0_s), tile), (over_v(r_s, ds_s), tile)))
+                    da_diag = stage_dt_da(lr, dor)
+                else:  # the seven-product form: dT and dĒ from vector_wy, A spent since Λ (fenced above)
+                    plgpu.copy_gmem_to_smem(dt_ref.at[b, h, rows], a_s.at[0], wy_bar)
+                    plgpu.copy_gmem_to_smem(debar_ref.at[b, rows, h, cols], o32.at[2], wy_bar)
+                    dor, dos0, rds = mma_group(((over_v_t(do_s, r_s), (C, C)), (over_v(do_s, s0_s), tile),
+                                                (over_v(r_s, ds_s), tile)))
+                    plgpu.barrier_wait(wy_bar)
+                    da_diag = stage_dt_da(None, dor)
+                    ls0 = load(o32.at[2]) * -1.0  # ReWY's Λ S0ᵀ is −dĒ (o32[2] is rewritten with y below)
+            # Σ_v dS ⊙ S0 per key channel: the diagonal, by rows, then read by columns
+            sds_s[...] = jnp.sum(jnp.where(rr == cc, sds, 0.0), axis=1)
+            g_last = lambda: cols_of(plgpu.load(g_rows.at[C - 1], layout=COLS), tile)  # noqa: E731
+            gam = jnp.exp2(load(g_s))  # ≤ 1
+            de = ls0 * gam * -1.0
+            dq = dos0 * gam
+            y = rds * jnp.exp2(g_last() - load(g_s))  # each row's path into the end state (≤ 1)
+            put(o32.at[2], y)  # into dk at the end (not summed into an accumulator: see pairs)
+            put(o32.at[1], y * load(k_s))
+            plgpu.commit_smem()  # dT, dA, e for WG1; yk for the TMA; sds_s for the column read
+            plgpu.barrier_arrive(cc_ready)
+            plgpu.copy_smem_to_gmem(o32.at[1], yk_ref.at[b, rows, h, cols])
+
+            dtl_s, dal_s, ky_s = spent[:3]
+
+            def level(pair, size, offset, masked, acc):
+                """The level's row-side products ``dT_l K_y`` and ``dA_l K_y``, scaled per row
+                into ``acc`` = (de, dq̃)."""
+                de, dq = acc
+                d, up = frames(pair, size, offset, dtl_s, dal_s)
+                # bit levels: y side below the frame row (factors ≤ 1), the x-side factor on
+                # the rows at or after it: one exp2 tile holds both
+                f = jnp.exp2(jnp.where(up, d, -d)) if masked else jnp.exp2(-d)
+                put(ky_s, load(k_s) * (jnp.where(up, 0.0, f) if masked else f))
+                plgpu.commit_smem()
+                m1, m2 = mma_group(((((dtl_s, ky_s),), tile), (((dal_s, ky_s),), tile)))
+                if masked:
+                    return de + jnp.where(up, m1 * f, 0.0), dq + jnp.where(up, m2 * f, 0.0)
+                fx = jnp.exp2(d)
+                return de + m1 * fx, dq + m2 * fx
+
+            de, dq = levels(level)((de, dq))
+
+            # WG1's parts of pairs and dk; dq (scale applied) over a spent staging tile.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # Λ and yk have been read
+            diag = rows_of(da_diag, tile)
+            qs = load(q_s) * scale
+            k_t = load(k_s)
+            state_term = cols_of(plgpu.load(sds_s, layout=COLS), tile) * jnp.exp2(g_last())
+            last = jnp.where(up_rows == C - 1, state_term, 0.0)  # dg's suffix sums take it to every row
+            put(o32.at[1], dq * qs + de * load(e_s) + last)  # pairs, less WG1's −dk ⊙ k
+            put(o32.at[2], load(o32.at[2]) + diag * qs + erase() * de)  # y + dA_diag q̃ + the erase map
+            if kda:  # dβ's part Σ de ⊙ k + Σ Λ ⊙ v
+                db_s[...] = jnp.sum(de * k_t, axis=1) + lam_v
+            else:  # db = de ⊙ k
+                put(o32.at[0], de * k_t)
+            dq_s = spent16[0]
+            put(dq_s, (dq + diag * k_t) * scale)
             plgpu.commit_smem()
-            m34, m1, m2 = mma_group(((((dtl_s.T, xe_s), (dal_s.T, xq_s)), tile),
-                                     (((dtl_s, ky_s),), tile), (((dal_s, ky_s),), tile)))
-            if masked:  # m1, m2 live on the x rows and m34 on the y rows, so f alone scales them
-                return (de + jnp.where(up, m1 * f, 0.0), dq + jnp.where(up, m2 * f, 0.0),
-                        dk + jnp.where(up, 0.0, m34 * f))
-            # centred: fy is formed again from SMEM rather than held beside fx across the wait
-            return de + m1 * fx, dq + m2 * fx, dk + m34 * jnp.exp2(-offsets())
+            plgpu.barrier_arrive(x_ready)
+            plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[b, rows, h, cols])
+            if kda:
+                plgpu.copy_smem_to_gmem(db_s, db_ref.at[b, h, j, rows])
+            else:
+                plgpu.copy_smem_to_gmem(o32.at[0], db_ref.at[b, rows, h, cols])
+            plgpu.wait_smem_to_gmem(0)
 
-        def bit_levels(levs, acc):
-            for lev in levs:
-                acc = level(bit_level_pairs(rr, cc, lev), 2 * lev, lev, True, acc)
-            return acc
+        @pl.when(wg == 1)
+        def _keys():
+            plgpu.barrier_wait(bar)
+            plgpu.barrier_wait(cc_ready)
+            dtl_s, dal_s, xe_s, xq_s = spent[3:7]
 
-        def centred_tail(acc):  # the diagonal sub-chunk blocks, frame = row 8 (operands ≤ e^40, finite)
-            return level(same_block(rr, cc, SUB) & strict, SUB, MID, False, acc)
+            def level(pair, size, offset, masked, dk):
+                """The level's key-side product ``dT_lᵀ E_x + dA_lᵀ Q_x`` (one accumulator),
+                scaled per row into ``dk``."""
+                d, up = frames(pair, size, offset, dtl_s, dal_s)
+                f = jnp.exp2(jnp.where(up, d, -d)) if masked else jnp.exp2(d)
+                fx = jnp.where(up, f, 0.0) if masked else f
+                put(xe_s, load(e_s) * fx)
+                put(xq_s, load(q_s) * (fx * scale))
+                plgpu.commit_smem()
+                (m34,) = mma_group(((((dtl_s.T, xe_s), (dal_s.T, xq_s)), tile),))
+                if masked:  # the product lives on the y rows, where f is the y-side factor
+                    return dk + jnp.where(up, 0.0, m34 * f)
+                return dk + m34 * jnp.exp2(-d)
 
-        acc = bit_levels(CROSS_LEVELS, (de, dq, dk))
-        if centred:
-            acc = centred_tail(acc)
-        else:  # the chunk's frames, as in the forward (vector_prep.centred_chunks)
-            acc = lax.cond(flag_s[0] == 1, centred_tail, lambda acc: bit_levels(SUB_LEVELS, acc), acc)
-        de, dq, dk = acc
+            dk = levels(level)(plgpu.layout_cast(jnp.zeros(tile, F32), WGMMA))
 
-        # Outputs, fenced once: de, pairs, dk_raw through the fp32 tiles; dq (scale applied) over q.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # Λ and yk have been read
-        diag = rows_of(da_diag, tile)
-        qs = load(q_s) * scale
-        k_t = load(k_s)
-        put(o32.at[1], dq * qs - dk * k_t + de * load(e_s))  # pairs
-        dk_raw = dk + load(o32.at[2]) + diag * qs  # pairs' dk + y + dA_diag q̃
-        if leaf:  # dk = dk_raw + β ⊙ de over k's tile; dβ's part Σ de ⊙ k + Σ Λ ⊙ v
-            db_s[...] = jnp.sum(de * k_t, axis=1) + lam_v
-            put(k_s, dk_raw + rows_of(plgpu.load(beta_s, layout=ROWS), tile) * de)
-        elif erase_b:  # dk = dk_raw + b ⊙ de over k's tile; db = de ⊙ k
-            put(o32.at[0], de * k_t)
-            put(k_s, dk_raw + load(b_s) * de)
-        else:
-            put(o32.at[0], de)
-            put(o32.at[2], dk_raw)
-        put(q_s, (dq + diag * k_t) * scale)
-        plgpu.commit_smem()
-        outs = ((o32.at[1], pairs_ref), (q_s, dq_ref))
-        if leaf:
-            outs += ((k_s, dk_ref),)
-        else:  # (GDN2's erase side: db over de's tile, dk over k's)
-            outs += ((o32.at[0], de_ref), (k_s if erase_b else o32.at[2], dk_ref))
-        for src, ref in outs:
-            plgpu.copy_smem_to_gmem(src, ref.at[b, rows, h, cols])
-        if leaf:
-            plgpu.copy_smem_to_gmem(db_s, db_ref.at[b, h, j, rows])
-        plgpu.wait_smem_to_gmem(0)
+            plgpu.barrier_wait(x_ready)
+            k_t = load(k_s)
+            put(o32.at[1], load(o32.at[1]) - dk * k_t)  # pairs
+            put(k_s, dk + load(o32.at[2]))  # dk = dk_raw + the erase map
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o32.at[1], pairs_ref.at[b, rows, h, cols])
+            plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, rows, h, cols])
+            plgpu.wait_smem_to_gmem(0)
+
+        finish_together(done)
 
     return plgpu.kernel(
         vector_chunk_backward_body, out_type=out_type, scratch_types=scratch,
-        grid=(B, H, N * nk), grid_names=("b", "h", "nj"),
+        grid=(B, H, N * nk), grid_names=("b", "h", "nj"), num_threads=2, thread_name="wg",
         compiler_params=compat.compiler_params(), interpret=interpret,
-    )(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *(() if centred else (centred_chunks,)),
-      *(kda_leaf if leaf else ()), *((gdn2_b,) if erase_b else ()), *(wy if wy is not None else ()))
+    )(q, k, g2, do, dr, r, states, dstates, a_hi, a_lo, *(() if centred else (centred_chunks,)),
+      *(kda_leaf if kda else (gdn2_b,)), *(wy if wy is not None else ()))
