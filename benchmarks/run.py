@@ -125,6 +125,10 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (median)")
     ap.add_argument("--sets", type=int, default=4, help="rotated input sets per shape")
     ap.add_argument("--no-accuracy", action="store_true")
+    ap.add_argument("--accuracy-first", action="store_true",
+                    help="check each (shape, op)'s accuracy before timing it, so that a run stopped by "
+                         "its time limit (the compile of the timed runners can take ~50 s each) still "
+                         "has the accuracy of every implementation it reached")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="stop starting new (shape, op) groups after this many seconds")
     ap.add_argument("--fla-deadline-s", type=float, default=None,
@@ -239,12 +243,19 @@ def main(argv=None):
     # through the finally below, so that the tables of what was measured are still written
     # (a one-shape process stopped during FLA's autotune or the accuracy check wrote nothing)
     on_term = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    untimed = None  # --accuracy-first: the (shape, op) checked but not yet timed
     try:
         for shape in shape_list:
             for op in ops:
+                if refs is not None and a.accuracy_first:  # into the cache; attached to the rows below
+                    available = [{"impl": i.name, "status": "ok"} for i in impl_list if i.name not in unavailable]
+                    check_accuracy(op, S.accuracy_shape(shape, smoke=mode == "smoke"), impl_list, unavailable,
+                                   available, refs, acc_cache, elapsed, a)
+                    untimed = (shape, op)
                 rows = run_group(a, shape, op, impl_list, unavailable, meta, rounds, run_id, elapsed,
                                  device_inputs, I, roofline, mode)
                 result["rows"].extend(rows)
+                untimed = None
                 save()  # the timings first: a process stopped in the accuracy check keeps them
                 if refs is not None:
                     acc_shape = S.accuracy_shape(shape, smoke=mode == "smoke")
@@ -253,6 +264,16 @@ def main(argv=None):
                 gc.collect()
     finally:
         signal.signal(signal.SIGTERM, on_term)
+        if untimed is not None:  # stopped while timing a group whose accuracy is known: keep it
+            shape, op = untimed
+            B, T, H, D = shape
+            floor = roofline.floor_ms(op, shape, meta["ceilings"])
+            rows = [{"run_id": run_id, "shape": shape.key(), "B": B, "T": T, "H": H, "D": D, "op": op,
+                     "impl": i.name, "family": i.family, "floor": floor, "status": "skipped",
+                     "reason": unavailable.get(i.name, "the run stopped before timing it")} for i in impl_list]
+            check_accuracy(op, S.accuracy_shape(shape, smoke=mode == "smoke"), impl_list, unavailable, rows,
+                           refs, acc_cache, elapsed, a)  # (from the cache: nothing is run again)
+            result["rows"].extend(rows)
         if refs is not None:
             refs.stop()
         save(final=True)

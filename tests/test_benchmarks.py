@@ -114,6 +114,31 @@ def test_stopped_run_keeps_its_timings(tmp_path, monkeypatch):
     assert (tmp_path / "stopped.md").exists()
 
 
+def test_accuracy_first_keeps_accuracy_of_a_run_stopped_while_timing(tmp_path, monkeypatch):
+    """--accuracy-first checks accuracy before timing: a process stopped (SIGTERM) in the timing
+    of its group still writes that group's accuracy (the GPU runs whose compile outlasted the
+    call never reached the accuracy step)."""
+    import signal
+
+    from benchmarks import run
+
+    def stop(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(run, "run_group", stop)
+    with pytest.raises(SystemExit):
+        run.main(["--cpu-smoke", "--shapes", TINY, "--ops", "gdn", "--rounds", "1", "--sets", "1",
+                  "--impls", "xla rewy/recompute", "--out-dir", str(tmp_path), "--stem", "acc",
+                  "--accuracy-first"])
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "acc.json").read_text())["rows"]}
+    ours = rows["ours xla rewy/recompute"]
+    assert ours["status"] == "skipped" and "stopped before timing" in ours["reason"]  # nothing was timed
+    assert ours["accuracy"]["status"] == "pass", ours
+    assert {"o", "dq", "dk", "dv", "dg", "dbeta"} <= set(ours["accuracy"]["ratios"])
+
+
 def test_smoke_run_times_and_checks(smoke):
     out, res = smoke
     rows = {r["impl"]: r for r in res["rows"]}
