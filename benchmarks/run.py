@@ -266,11 +266,9 @@ def main(argv=None):
         signal.signal(signal.SIGTERM, on_term)
         if untimed is not None:  # stopped while timing a group whose accuracy is known: keep it
             shape, op = untimed
-            B, T, H, D = shape
-            floor = roofline.floor_ms(op, shape, meta["ceilings"])
-            rows = [{"run_id": run_id, "shape": shape.key(), "B": B, "T": T, "H": H, "D": D, "op": op,
-                     "impl": i.name, "family": i.family, "floor": floor, "status": "skipped",
-                     "reason": unavailable.get(i.name, "the run stopped before timing it")} for i in impl_list]
+            base = group_base(run_id, shape, op, roofline.floor_ms(op, shape, meta["ceilings"]))
+            rows = [dict(base, impl=i.name, family=i.family, status="skipped",
+                         reason=unavailable.get(i.name, "the run stopped before timing it")) for i in impl_list]
             check_accuracy(op, S.accuracy_shape(shape, smoke=mode == "smoke"), impl_list, unavailable, rows,
                            refs, acc_cache, elapsed, a)  # (from the cache: nothing is run again)
             result["rows"].extend(rows)
@@ -307,6 +305,12 @@ def fla_allowed(a, shape, mode) -> bool:
     return shape in [S.parse_shape(x) for x in a.fla_shapes.split(",") if x]
 
 
+def group_base(run_id, shape, op, floor) -> dict:
+    """The fields every row of one (shape, op) group shares."""
+    B, T, H, D = shape
+    return {"run_id": run_id, "shape": shape.key(), "B": B, "T": T, "H": H, "D": D, "op": op, "floor": floor}
+
+
 def run_group(a, shape, op, impl_list, unavailable, meta, rounds, run_id, elapsed, device_inputs, I,
               roofline, mode):
     """Time every implementation on one (shape, op), interleaved; returns rows."""
@@ -314,14 +318,14 @@ def run_group(a, shape, op, impl_list, unavailable, meta, rounds, run_id, elapse
     import jax.numpy as jnp
 
     B, T, H, D = shape
-    base = {"run_id": run_id, "shape": shape.key(), "B": B, "T": T, "H": H, "D": D, "op": op}
     floor = roofline.floor_ms(op, shape, meta["ceilings"])
+    base = group_base(run_id, shape, op, floor)
     rows, runners = [], []
     deadline_hit = a.deadline_s is not None and elapsed() > a.deadline_s
     log(f"== {op} {shape.label()} (t={elapsed():.0f}s)")
     sets = do_sets = None
     for impl in impl_list:
-        row = dict(base, impl=impl.name, family=impl.family, floor=floor)
+        row = dict(base, impl=impl.name, family=impl.family)
         rows.append(row)
         if impl.name in unavailable:
             row.update(status="skipped", reason=unavailable[impl.name])
