@@ -198,7 +198,9 @@ def mosaic_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
 
         K, V = call.q.shape[-1], call.v.shape[-1]
         w = None if call.w is call.b else call.w.astype(jnp.float32)
-        xs = [call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), call.g,
+        # g as given: the kernels clamp it to call.g_floor (gates.cum_gates) and mask its
+        # gradient there (gates.gate_grad); XLA's clamp and mask took 0.105 ms of KDA's 1.51
+        xs = [call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), call.g_in,
               call.b.astype(jnp.float32), w]
         vcfg = vector_api.default_config(K, V, call.g_bound, backward)
         run = lambda xs, h0, meta: vector_api.vector_delta_rule(  # noqa: E731
@@ -226,15 +228,12 @@ def _mosaic_gpu_supports(call, chunk_size, interpret, backward):
 
 
 def _mosaic_gpu_auto_supports(call, chunk_size, interpret, backward):
-    """What backend=None takes the Mosaic GPU kernels for: DeltaNet and GDN at K = V ≤ 128 (either
-    backward: the seven-product body runs in the same kernels and passed the benchmark's accuracy
-    check on the H100). Their KDA/GDN2 kernels have not yet been timed against pallas_gpu in one
-    run, nor had the benchmark's accuracy check on a GPU (h100-23 timed them alone), and the
-    K = V = 256 tilings have had one GPU run (DeltaNet timed, accuracy checked only in the GPU
-    interpreter; docs/mosaic-gpu.md), so those run only when asked for by name."""
-    if _mosaic_gpu_vector_kind(call) is not None:
-        return ("its KDA/GDN2 kernels are chosen only by name (backend='mosaic_gpu'): not yet "
-                "checked for accuracy on a GPU nor timed against pallas_gpu in one run")
+    """What backend=None takes the Mosaic GPU kernels for: all four ops at K = V ≤ 128, with either
+    backward (the seven-product body runs in the same kernels). DeltaNet/GDN and KDA/GDN2 passed
+    the benchmark's accuracy check on the H100 (KDA/GDN2: benchmarks/results/h100-26.md) and
+    time below the Triton-lowered kernels (KDA 2.13 against 3.63 ms, GDN2 2.48 against 3.86 at
+    the anchor in one run, h100-24, with slower Mosaic kernels than now). The K = V = 256 tilings
+    run only when asked for by name: their accuracy is checked in the GPU interpreter only."""
     if call.q.shape[-1] > 128:
         return ("its K = V = 256 kernels are chosen only by name (backend='mosaic_gpu'): their "
                 "accuracy is not yet checked on a GPU")

@@ -520,20 +520,23 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
     def picked(op, D, dtype=BF16, backward="rewy", name=None):
         inp = testing.make_inputs(op, 1, 64, 1, D, D, dtype=dtype)
         g = inp.get("g")
+        b, w, gk = ((inp["b"], inp["w"], "vector") if op == "gdn2" else (inp["beta"], inp["beta"], "scalar"))
         call = rewy_jax.ops._prepare(
-            inp["q"], inp["k"], inp["v"], g, inp["beta"], inp["beta"],
-            g_kind=None if g is None else ("vector" if g.ndim == 4 else "scalar"), b_kind="scalar",
-            w_kind="scalar", scale=None, initial_state=None, use_qk_l2norm=False, cu_seqlens=None,
-            gate_names=("g", "beta", None))
+            inp["q"], inp["k"], inp["v"], g, b, w,
+            g_kind=None if g is None else ("vector" if g.ndim == 4 else "scalar"), b_kind=gk,
+            w_kind=gk, scale=None, initial_state=None, use_qk_l2norm=False, cu_seqlens=None,
+            gate_names=("g", "b" if op == "gdn2" else "beta", "w" if op == "gdn2" else None))
         impl = backends.select(name, call, chunk_size=64, interpret=False, backward=backward)
         return getattr(impl, "__wrapped__", impl)
 
     assert picked("deltanet", 128) is backends.mosaic_gpu_impl
     assert picked("gdn", 64) is backends.mosaic_gpu_impl
-    # KDA/GDN2 run on these kernels only by name (not yet checked against pallas_gpu on a GPU), and so does
-    # K = V = 256 (served, accuracy not yet checked on a GPU)
-    assert picked("kda", 64) is not backends.mosaic_gpu_impl
+    assert picked("kda", 128) is backends.mosaic_gpu_impl
+    assert picked("gdn2", 64) is backends.mosaic_gpu_impl
+    # K = V = 256 only by name (served, accuracy not yet checked on a GPU)
     assert picked("gdn", 256) is not backends.mosaic_gpu_impl
+    assert picked("kda", 256) is not backends.mosaic_gpu_impl
+    assert picked("kda", 256, name="mosaic_gpu") is backends.mosaic_gpu_impl
     # the seven-product backward (the ablation baseline) by name and by default
     assert picked("gdn", 128, backward="wy", name="mosaic_gpu") is backends.mosaic_gpu_impl
     assert picked("deltanet", 64, backward="wy", name="mosaic_gpu") is backends.mosaic_gpu_impl

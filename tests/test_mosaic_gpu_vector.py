@@ -292,6 +292,9 @@ def _check_backward(op, D, T, H, gates, seed, policy, n_seq=None, dtype=BF16, ba
     key = lambda n: "dinitial_state" if n == "h0" else f"d{n}"  # noqa: E731
     got = dict(o=o, final_state=fin, **{key(n): gr for n, gr in zip(names, grads)})
     ref = dict(o=ro, final_state=rfin, **{key(n): gr for n, gr in zip(names, rgrads)})
+    # the clamp's VJP (in gates.gate_grad): exactly no gradient to the gates below the floor
+    below = np.asarray(x["g"]) < (ca.RESET_GATE if bound is None else bound)
+    assert np.all(np.asarray(got["dg"])[below] == 0), "dg of gates below the floor"
     ratios = {}
     for name, val in got.items():
         val = np.asarray(jnp.asarray(val, jnp.float32), np.float64)
@@ -521,8 +524,9 @@ def test_vector_supports_says_why_not():
 
 def test_vector_dispatch_on_hopper(monkeypatch):
     """On an sm_90 GPU, backend="mosaic_gpu" serves bf16 and fp16 KDA and GDN2 at K = V in {64, 128,
-    256} and says why it refuses fp32 and K = 32 calls (packed ones it serves); backend=None does not take these
-    kernels for vector gates (not yet checked against pallas_gpu on a GPU) (the GPU is faked, nothing runs)."""
+    256} and says why it refuses fp32 and K = 32 calls (packed ones it serves); backend=None takes them at
+    K = V <= 128 (K = 256 only by name: accuracy checked in the interpreter only) (the GPU is faked, nothing
+    runs)."""
     import rewy_jax
     from pallas_kernels.mosaic_gpu import api
     from rewy_jax import backends
@@ -552,7 +556,7 @@ def test_vector_dispatch_on_hopper(monkeypatch):
         for D in (64, 128, 256):
             assert picked(op, D, name="mosaic_gpu") is backends.mosaic_gpu_impl, (op, D)
             assert picked(op, D, dtype=F16, name="mosaic_gpu") is backends.mosaic_gpu_impl, (op, D)
-            assert picked(op, D) is not backends.mosaic_gpu_impl, (op, D)
+            assert (picked(op, D) is backends.mosaic_gpu_impl) == (D <= 128), (op, D)
             cu = jnp.asarray([0, 30, 64], jnp.int32)
             assert picked(op, D, cu=cu, name="mosaic_gpu") is backends.mosaic_gpu_impl, (op, D)
         for kw, words in ((dict(dtype=jnp.float32), "bf16 or fp16"), (dict(D=32), "K")):

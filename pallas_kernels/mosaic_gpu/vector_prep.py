@@ -51,6 +51,18 @@ def centred_ok(gate_lower_bound) -> bool:
     return gate_lower_bound is not None and float(gate_lower_bound) >= CENTRED_MIN_GATE
 
 
+def gate_floor(gate_lower_bound) -> float:
+    """What g is clamped to (``chunk_algebra.clamp_gates``): the declared bound, else RESET_GATE."""
+    return RESET_GATE if gate_lower_bound is None else float(gate_lower_bound)
+
+
+def clamped_below(g, gate_lower_bound, Tp: int):
+    """int8 ``[B, Tp, H, K]``: 1 where g (as given, ``[B, T, H, K]``) lies below the floor the
+    forward clamped it to — the clamp's VJP, which ``gates.gate_grad`` applies (dg = 0 there).
+    The kernels read g unclamped: the clamp is in gates.cum_gates, not an XLA pass over g."""
+    return (pad_time(g, Tp) < gate_floor(gate_lower_bound)).astype(jnp.int8)
+
+
 def log2_chunk_cumsum_vec(g, Tp: int, floor: float, *, interpret: bool = False, warps: int = 4):
     """``[B, T, H, K]`` natural-log gates -> ``[B, H, Tp, K]`` fp32 chunk-local inclusive
     cumulative sums in log2 units of the gates clamped to ``floor`` (head-major: a chunk's
@@ -80,8 +92,7 @@ def prepare_vector(q, k, v, g, beta=None, b=None, w=None, *, gate_lower_bound=No
     B, T, H, K = k.shape
     Tp = -(-T // C) * C
     dtype = v.dtype
-    floor = RESET_GATE if gate_lower_bound is None else float(gate_lower_bound)
-    g2 = log2_chunk_cumsum_vec(g, Tp, floor, interpret=interpret)
+    g2 = log2_chunk_cumsum_vec(g, Tp, gate_floor(gate_lower_bound), interpret=interpret)
     q, k = (pad_time(x.astype(dtype), Tp) for x in (q, k))
     flags = None if centred_ok(gate_lower_bound) else centred_chunks(g2)
     if beta is not None:
