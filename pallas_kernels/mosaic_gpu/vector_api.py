@@ -4,7 +4,7 @@ Pipeline (each stage's module docstring gives its shapes):
 
     vector_prep.py            pad T, GDN2's z = w ⊙ v (XLA); clamp g and its log2 per-channel
                               chunk sums (gpu/gates.cum_gates, a Pallas Triton kernel; g arrives
-                              unclamped, so no XLA pass clamps it or masks its gradient)
+                              unclamped: no XLA pass clamps it)
     vector_chunk.py           per chunk: gated Grams in reference frames, A, W, U, Qγ, K_tail, P
                               (+ A as a split pair for the backward)
     vector_forward.py         fused state pass + output; saves chunk start states and R
@@ -14,9 +14,9 @@ Pipeline (each stage's module docstring gives its shapes):
     vector_chunk_backward.py  per (chunk, 64 key channels): Λ = Aᵀ dR, dq, the raw-frame dk, de,
                               and the per-row parts of dg (KDA: dv, dk and dβ's parts instead of
                               Λ, dk_raw and de; GDN2: dk and db instead of dk_raw and de)
-    gpu/gates.gate_grad       dg's sums along each chunk, 0 where the clamp raised g (a Pallas
-                              Triton kernel)
-    XLA (here)                GDN2's write-side leaf maps (dv, dw)
+    gpu/gates.gate_grad       dg's sums along each chunk (a Pallas Triton kernel)
+    XLA (here)                GDN2's write-side leaf maps (dv, dw); dg's ⟨dS, S0⟩ per channel
+                              and the clamp's VJP (one pass)
 
 :func:`supports` says which calls it serves (``None``) or why not; :func:`vector_delta_rule` is
 the differentiable op. Packed sequences (cu_seqlens) take the scalar path's layout: api.pack
@@ -39,7 +39,7 @@ from pallas_kernels.mosaic_gpu.prep import pad_time
 from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk, vector_wu
 from pallas_kernels.mosaic_gpu.vector_chunk_backward import vector_chunk_backward
 from pallas_kernels.mosaic_gpu.vector_forward import HEAD_DIMS, vector_state_output
-from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, clamped_below, prepare_vector
+from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, gate_floor, prepare_vector
 from pallas_kernels.mosaic_gpu.vector_state_backward import vector_state_backward
 from pallas_kernels.mosaic_gpu.vector_wy import vector_wy_products
 
@@ -89,7 +89,7 @@ def vector_delta_rule(q, k, v, g, b, w, h0, meta, scale: float, policy: str, gat
     the Mosaic GPU kernels, differentiable with the ReWY backward.
 
     q, k: [B, T, H, K], v: [B, T, H, V] bf16; g: [B, T, H, K] fp32 (≤ 0, as given: clamped to the
-    floor or ``gate_lower_bound`` in gates.cum_gates, the clamp's VJP in gates.gate_grad); b, w
+    floor or ``gate_lower_bound`` in gates.cum_gates, the clamp's VJP in the backward); b, w
     fp32; h0: [B, H, K, V] fp32. ``scale`` multiplies q.
     ``policy``: "save" keeps every chunk kernel output, the chunk start states and R for the
     backward; "recompute" keeps only the chunk matrices A (a pair) and P ``[B, H, Tp, C]``, as the
@@ -163,13 +163,17 @@ def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
         wy=wy, interpret=ip)
     pairs, yk = outs[4:]
 
-    # dg: dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} yk_s per key channel and chunk (the gradient kernel
-    # put the start state's term 2^{G_C} ⊙ Σ_v dS ⊙ S0 into each chunk's last row of pairs: it
-    # crosses every token of the chunk). The two sums along each chunk are the Pallas GPU
-    # backend's gate_grad kernel (each output sums only its own terms), which also applies the
-    # clamp's VJP: no gradient to the gates below the floor.
-    dg = gate_grad(pairs, yk, C, interpret=interpret, warps=cfg.gate_grad_warps,
-                   below=clamped_below(g, bound, Tp))[:, :T]
+    # dg: dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} yk_s + 2^{G_C} ⊙ Σ_v dS ⊙ S0, per key channel and
+    # chunk (the start state's decay crosses every token of the chunk). The two sums along each
+    # chunk are the Pallas GPU backend's gate_grad kernel (each output sums only its own terms).
+    # g arrived unclamped (the clamp is in gates.cum_gates), so the clamp's VJP is here, in the
+    # same XLA pass as the state term: no gradient to the gates below the floor.
+    B, H, N, K = kp.shape[0], kp.shape[2], Tp // C, kp.shape[3]
+    sds = jnp.einsum("bhnvk,bhnvk->bnhk", states.astype(F32), dstates.astype(F32))
+    gam_c = jnp.exp2(jnp.swapaxes(g2.reshape(B, H, N, C, K)[:, :, :, -1], 1, 2))  # [B, N, H, K]
+    dg = gate_grad(pairs, yk, C, interpret=interpret, warps=cfg.gate_grad_warps).reshape(B, N, C, H, K)
+    dg = (dg + (gam_c * sds)[:, :, None]).reshape(B, Tp, H, K)[:, :T]
+    dg = jnp.where(g < gate_floor(bound), 0.0, dg)
 
     # Leaf maps. KDA (β erases and writes): applied in the gradient kernel, which returns dv,
     # dk and dβ's parts per key piece. GDN2: the erase side e = b ⊙ k there too (dk += b ⊙ de,

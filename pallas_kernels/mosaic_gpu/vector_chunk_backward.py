@@ -33,12 +33,8 @@ Gram terms (Λ Rᵀ, dO Rᵀ, Λ S0ᵀ, dO S0ᵀ, R dSᵀ) a second; then one pe
 piece (counted from the traced program): exact 38 WGMMAs in 8 round trips at D = 128, 31 in 8
 at D = 64; centred 26 in 5, 19 in 5.
 
-The gate gradient is left as per-row parts for gates.gate_grad (the sums along the chunk do not
-fit the per-row register layout): dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} (y ⊙ k)_s + 2^{G_C} ⊙
-Σ_v (dS ⊙ S0). The last term is the same for every row of the chunk, so it rides in the chunk's
-last row of ``pairs``, which every suffix sum includes; Σ_v dS ⊙ S0 per key channel is the
-diagonal of (S0ᵀ)ᵀ dSᵀ, one more WGMMA per value piece in Λ's group (exact bf16 products, fp32
-sums), instead of an XLA pass over both states (0.052 ms at the anchor).
+The gate gradient is left as per-row parts for XLA (the sums along the chunk do not fit the
+per-row register layout): dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} (y ⊙ k)_s + 2^{G_C} ⊙ Σ_v (dS ⊙ S0).
 (Summing along the chunk in here — two 0/1 triangular tiles times a three-way bf16 split of
 ``pairs`` and ``y ⊙ k``, six WGMMAs — made this kernel 0.27 ms slower on an H100
 (docs/performance-log.md); the two fp32 parts it saves are 134 MB written and read again at
@@ -92,21 +88,21 @@ from pallas_kernels.mosaic_gpu.vector_chunk import CROSS_LEVELS, MID, SUB, SUB_L
 def _streamed_value_products(tiles, a_s, bars, j, nv: int, lam_out, stage_dt_da, *, dr, r, do, s0, ds):
     """The value-side products of one CTA at V = 256, one 64-column value piece at a time: sums
     over the pieces i of Λ_i Rᵢᵀ, dO_i Rᵢᵀ (pass 1, which also forms Λ_i = Aᵀ dR_i into SMEM),
-    then Λ_i S0ᵀ_i and dO_i S0ᵀ_i (pass 2), then R_i dSᵀ_i and (S0ᵀ_i)ᵀ dSᵀ_i (pass 3: its
-    diagonal is dg's state term). The 3·nv steps' tiles go through two slot sets: step s + 1's TMA loads are issued before step s's products, so they
+    then Λ_i S0ᵀ_i and dO_i S0ᵀ_i (pass 2), then R_i dSᵀ_i (pass 3). The 3·nv steps' tiles go
+    through two slot sets: step s + 1's TMA loads are issued before step s's products, so they
     overlap. Each pass holds at most its own sums and one piece's fresh products (≤ 128 fp32
     registers a thread), and dT, dA are staged after pass 1 (A is spent then).
 
     ``tiles``: (Λ ``[nv, C, 64]``, slots ``[2, 3, C, 64]``) in the input dtype; ``bars``: two
-    barrier pairs, of 3 arrivals (passes 1 and 3) and 2 (pass 2), one barrier per slot set;
+    barrier pairs, of 3 arrivals (pass 1) and 2 (passes 2 and 3), one barrier per slot set;
     ``dr(vc)`` etc.: the GMEM views of value columns ``vc``. Pieces go in the order j, j + 1, …
     (mod nv), so pass 1's first Λ is piece j, which ``lam_out`` sends out. Returns
-    ``(Λ S0ᵀ, dO S0ᵀ, R dSᵀ, (S0ᵀ)ᵀ dSᵀ [64, 64], stage_dt_da's result, Σ Λ ⊙ v or None)``."""
+    ``(Λ S0ᵀ, dO S0ᵀ, R dSᵀ, stage_dt_da's result, Σ Λ ⊙ v or None)``."""
     lam_s, slots = tiles
     bar3, bar2 = bars
     tile = (C, PIECE)
     steps = [((dr, r, do), bar3, i) for i in range(nv)] + [((do, s0), bar2, i) for i in range(nv)] + \
-        [((r, ds, s0), bar3, i) for i in range(nv)]
+        [((r, ds), bar2, i) for i in range(nv)]
 
     def issue(s):
         """Step s's tiles into slot set s % 2 (its last reader, step s − 2, has completed)."""
@@ -145,12 +141,12 @@ def _streamed_value_products(tiles, a_s, bars, j, nv: int, lam_out, stage_dt_da,
         slot = arrive(nv + i)
         sums = add(sums, mma_group(((((lam_s.at[i], slot.at[1]),), tile), (((slot.at[0], slot.at[1]),), tile))))
     ls0, dos0 = sums
-    sums = None
-    for i in range(nv):  # pass 3: R dSᵀ and (S0ᵀ)ᵀ dSᵀ
+    rds = None
+    for i in range(nv):  # pass 3: R dSᵀ
         slot = arrive(2 * nv + i)
-        sums = add(sums, mma_group(((((slot.at[0], slot.at[1]),), tile), (((slot.at[2].T, slot.at[1]),), (C, C)))))
-    rds, sds = sums
-    return ls0, dos0, rds, sds, dt_da, lam_v
+        (x,) = mma_group([(((slot.at[0], slot.at[1]),), tile)])
+        rds = x if rds is None else rds + x
+    return ls0, dos0, rds, dt_da, lam_v
 
 
 def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, centred_chunks=None, *,
@@ -198,10 +194,10 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         io=plgpu.RefUnion((piece(nv), smem((2, 3, C, PIECE), dtype)) if streamed else (piece(nv),) * 5, staging),
         a_s=smem((2, C, C), dtype), q_s=smem((C, PIECE), dtype), k_s=smem((C, PIECE), dtype),
         e_s=smem((C, PIECE), dtype), g_s=smem((C, PIECE), F32), g_rows=plgpu.SMEM((C, PIECE), F32),
-        o32=smem((3, C, PIECE), F32), sds_s=plgpu.SMEM((C,), F32),
+        o32=smem((3, C, PIECE), F32),
         bar=plgpu.Barrier(num_arrivals=(0 if streamed else 5 * nv) + 7 + (not centred) + 2 * leaf + erase_b),
     )
-    if streamed:  # a value piece's (dR, R, dO), then (dO, S0ᵀ), then (R, dSᵀ, S0ᵀ)
+    if streamed:  # a value piece's (dR, R, dO), then (dO, S0ᵀ), then (R, dSᵀ)
         scratch.update(bar3=plgpu.Barrier(num_arrivals=3, num_barriers=2),
                        bar2=plgpu.Barrier(num_arrivals=2, num_barriers=2))
     if not centred:
@@ -222,7 +218,7 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
 
     def vector_chunk_backward_body(
             q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
-            io, a_s, q_s, k_s, e_s, g_s, g_rows, o32, sds_s, bar, flag_s=None, beta_s=None,
+            io, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None, beta_s=None,
             v_s=None, db_s=None, b_s=None, bar3=None, bar2=None, wy_bar=None):
         tiles, spent = io
         refs = list(refs)
@@ -287,18 +283,14 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
             return da_diag, strict
 
         if streamed:
-            ls0, dos0, rds, sds, (da_diag, strict), lam_v = _streamed_value_products(
+            ls0, dos0, rds, (da_diag, strict), lam_v = _streamed_value_products(
                 tiles, a_s, (bar3, bar2), j, nv, lam_out, stage_dt_da,
                 dr=lambda vc: dr_ref.at[b, rows, h, vc], r=lambda vc: r_ref.at[b, rows, h, vc],
                 do=lambda vc: do_ref.at[b, rows, h, vc], s0=lambda vc: st_ref.at[b, h, n, vc, cols],
                 ds=lambda vc: dst_ref.at[b, h, n, vc, cols])
         else:
             # Λ = Aᵀ dR, all value pieces (Λ Rᵀ and Λ S0ᵀ contract over V); piece j goes to HBM.
-            # With it (S0ᵀ)ᵀ dSᵀ over the value pieces, whose diagonal is Σ_v dS ⊙ S0 (this group
-            # holds 64 fp32 registers a thread at V = 128, the next one 160).
-            *lam, sds = mma_group(
-                [(((a_s.at[0].T, dr_s.at[i]), (a_s.at[1].T, dr_s.at[i])), tile) for i in range(nv)]
-                + [(tuple((s0_s.at[i].T, ds_s.at[i]) for i in range(nv)), (C, C))])
+            lam = mma_group([(((a_s.at[0].T, dr_s.at[i]), (a_s.at[1].T, dr_s.at[i])), tile) for i in range(nv)])
             if nv == 1:
                 lam_j = lam[0]
             elif nv == 2:  # select piece j by arithmetic (exact for a 0/1 weight): no scalar-predicate select
@@ -330,8 +322,6 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
                 plgpu.barrier_wait(wy_bar)
                 da_diag, strict = stage_dt_da(None, dor)
                 ls0 = load(o32.at[2]) * -1.0  # ReWY's Λ S0ᵀ is −dĒ (o32[2] is rewritten with y below)
-        # Σ_v dS ⊙ S0 per key channel: the diagonal, by rows into SMEM, read by columns at the end
-        sds_s[...] = jnp.sum(jnp.where(rr == cc, sds, 0.0), axis=1)
         g_last = cols_of(plgpu.load(g_rows.at[C - 1], layout=COLS), tile)
         gam = jnp.exp2(load(g_s))  # ≤ 1
         de = ls0 * gam * -1.0
@@ -398,11 +388,7 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         diag = rows_of(da_diag, tile)
         qs = load(q_s) * scale
         k_t = load(k_s)
-        # dg's state term 2^{G_C} ⊙ Σ_v dS ⊙ S0 in the last row: gate_grad's suffix sums take it to every row
-        state_term = cols_of(plgpu.load(sds_s, layout=COLS), tile) * jnp.exp2(
-            cols_of(plgpu.load(g_rows.at[C - 1], layout=COLS), tile))
-        last = jnp.where(up_rows == C - 1, state_term, 0.0)
-        put(o32.at[1], dq * qs - dk * k_t + de * load(e_s) + last)  # pairs
+        put(o32.at[1], dq * qs - dk * k_t + de * load(e_s))  # pairs
         dk_raw = dk + load(o32.at[2]) + diag * qs  # pairs' dk + y + dA_diag q̃
         if leaf:  # dk = dk_raw + β ⊙ de over k's tile; dβ's part Σ de ⊙ k + Σ Λ ⊙ v
             db_s[...] = jnp.sum(de * k_t, axis=1) + lam_v

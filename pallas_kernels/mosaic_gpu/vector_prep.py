@@ -56,13 +56,6 @@ def gate_floor(gate_lower_bound) -> float:
     return RESET_GATE if gate_lower_bound is None else float(gate_lower_bound)
 
 
-def clamped_below(g, gate_lower_bound, Tp: int):
-    """int8 ``[B, Tp, H, K]``: 1 where g (as given, ``[B, T, H, K]``) lies below the floor the
-    forward clamped it to — the clamp's VJP, which ``gates.gate_grad`` applies (dg = 0 there).
-    The kernels read g unclamped: the clamp is in gates.cum_gates, not an XLA pass over g."""
-    return (pad_time(g, Tp) < gate_floor(gate_lower_bound)).astype(jnp.int8)
-
-
 def log2_chunk_cumsum_vec(g, Tp: int, floor: float, *, interpret: bool = False, warps: int = 4):
     """``[B, T, H, K]`` natural-log gates -> ``[B, H, Tp, K]`` fp32 chunk-local inclusive
     cumulative sums in log2 units of the gates clamped to ``floor`` (head-major: a chunk's
