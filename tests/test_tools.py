@@ -114,6 +114,27 @@ def test_trace_sums_stream_kernels(tmp_path):
         trace_op.parse_plan("x", "deltanet: kda:c")
 
 
+def test_fusion_sources_names_each_fusion():
+    """trace_op.fusion_sources: each XLA fusion of a compiled module gets its result shape, its
+    opcodes and the Python line it came from (this file's), multi-output fusions included."""
+    import inspect
+
+    import jax
+    import jax.numpy as jnp
+
+    from tools import trace_op
+
+    line = inspect.currentframe().f_lineno + 1
+    f = jax.jit(lambda a, b: ((a * b).astype(jnp.bfloat16), jnp.sum(a * 2.0, axis=0)))
+    x = jnp.ones((64, 32), jnp.float32)
+    text = f.lower(x, x).compile().as_text()
+    found = trace_op.fusion_sources(text)
+    converts = [v for v in found.values() if "convert" in v]
+    assert converts and all(f"test_tools.py:{line}" in v for v in converts), found
+    assert any(v.startswith("bf16[64,32] = multiply, convert") or "bf16[64,32]" in v for v in converts), found
+    assert trace_op.fusion_sources("no module") == {}
+
+
 @pytest.mark.skipif(_ON_GPU, reason="CPU check of the lowering tool")
 def test_resource_report_plan_records_each_kernels_launch(tmp_path):
     """resource_report.plan: every (op, variant) of a device plan lowered for CUDA on CPU, each

@@ -35,6 +35,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -72,6 +73,44 @@ def device_times(trace_path: str, iters: int) -> tuple[dict, str]:
     where = sorted({threads.get(k, "") for k in streams}) if streams else sorted(
         procs[p] for p in device)
     return dict(totals), ", ".join(where)
+
+
+def fusion_sources(hlo_text: str) -> dict:
+    """{fusion instruction name: "shape = op, op | file:line, ..."} from a compiled module's HLO
+    text (``compiled.as_text()``): the result shape, the fused computation's opcodes and the
+    Python lines its instructions came from (innermost frames, through the module's StackFrames
+    table), so that a trace's XLA fusions (``loop_select_fusion`` …) get named by their source."""
+    files = dict(re.findall(r'^(\d+) "([^"]*)"$', hlo_text.split("FunctionNames")[0], re.M))
+    locs = {m[0]: (files.get(m[1], "?"), m[2]) for m in re.findall(
+        r"^(\d+) \{file_name_id=(\d+) function_name_id=\d+ line=(\d+)", hlo_text, re.M)}
+    frames = dict(re.findall(r"^(\d+) \{file_location_id=(\d+)", hlo_text, re.M))
+
+    def where(line):
+        m = re.search(r"stack_frame_id=(\d+)", line)
+        if not m or m[1] not in frames:
+            return None
+        path, lineno = locs.get(frames[m[1]], ("?", "?"))
+        return f"{os.path.basename(path)}:{lineno}"
+
+    bodies, current = {}, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^%(\S+) \(.*\{$", line)
+        if head:
+            current = bodies.setdefault(head[1], [])
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            current.append(line)
+    out = {}
+    for m in re.finditer(r"^\s*%(\S+) = (.+?) fusion\(.*calls=%([^,\s]+)", hlo_text, re.M):
+        name, shape, comp = m[1], m[2], m[3]
+        body = bodies.get(comp, [])
+        ops = [o for o in dict.fromkeys(re.findall(r"= \S+ ([a-z][\w-]*)\(", "\n".join(body)))
+               if o not in ("parameter", "constant", "broadcast", "bitcast", "reshape")]
+        srcs = [w for w in dict.fromkeys(where(x) for x in body) if w]
+        shape = re.sub(r"\{[^}]*\}", "", shape)  # without the layout
+        out[name] = f"{shape} = {', '.join(ops[:6])} | {', '.join(srcs[:4])}"
+    return out
 
 
 def lower_op(op, shape, gate_lower_bound=None, interpret=False, inp=None, kernel_config=None,
@@ -119,8 +158,12 @@ def trace_compiled(f, inp, tag, shape, iters=5, out_dir=".", keep_trace=False, w
     glue = {k: v for k, v in times.items() if not is_ours(k) and k != "WALL"}
     lines = [f"{tag} {shape} bf16 fwd+bwd, ms per call over {iters} calls (tracks: {tracks})",
              f"  our kernels {ours:.3f}  |  everything else {sum(glue.values()):.3f}"]
+    try:  # what each XLA fusion computes and where in our code it comes from
+        sources = fusion_sources(f.as_text())
+    except Exception:  # noqa: BLE001 - the table stands without it
+        sources = {}
     for name, ms in sorted(times.items(), key=lambda kv: -kv[1])[:30]:
-        lines.append(f"  {ms:8.3f}  {name[:100]}")
+        lines.append(f"  {ms:8.3f}  {name[:100]}" + (f"  [{sources[name][:160]}]" if name in sources else ""))
     text = "\n".join(lines)
     with open(os.path.join(out_dir, f"trace-{tag}.txt"), "w") as fh:
         fh.write(text + "\n")
