@@ -8,7 +8,7 @@ matters, some down to −10, a few −50 and −inf: the exact frames), declared
 [−5, 0], a tenth exactly −5: the centred diagonal blocks), or mixed (undeclared, in [−1, 0]
 but for a few −inf in the second chunk: that chunk takes the exact frames, the others the
 centred ones, each chosen at run time), or mild (undeclared, all in [−1, 0]: every chunk
-qualifies, so the call takes the kernel built for a declared bound). o and the final state must meet
+qualifies and takes the centred branch). o and the final state must meet
 rewy-math §8's bf16 bound (ratio ≤ 5e-3); the backward cases (through ``chunk_kda`` /
 ``chunk_gdn2``, both policies, a final-state cotangent) check every gradient against §8's bounds.
 """

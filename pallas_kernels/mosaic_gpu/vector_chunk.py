@@ -30,9 +30,8 @@ select keeps the pairs it is exact for:
   cross-block products are discarded). Every chunk takes it when the gates are declared ≥ −5
   (``centred=True``); otherwise each chunk whose sub-chunks decay by at most 40 does, chosen at
   run time from ``centred_chunks`` (vector_prep.py: the same e^40 bound), and the others take
-  the exact bit levels 8…1 — one branch per CTA around the whole body, so a chunk costs one
-  set of products (:func:`vector_chunk` runs the static centred kernel when every chunk
-  qualifies).
+  the exact bit levels 8…1 — one branch per CTA around those products (T and P live across
+  it), so a chunk costs one set of products.
 * the diagonal of P (r = s, factor 1): one plain ``Q Kᵀ`` product of the unscaled inputs.
 
 So the two Grams cost 6 (exact) or 3 (centred) levels × K/64 pieces × two WGMMAs (T and P
@@ -165,23 +164,17 @@ def gated_tail(a, pair, *, q, k, x, ebar, g, g_last, erase, scale: float, qg_out
 def vector_chunk(q, k, x, g2, erase, centred_chunks=None, *, scale: float, centred: bool,
                  out_inverse: bool = False, interpret=None):
     """``(w, u, qg, kt, p)``, and with ``out_inverse`` also ``(a_hi, a_lo)``: :func:`_vector_chunk`,
-    whose docstring gives the arrays. With ``centred_chunks`` (no declared bound), a call whose
-    chunks all qualify for the centred frames runs the kernel built for a declared bound: the
-    kernel that picks frames per chunk holds both frames' code, and ptxas then serialises its
-    WGMMAs for want of registers even where every chunk takes the centred side (H100, KDA at
-    (2, 4096, 16, 128): 0.72 against 0.56 ms). The choice is one predicate on the device."""
+    whose docstring gives the arrays. With ``centred_chunks`` (no declared bound) each chunk
+    picks its frames at run time, in the kernel: the branch covers the sub-chunk products only,
+    so the rest of the kernel (inverse, W, U) is one copy. (Until 2026-12-07 the branch covered
+    the whole body, which made ptxas serialise the WGMMAs — 0.72 against 0.56 ms, H100, KDA at
+    (2, 4096, 16, 128) — and an XLA conditional ran the declared-bound kernel when every chunk
+    qualified; its predicate went to the host, which a forward-only loop paid.)"""
     K = k.shape[-1]
     blocked = vector_chunk_key_block(K) < K
     # the kernel holding more key columns than one block forms only P and A (see _vector_chunk)
     kw = dict(scale=scale, out_inverse=out_inverse or blocked, interpret=interpret)
-    if centred_chunks is None:
-        out = _vector_chunk(q, k, x, g2, erase, None, centred=centred, **kw)
-    elif centred:
-        raise ValueError("vector_chunk takes centred_chunks exactly when centred is False")
-    else:
-        out = lax.cond(jnp.all(centred_chunks[..., 0] == 1),
-                       lambda: _vector_chunk(q, k, x, g2, erase, None, centred=True, **kw),
-                       lambda: _vector_chunk(q, k, x, g2, erase, centred_chunks, centred=False, **kw))
+    out = _vector_chunk(q, k, x, g2, erase, centred_chunks, centred=centred, **kw)
     if not blocked:
         return out
     p, a_hi, a_lo = out
@@ -283,9 +276,8 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
         if not centred:
             plgpu.copy_gmem_to_smem(flag_ref.at[b, h, n], flag_s, bar)
         plgpu.barrier_wait(bar)
-        def chunk(centred_frames: bool):
-            """Everything after the loads, in the chunk's frames (no value lives across the
-            run-time branch below, so each branch is the whole straight-line kernel)."""
+        def chunk():
+            """Everything after the loads (the chunk's frames: :func:`grams` below)."""
 
             r, c = iota((C, C), 0), iota((C, C), 1)
             load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)  # noqa: E731
@@ -340,33 +332,45 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
             # instead raised o's error from 3.1e-3 to 4.0e-3 in tests/test_mosaic_gpu_vector.py's
             # bounded KDA case).
             qk_spec = [(tuple((q_s.at[j], k_s.at[j].T) for j in range(nk)), (C, C))]
-            def run(levels, t, p):
+            def run(levels, t, p, diag: bool):
                 """The levels' products over the key block in SMEM, ``per_trip`` levels a round trip,
-                summed into T and P (None: the first key block, which starts them)."""
+                summed into T and P (None: the first key block's first levels, which start them);
+                ``diag``: P's diagonal over this key block rides with the first trip."""
                 for first in range(0, len(levels), per_trip):
                     batch = levels[first:first + per_trip]
                     specs = []
                     for i, (_, size, offset, masked) in enumerate(batch):
                         specs += level_operands(size, offset, masked, (st, 3 * nk * i))
                     plgpu.commit_smem()
-                    prods = mma_group(specs + (qk_spec if first == 0 else []))
+                    with_diag = diag and first == 0
+                    prods = mma_group(specs + (qk_spec if with_diag else []))
                     if t is None:  # every entry of T and P comes from exactly one level (or the diagonal)
                         t = jnp.zeros((C, C), F32)
                         p = jnp.where(r == c, prods[-1], 0.0)
-                    elif first == 0:
+                    elif with_diag:
                         p = p + jnp.where(r == c, prods[-1], 0.0)
                     for i, (keep, *_) in enumerate(batch):
                         t = t + jnp.where(keep, prods[2 * i], 0.0)
                         p = p + jnp.where(keep, prods[2 * i + 1], 0.0)
                 return t, p
 
-            levels = bit_levels(CROSS_LEVELS) + (centred_tail if centred_frames else bit_levels(SUB_LEVELS))
-            t, p = run(levels, None, None)
+            def grams(t, p):
+                """T and P summed over the key block in SMEM: the cross-sub-chunk levels (every
+                chunk's), then the sub-chunk pairs in this chunk's frames — with ``centred_chunks``
+                a run-time branch around those products only (T and P live across it)."""
+                t, p = run(bit_levels(CROSS_LEVELS), t, p, True)
+                tail = lambda frames_centred, tp: run(  # noqa: E731
+                    centred_tail if frames_centred else bit_levels(SUB_LEVELS), *tp, False)
+                if centred:
+                    return tail(True, (t, p))
+                return lax.cond(flag_s[0] == 1, lambda tp: tail(True, tp), lambda tp: tail(False, tp), (t, p))
+
+            t, p = grams(None, None)
             for blk in range(1, n_blocks):  # the Grams are sums over key channels: block by block
                 plgpu.commit_smem()  # every thread has read the last block before TMA refills its tiles
                 load_key_block(blk, bar_next)
                 plgpu.barrier_wait(bar_next)
-                t, p = run(levels, t, p)
+                t, p = grams(t, p)
             stage(out_s, p * scale)
             plgpu.copy_smem_to_gmem(out_s, p_ref.at[b, h, rows])
 
@@ -396,10 +400,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
                 w_out=[w_ref.at[b, h, rows, cols(j)] for j in range(nk)],
                 u_out=[u_ref.at[b, h, rows, cols(j)] for j in range(nv)])
 
-        if centred:
-            chunk(True)
-        else:  # this chunk's frames (vector_prep.centred_chunks), one branch for the whole CTA
-            lax.cond(flag_s[0] == 1, lambda: chunk(True), lambda: chunk(False))
+        chunk()
 
     return plgpu.kernel(
         vector_chunk_body, out_type=out_type, scratch_types=scratch,
