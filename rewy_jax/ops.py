@@ -72,8 +72,9 @@ class GeneralCall(NamedTuple):
     @property
     def g(self):
         """The log-decay every backend's recurrence reads: g_in clamped to g_floor
-        (``clamp_gates``). The Pallas GPU kernels read g_in and clamp in-kernel instead, so
-        that under jit XLA drops this tensor (and its VJP) as unused."""
+        (``clamp_gates``). The Pallas GPU kernels and the Mosaic GPU vector-gate kernels read
+        g_in and clamp in-kernel instead, so that under jit XLA drops this tensor (and its VJP)
+        as unused."""
         return clamp_gates(self.g_in, self.g_floor)
 
     @property

@@ -135,7 +135,7 @@ def _backward(scale, policy, bound, cfg, interpret, res, cts):
 def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
     q, k, v, g, b, w, h0, meta, saved = res
     do, dfinal = cts
-    T = k.shape[1]
+    B, T, H, K = k.shape
     ip = compat.interpret_params(interpret)
     if policy == "recompute":  # W, U, Qγ, K_tail from the kept A, then the states
         p, a_hi, a_lo = saved
@@ -149,6 +149,7 @@ def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
     qp, kp, _, g2, erase, flags = prep
     w_, _, qg, kt, p, a_hi, a_lo = chunk
     Tp = kp.shape[1]
+    N = Tp // C
     dop = pad_time(do.astype(kp.dtype), Tp)
     dfinal_t = jnp.swapaxes(dfinal.astype(F32), -1, -2)
     dr, dstates, dh0t = vector_state_backward(kt, w_, qg, p, dop, g2, dfinal_t, cfg=cfg.state_backward,
@@ -168,7 +169,6 @@ def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
     # chunk are the Pallas GPU backend's gate_grad kernel (each output sums only its own terms).
     # g arrived unclamped (the clamp is in gates.cum_gates), so the clamp's VJP is here, in the
     # same XLA pass as the state term: no gradient to the gates below the floor.
-    B, H, N, K = kp.shape[0], kp.shape[2], Tp // C, kp.shape[3]
     sds = jnp.einsum("bhnvk,bhnvk->bnhk", states.astype(F32), dstates.astype(F32))
     gam_c = jnp.exp2(jnp.swapaxes(g2.reshape(B, H, N, C, K)[:, :, :, -1], 1, 2))  # [B, N, H, K]
     dg = gate_grad(pairs, yk, C, interpret=interpret, warps=cfg.gate_grad_warps).reshape(B, N, C, H, K)
