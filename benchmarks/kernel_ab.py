@@ -6,10 +6,10 @@ For bisecting a kernel's speed when GPU time is scarce:
     python -m benchmarks.kernel_ab run [--cases t0,vector_chunk_centred,...] [--limit 60]
                                                                   # on the GPU machine, .ab carried
 
-``prepare`` extracts each commit's ``pallas_kernels/`` into ``.ab/<label>/`` (git-ignored; the
-GPU machine's copy of the tree has no git history, so carry ``.ab``). ``run`` times every tree
-in its own process (``PYTHONPATH=.ab/<label>:.``; everything but ``pallas_kernels`` comes from
-the working tree), on the same random inputs at the anchor shape, with
+``prepare`` extracts each commit's ``pallas_kernels/`` and ``rewy_jax/`` into ``.ab/<label>/``
+(git-ignored; the GPU machine's copy of the tree has no git history, so carry ``.ab``). ``run``
+times every tree in its own process (``PYTHONPATH=.ab/<label>:.``: the kernels and the op's glue
+around them from the tree, the benchmark code from the working tree), on the same random inputs at the anchor shape, with
 ``benchmarks.mosaic_kernels.time_ms`` (host-timed loops: a kernel under ~0.1 ms reads high, see
 docs/performance-log.md), each tree under its own time limit, and prints one table, case by
 tree. A case a tree cannot run (an argument it does not take yet) shows the error's type.
@@ -48,12 +48,13 @@ AB_DIR = ".ab"
 
 
 def prepare(commits: list[str]) -> None:
-    """``.ab/<label>/pallas_kernels`` for each commit (label = the commit as given)."""
+    """``.ab/<label>/{pallas_kernels,rewy_jax}`` for each commit (label = the commit as given)."""
     for c in commits:
         dst = os.path.join(AB_DIR, c.replace("/", "_"))
         shutil.rmtree(dst, ignore_errors=True)
         os.makedirs(dst)
-        archive = subprocess.run(["git", "archive", c, "pallas_kernels"], check=True, capture_output=True).stdout
+        archive = subprocess.run(["git", "archive", c, "pallas_kernels", "rewy_jax"], check=True,
+                                 capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", dst], input=archive, check=True)
         print(dst, flush=True)
 
@@ -155,7 +156,10 @@ def time_tree(cases: list[str], smoke: bool = False) -> dict:
 
     import pallas_kernels
 
-    print(json.dumps({"kernels from": os.path.dirname(os.path.dirname(pallas_kernels.__file__))}), flush=True)
+    import rewy_jax
+
+    for key, mod in (("kernels from", pallas_kernels), ("op from", rewy_jax)):
+        print(json.dumps({key: os.path.dirname(os.path.dirname(mod.__file__))}), flush=True)
     x = _inputs(Shape(1, 128, 1, 64) if smoke else ANCHOR_SHAPE)
     ip = compat.interpret_params(True) if smoke else None
     time_ms = (lambda fn, loops=0: (jax.block_until_ready(fn()), 0.0)[1]) if smoke else mosaic_kernels.time_ms
@@ -212,9 +216,10 @@ def run(cases: list[str], limit: int, smoke: bool = False, log_dir: str | None =
         for line in stdout.splitlines():
             if line.startswith("{"):
                 results[t].update(json.loads(line))
-        where = results[t].pop("kernels from", None)
-        if where is not None and os.path.abspath(where) != os.path.abspath(os.path.join(AB_DIR, t)):
-            raise RuntimeError(f"tree {t} imported the kernels from {where}")
+        for key in ("kernels from", "op from"):
+            where = results[t].pop(key, None)
+            if where is not None and os.path.abspath(where) != os.path.abspath(os.path.join(AB_DIR, t)):
+                raise RuntimeError(f"tree {t}: {key} {where}, not the tree")
         if not results[t]:  # the process failed before any case: show why
             print(t, "failed:", stderr[-600:], flush=True)
         print(t, results[t], flush=True)

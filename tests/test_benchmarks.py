@@ -365,8 +365,8 @@ def test_timed_fwd_bwd_is_the_output_and_its_vjp():
 @pytest.mark.skipif(not __import__("pallas_kernels.mosaic_gpu.compat", fromlist=["x"]).has_interpreter(),
                     reason="the Mosaic GPU interpreter needs jax >= 0.12")
 def test_kernel_ab_prepares_trees_and_times_each(tmp_path, monkeypatch):
-    """benchmarks.kernel_ab: `prepare` extracts a commit's kernels, `run --smoke` times each tree
-    in its own process from that tree's kernels (it raises if a tree imports others), a case
+    """benchmarks.kernel_ab: `prepare` extracts a commit's kernels and op, `run --smoke` times each
+    tree in its own process from that tree's code (it raises if a tree imports others), a case
     a tree lacks is reported by its error, not fatal; `trees` picks trees and `log_dir` keeps
     each tree's output."""
     import subprocess
@@ -380,6 +380,7 @@ def test_kernel_ab_prepares_trees_and_times_each(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_ab, "AB_DIR", str(tmp_path))
     kernel_ab.prepare(["HEAD"])
     assert os.path.isfile(tmp_path / "HEAD" / "pallas_kernels" / "mosaic_gpu" / "chunk_inverse.py")
+    assert os.path.isfile(tmp_path / "HEAD" / "rewy_jax" / "backends.py")  # the op's glue too
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("PYTHONPATH", repo)
     os.makedirs(tmp_path / "other")  # a tree left out by `trees`

@@ -38,6 +38,7 @@ needs_interpreter = pytest.mark.skipif(INTERPRET and not compat.has_interpreter(
 
 BF16 = jnp.bfloat16
 F16 = jnp.float16
+F32 = jnp.float32
 
 
 def _gates(rng, shape, kind):
@@ -271,21 +272,27 @@ def _op_grads(op, x, bound, **kw):
     return names, f
 
 
-def _check_backward(op, D, T, H, gates, seed, policy, n_seq=None, dtype=BF16, backward="rewy", got_out=None):
+def _check_backward(op, D, T, H, gates, seed, policy, n_seq=None, dtype=BF16, backward="rewy", got_out=None,
+                    w_dtype=jnp.float32):
     """Every output and gradient of the Mosaic GPU op (interpreter) against the float64
     reference; returns the ratios. ``n_seq``: packed sequences (cu_seqlens, h0 and the final
-    state's cotangent per sequence); ``dtype``: q, k, v and dO's."""
+    state's cotangent per sequence); ``dtype``: q, k, v and dO's; ``w_dtype``: GDN2's write gate's
+    (drawn representable in it; dw must come back in it)."""
     x = _case(op, T, H, D, seed, gates, n_seq, dtype)
+    if "w" in x:
+        x["w"] = np.asarray(jnp.asarray(x["w"], w_dtype).astype(jnp.float64))
     bound = -5.0 if gates == "bounded" else None
     rng = np.random.default_rng(seed + 100)
     cts = dict(o=rng.standard_normal((1, T, H, D)), final=rng.standard_normal((x["h0"].shape[0], H, D, D)))
     cu = x.get("cu")
     names, f = _op_grads(op, x, bound, backend="mosaic_gpu", interpret=INTERPRET, policy=policy,
                          backward=backward, cu_seqlens=None if cu is None else jnp.asarray(cu))
-    cast = {"q": dtype, "k": dtype, "v": dtype}
+    cast = {"q": dtype, "k": dtype, "v": dtype, "w": w_dtype}
     args = [jnp.asarray(x[n], cast.get(n, jnp.float32)) for n in names]
     (o, fin), vjp = jax.vjp(f, *args)
     grads = vjp((jnp.asarray(cts["o"], dtype), jnp.asarray(cts["final"], jnp.float32)))
+    for n, arg, gr in zip(names, args, grads):
+        assert gr.dtype == arg.dtype, (n, gr.dtype, arg.dtype)
     _, fref = _op_grads(op, x, bound, backend="reference", cu_seqlens=cu)
     (ro, rfin), rvjp = jax.vjp(fref, *[jnp.asarray(x[n], jnp.float64) for n in names])
     rgrads = rvjp((jnp.asarray(cts["o"]), jnp.asarray(cts["final"], rfin.dtype)))
@@ -306,34 +313,34 @@ def _check_backward(op, D, T, H, gates, seed, policy, n_seq=None, dtype=BF16, ba
 
 
 @needs_interpreter
-@pytest.mark.parametrize("op,D,T,H,gates,seed,policy,dtype", [
-    ("kda", 64, 100, 2, "strong", 10, "save", BF16),
-    ("gdn2", 64, 130, 1, "strong", 11, "recompute", BF16),
-    ("kda", 64, 70, 1, "bounded", 12, "recompute", BF16),
-    ("gdn2", 64, 90, 1, "bounded", 13, "save", BF16),
-    ("kda", 128, 70, 1, "strong", 14, "recompute", BF16),
-    ("gdn2", 128, 100, 1, "bounded", 15, "save", BF16),
-    ("kda", 64, 150, 1, "mixed", 16, "recompute", BF16),
-    ("gdn2", 64, 190, 1, "mixed", 17, "save", BF16),
-    ("kda", 64, 100, 1, "bounded", 18, "save", F16),
-    ("gdn2", 64, 80, 1, "strong", 19, "recompute", F16),
+@pytest.mark.parametrize("op,D,T,H,gates,seed,policy,dtype,w_dtype", [
+    ("kda", 64, 100, 2, "strong", 10, "save", BF16, None),
+    ("gdn2", 64, 130, 1, "strong", 11, "recompute", BF16, F32),
+    ("kda", 64, 70, 1, "bounded", 12, "recompute", BF16, None),
+    ("gdn2", 64, 90, 1, "bounded", 13, "save", BF16, F32),
+    ("kda", 128, 70, 1, "strong", 14, "recompute", BF16, None),
+    ("gdn2", 128, 100, 1, "bounded", 15, "save", BF16, BF16),  # w (and dw) in bf16
+    ("kda", 64, 150, 1, "mixed", 16, "recompute", BF16, None),
+    ("gdn2", 64, 190, 1, "mixed", 17, "save", BF16, F32),
+    ("kda", 64, 100, 1, "bounded", 18, "save", F16, None),
+    ("gdn2", 64, 80, 1, "strong", 19, "recompute", F16, F16),
     # K = 256: also the gradient kernel's streamed value pieces and the blocked reverse pass
-    ("kda", 256, 100, 1, "bounded", 42, "recompute", BF16),
-    ("gdn2", 256, 90, 1, "strong", 43, "save", BF16),
+    ("kda", 256, 100, 1, "bounded", 42, "recompute", BF16, None),
+    ("gdn2", 256, 90, 1, "strong", 43, "save", BF16, F32),
 ])
-def test_vector_backward_matches_float64(op, D, T, H, gates, seed, policy, dtype):
-    ratios = _check_backward(op, D, T, H, gates, seed, policy, dtype=dtype)
+def test_vector_backward_matches_float64(op, D, T, H, gates, seed, policy, dtype, w_dtype):
+    ratios = _check_backward(op, D, T, H, gates, seed, policy, dtype=dtype, w_dtype=w_dtype or F32)
     bad = {n: r for n, r in ratios.items() if r > tolerance(n, BF16)}
     assert not bad, f"ratios over rewy-math §8 bf16 bounds: {bad} (all: {ratios})"
 
 
 @needs_interpreter
-@pytest.mark.parametrize("op,centred", [("kda", False), ("gdn2", True), ("none", True)])
+@pytest.mark.parametrize("op,centred", [("kda", False), ("gdn2", True)])
 def test_vector_chunk_backward_streamed_matches_resident(op, centred, monkeypatch):
     """At V = 256 the gradient kernel streams dO, dR, R, S0ᵀ and dSᵀ one value piece at a time
     (three passes); in the interpreter, where SMEM is not bounded, the kernel that holds them all
     (as at V ≤ 128) runs too, and every output must agree up to fp32 reassociation (the sums over
-    value pieces are taken in another order). KDA's leaf maps, GDN2's erase side, neither."""
+    value pieces are taken in another order). KDA's leaf maps and GDN2's."""
     from pallas_kernels.mosaic_gpu import vector_chunk_backward as vcb
 
     D, T, H = 256, 128, 1
@@ -351,7 +358,8 @@ def test_vector_chunk_backward_streamed_matches_resident(op, centred, monkeypatc
     if op == "kda":
         kw["kda_leaf"] = (jnp.asarray(rng.uniform(0, 2, (1, H, T)), jnp.float32), tok())
     elif op == "gdn2":
-        kw["gdn2_b"] = jnp.asarray(rng.uniform(0, 2, (1, T, H, D)), jnp.float32)
+        kw["gdn2_leaf"] = (jnp.asarray(rng.uniform(0, 2, (1, T, H, D)), jnp.float32),
+                           jnp.asarray(rng.uniform(0, 2, (1, T, H, D)), jnp.float32), tok())
     ins = (qp, kp, tok(), g2, tok(), tok(), tok(), st(), st(), a, a * 0.01, flags)
     with compat.x32():
         streamed = vcb.vector_chunk_backward(*ins, **kw)
@@ -463,20 +471,22 @@ def test_vector_backward_kernels_lower_for_cuda(D, centred, dtype):
         (lambda *a: vector_wu(*a, scale=0.1), (tok, tok, tok, g2, S((B, T, H, D), f32), cc, cc)),
         (lambda *a: vector_state_backward(*a, cfg=cfg.state_backward),
          (head, head, head, cc, tok, g2, st32)),
-        (lambda *a: vector_chunk_backward(*a, scale=0.1, centred=centred),
-         (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags)),
         (lambda *a: vector_chunk_backward(*a[:12], scale=0.1, centred=centred, kda_leaf=a[12:]),  # KDA's
          (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags, S((B, H, T), f32), tok)),
-        (lambda *a: vector_chunk_backward(*a[:12], scale=0.1, centred=centred, gdn2_b=a[12]),  # GDN2's
-         (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags, S((B, T, H, D), f32))),
     )
+    for w_dtype in (f32, BF16):  # GDN2's (w, and dw, in its own dtype)
+        cases += ((lambda *a: vector_chunk_backward(*a[:12], scale=0.1, centred=centred, gdn2_leaf=a[12:]),
+                   (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags, S((B, T, H, D), f32),
+                    S((B, T, H, D), w_dtype), tok)),)
     if D <= 128:  # the seven-product ablation: dT and dĒ, then the gradient kernel reading them
         from pallas_kernels.mosaic_gpu.vector_wy import vector_wy_products
 
         for erase in (S((B, H, T), f32), S((B, T, H, D), f32)):
             cases += ((lambda *a: vector_wy_products(*a), (cc, cc, tok, tok, st, tok, g2, erase)),)
-        cases += ((lambda *a: vector_chunk_backward(*a[:12], scale=0.1, centred=centred, wy=a[12:]),
-                   (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags, cc, S((B, T, H, D), f32))),)
+        cases += ((lambda *a: vector_chunk_backward(*a[:12], scale=0.1, centred=centred, kda_leaf=a[12:14],
+                                                    wy=a[14:]),
+                   (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags, S((B, H, T), f32), tok, cc,
+                    S((B, T, H, D), f32))),)
     for f, args in cases:
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text

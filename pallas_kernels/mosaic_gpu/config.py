@@ -346,10 +346,13 @@ def vector_chunk_backward_smem_bytes(K: int, V: int, itemsize: int, op: str | No
     vector_chunk_backward.vector_chunk_backward): dO, dR, R ``[C, V]``, S0ᵀ and dSᵀ
     ``[V, 64]`` (V = 256: Λ ``[C, V]`` and two sets of three ``[C, 64]`` slots), A hi/lo, q, k, e ``[C, 64]``; G twice and three output tiles (fp32); for
     ``op`` "kda" also v's ``[C, 64]`` piece and β and dβ's part ``[C]`` (fp32), for "gdn2" b's
-    ``[C, 64]`` piece (fp32): the leaf maps each applies in the kernel."""
+    ``[C, 64]`` piece (fp32), and w's (fp32 at most) and v's pieces past the five staging tiles
+    of the value-side union: the leaf maps each applies in the kernel."""
     leaf = {None: 0, "kda": C * PIECE * itemsize + 2 * C * 4, "gdn2": C * PIECE * 4}[op]
     # V = 256 streams the value pieces: Λ's and two sets of three slots instead of five [C, V] tiles
     values = (C * V + 6 * C * PIECE if V > GRAD_RESIDENT_PIECES * PIECE else 5 * C * V) * itemsize
+    if op == "gdn2":
+        values = max(values, 5 * C * PIECE * 2 + C * PIECE * (4 + itemsize))
     return values + 2 * C * C * 2 + 3 * C * PIECE * itemsize + 5 * C * PIECE * 4 + leaf
 
 

@@ -11,12 +11,11 @@ Pipeline (each stage's module docstring gives its shapes):
                               (policy "save"; "recompute" reruns both kernels in the backward)
     vector_state_backward.py  reverse state pass: dR per chunk, each chunk's end cotangent, dh0
     vector_wy.py              backward="wy" only (the ablation): dT and dĒ by the seven products
-    vector_chunk_backward.py  per (chunk, 64 key channels): Λ = Aᵀ dR, dq, the raw-frame dk, de,
-                              and the per-row parts of dg (KDA: dv, dk and dβ's parts instead of
-                              Λ, dk_raw and de; GDN2: dk and db instead of dk_raw and de)
+    vector_chunk_backward.py  per (chunk, 64 key channels): Λ = Aᵀ dR, dq, and through each op's
+                              leaf maps dk, dv and the gate gradients (KDA: dβ's parts; GDN2: db,
+                              dw), and the per-row parts of dg
     gpu/gates.gate_grad       dg's sums along each chunk (a Pallas Triton kernel)
-    XLA (here)                GDN2's write-side leaf maps (dv, dw); dg's ⟨dS, S0⟩ per channel
-                              and the clamp's VJP (one pass)
+    XLA (here)                dg's ⟨dS, S0⟩ per channel and the clamp's VJP (one pass)
 
 :func:`supports` says which calls it serves (``None``) or why not; :func:`vector_delta_rule` is
 the differentiable op. Packed sequences (cu_seqlens) take the scalar path's layout: api.pack
@@ -68,6 +67,12 @@ def supports(*, K: int, V: int, dtype, chunk_size: int, static_scale: bool, back
     return None
 
 
+def write_gate(w):
+    """GDN2's write gate as the kernels read it: bf16, fp16 or fp32 as given (the gradient kernel
+    writes dw in that dtype, so no XLA pass converts it), anything else as fp32."""
+    return w if jnp.dtype(w.dtype) in (*DTYPES, jnp.dtype(F32)) else w.astype(F32)
+
+
 def _erase_tokens(erase, k):
     """e = β k or b ⊙ k in the input dtype, token layout ``[B, Tp, H, K]`` (the backward kernel's
     operand; β arrives head-major ``[B, H, Tp]`` from vector_prep)."""
@@ -89,8 +94,8 @@ def vector_delta_rule(q, k, v, g, b, w, h0, meta, scale: float, policy: str, gat
     the Mosaic GPU kernels, differentiable with the ReWY backward.
 
     q, k: [B, T, H, K], v: [B, T, H, V] bf16; g: [B, T, H, K] fp32 (≤ 0, as given: clamped to the
-    floor or ``gate_lower_bound`` in gates.cum_gates, the clamp's VJP in the backward); b, w
-    fp32; h0: [B, H, K, V] fp32. ``scale`` multiplies q.
+    floor or ``gate_lower_bound`` in gates.cum_gates, the clamp's VJP in the backward); b fp32;
+    w in bf16, fp16 or fp32 (:func:`write_gate`; dw is returned in its dtype); h0: [B, H, K, V] fp32. ``scale`` multiplies q.
     ``policy``: "save" keeps every chunk kernel output, the chunk start states and R for the
     backward; "recompute" keeps only the chunk matrices A (a pair) and P ``[B, H, Tp, C]``, as the
     scalar-gate path keeps T0, and re-forms W, U, Qγ, K_tail from them (``vector_wu``) and the
@@ -160,9 +165,9 @@ def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
         wy = vector_wy_products(a_hi, a_lo, dr, prep[2], states, kp, g2, erase, interpret=ip)
     outs = vector_chunk_backward(
         qp, kp, _erase_tokens(erase, kp), g2, dop, dr, r, states, dstates, a_hi, a_lo, flags, scale=scale,
-        centred=cfg.centred, kda_leaf=(erase, prep[2]) if kda else None, gdn2_b=None if kda else erase,
-        wy=wy, interpret=ip)
-    pairs, yk = outs[4:]
+        centred=cfg.centred, kda_leaf=(erase, prep[2]) if kda else None,
+        gdn2_leaf=None if kda else (erase, pad_time(w, Tp), pad_time(v, Tp)), wy=wy, interpret=ip)
+    pairs, yk = outs[4:6]
 
     # dg: dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} yk_s + 2^{G_C} ⊙ Σ_v dS ⊙ S0, per key channel and
     # chunk (the start state's decay crosses every token of the chunk). The two sums along each
@@ -175,17 +180,14 @@ def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
     dg = (dg + (gam_c * sds)[:, :, None]).reshape(B, Tp, H, K)[:, :T]
     dg = jnp.where(g < gate_floor(bound), 0.0, dg)
 
-    # Leaf maps. KDA (β erases and writes): applied in the gradient kernel, which returns dv,
-    # dk and dβ's parts per key piece. GDN2: the erase side e = b ⊙ k there too (dk += b ⊙ de,
-    # db = de ⊙ k), the write side z = w ⊙ v here (dv = w ⊙ Λ, dw = v ⊙ Λ).
+    # The leaf maps are applied in the gradient kernel. KDA (β erases and writes): it returns
+    # dβ's parts per key piece. GDN2 (e = b ⊙ k, z = w ⊙ v): db and dw themselves.
+    dv, dq, dk = (x[:, :T] for x in outs[:3])
     if kda:
-        dv, dq, dk = (x[:, :T] for x in outs[:3])
         db = jnp.swapaxes(jnp.sum(outs[3], axis=2), 1, 2)[:, :T]  # [B, H, K/64, Tp] -> [B, T, H]
         dw = None
     else:
-        lam, dq, dk, db = (x[:, :T] for x in outs[:4])
-        dv = (w * lam).astype(v.dtype)
-        dw = lam * v.astype(F32)
+        db, dw = outs[3][:, :T], outs[6][:, :T]
     dh0 = jnp.swapaxes(dh0t, -1, -2)
     return (dq, dk, dv, dg, db, dw, dh0, None)
 

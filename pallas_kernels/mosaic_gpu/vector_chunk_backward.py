@@ -1,8 +1,8 @@
 """Per-chunk gradients of the vector-gate (KDA, GDN2) ReWY backward, in raw frames.
 
 Pipeline position:  vector_state_backward.py (dR per chunk, each chunk's end cotangent dS)  ->
-**this kernel** (KDA: with its leaf maps to dk, dv, dβ)  ->  XLA (vector_api.py: GDN2's leaf maps
-to dk, dv, db, dw) and dg's chunk sums (gpu/gates.gate_grad).
+**this kernel** (with each op's leaf maps: KDA's dk, dv, dβ; GDN2's dk, dv, db, dw)  ->  dg's chunk
+sums (gpu/gates.gate_grad) and XLA (vector_api.py: dg's state term).
 
 One CTA, one warpgroup, per ``(b, h, chunk, 64-column key piece j)``. Every chunk is independent;
 the K/64 pieces of a chunk repeat the small [C, C] part (Λ, dT, dA) and each forms the per-channel
@@ -53,7 +53,9 @@ SMEM (config.vector_chunk_backward_smem_bytes): dO, dR, R ``[V/64, C, 64]``, S0�
 (swizzled for tiles, plain for the frame rows) and three fp32 output tiles. The level loop's five
 staging tiles reuse the dO, R, S0, dS buffers (spent by then); Λ is staged over dR, dT and dA
 over A. 200 KiB at K = V = 128, 160 KiB at 64 (unchanged by the grouping); KDA's leaf maps add
-v's piece, β and dβ's part (8.5 KiB at 128), GDN2's erase side b's piece (16 KiB). At V = 256
+v's piece, β and dβ's part (8.5 KiB at 128), GDN2's b's piece (16 KiB); GDN2's w and v pieces
+arrive during the level loop over value-side tiles spent by then (past the five staging tiles;
+at K = 64 they widen that union by 24 KiB), and Λ's piece waits for them in an fp32 tile. At V = 256
 the five value-side tiles would take 160 KiB: they stream one value piece at a time instead
 (:func:`_streamed_value_products`; Λ ``[C, V]`` and two sets of three ``[C, 64]`` slots, 200
 KiB).
@@ -61,12 +63,12 @@ KiB).
 Reads:  q, k, e [B, Tp, H, K]; g2 [B, H, Tp, K] fp32; do, dr, r [B, Tp, H, V];
         states, dstates [B, H, N, V, K]; a_hi, a_lo [B, H, Tp, C] (per piece: all of dO, dR, R, A,
         and the piece's columns of the others).
-Writes: lam [B, Tp, H, V] fp32 (piece j writes value columns j); dq [B, Tp, H, K] (scale applied,
-        input dtype); dk_raw, de, pairs, yk [B, Tp, H, K] fp32. With KDA's leaf maps (``kda_leaf``:
-        also reads β [B, H, Tp] and v's piece-j columns) dv = β ⊙ Λ [B, Tp, H, V] and
-        dk = dk_raw + β ⊙ de [B, Tp, H, K] in the input dtype and dβ's parts [B, H, K/64, Tp] fp32
-        take the place of lam, dk_raw and de: 3 × 67 MB of fp32 at the anchor not written, nor read
-        again by XLA.
+Writes: dv [B, Tp, H, V] (piece j writes value columns j), dq (scale applied), dk [B, Tp, H, K]
+        in the input dtype; pairs, yk [B, Tp, H, K] fp32; and the gate gradients of the leaf maps:
+        KDA (also reads β [B, H, Tp] and v's piece j) dβ's parts [B, H, K/64, Tp] fp32; GDN2 (also
+        reads b's piece j and w's and v's value columns j) db [B, Tp, H, K] fp32 and dw
+        [B, Tp, H, V] in w's dtype. Λ, de and the raw-frame dk never reach HBM (three fp32
+        tensors, 67 MB each at the anchor).
 """
 
 from __future__ import annotations
@@ -150,26 +152,26 @@ def _streamed_value_products(tiles, a_s, bars, j, nv: int, lam_out, stage_dt_da,
 
 
 def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, centred_chunks=None, *,
-                          scale: float, centred: bool, kda_leaf=None, gdn2_b=None, wy=None, interpret=None):
-    """``(lam, dq, dk_raw, de, pairs, yk)``; see the module docstring. ``centred`` and
-    ``centred_chunks`` as for vector_chunk.vector_chunk (the same frames per chunk).
+                          scale: float, centred: bool, kda_leaf=None, gdn2_leaf=None, wy=None,
+                          interpret=None):
+    """The gradients through each op's leaf maps; see the module docstring. ``centred`` and
+    ``centred_chunks`` as for vector_chunk.vector_chunk (the same frames per chunk). Exactly one
+    of ``kda_leaf`` and ``gdn2_leaf`` is given.
 
-    ``kda_leaf``: KDA's ``(β [B, H, Tp] fp32, v [B, Tp, H, V])`` — the leaf maps of e = z = β
-    rows are then applied here, and the outputs are ``(dv, dq, dk, db_parts, pairs, yk)``: dv =
-    β ⊙ Λ and dk = dk_raw + β ⊙ de in the input dtype, and db_parts ``[B, H, K/64, Tp]`` fp32,
-    piece j's ``Σ de ⊙ k`` over its key channels plus ``Σ Λ ⊙ v`` over its value columns (dβ is
-    their sum over j). So Λ, de and dk_raw (three fp32 tensors) never reach HBM.
+    ``kda_leaf``: KDA's ``(β [B, H, Tp] fp32, v [B, Tp, H, V])`` (e = β k, z = β v). Returns
+    ``(dv, dq, dk, db_parts, pairs, yk)``: dv = β ⊙ Λ and dk = dk_raw + β ⊙ de in the input
+    dtype, and db_parts ``[B, H, K/64, Tp]`` fp32, piece j's ``Σ de ⊙ k`` over its key channels
+    plus ``Σ Λ ⊙ v`` over its value columns (dβ is their sum over j).
 
-    ``gdn2_b``: GDN2's erase gate b ``[B, Tp, H, K]`` fp32 — the erase side's leaf maps are then
-    applied here, and the outputs are ``(lam, dq, dk, db, pairs, yk)``: dk = dk_raw + b ⊙ de in
-    the input dtype and db = de ⊙ k fp32 in place of dk_raw and de (the write side, dv = w ⊙ Λ
-    and dw = v ⊙ Λ, stays in XLA: w and v's tiles do not fit beside b's).
+    ``gdn2_leaf``: GDN2's ``(b [B, Tp, H, K] fp32, w [B, Tp, H, V] (its own float dtype), v [B,
+    Tp, H, V])`` (e = b ⊙ k, z = w ⊙ v). Returns ``(dv, dq, dk, db, pairs, yk, dw)``: dv = w ⊙ Λ
+    and dk = dk_raw + b ⊙ de in the input dtype, db = de ⊙ k fp32 and dw = v ⊙ Λ in w's dtype.
 
     ``wy``: the seven-product backward's ``(dt [B, H, Tp, C], debar [B, Tp, H, K] fp32)`` from
     vector_wy.vector_wy_products (the ablation, K ≤ 128): the kernel reads dT and its piece of dĒ
     in place of forming ``−(Λ Rᵀ)_{s<r}`` and ``−Λ S0ᵀ``; everything else is the same."""
-    if kda_leaf is not None and gdn2_b is not None:
-        raise ValueError("vector_chunk_backward takes kda_leaf (KDA) or gdn2_b (GDN2), not both")
+    if (kda_leaf is None) == (gdn2_leaf is None):
+        raise ValueError("vector_chunk_backward takes exactly one of kda_leaf (KDA) and gdn2_leaf (GDN2)")
     B, Tp, H, K = k.shape
     V = do.shape[-1]
     N = Tp // C
@@ -182,20 +184,23 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
     streamed = nv > GRAD_RESIDENT_PIECES  # V = 256: the value-side tiles one piece at a time
     if wy is not None and streamed:
         raise ValueError("vector_chunk_backward's seven-product form (wy=) takes K = V <= 128")
-    leaf = kda_leaf is not None
-    erase_b = gdn2_b is not None
+    leaf = kda_leaf is not None  # KDA's leaf maps; else GDN2's
+    w_dtype = None if leaf else gdn2_leaf[1].dtype
     piece = lambda n: smem((n, C, PIECE), dtype)  # noqa: E731
     staging = tuple(smem((C, PIECE), jnp.bfloat16) for _ in range(5 if streamed else 5 * nv))
+    # dO, R, S0ᵀ, dSᵀ, dR (Λ over it) in the input dtype; once spent, their first five [C, 64]
+    # tiles are the Gram levels' staging tiles, seen as bf16 (frame factors reach e^40); the same
+    # bytes. Streamed: Λ's pieces and two sets of three slots for the value pieces' tiles. GDN2:
+    # w's and v's pieces j past the staging tiles (spent value-side tiles while the levels run).
+    views = [(piece(nv), smem((2, 3, C, PIECE), dtype)) if streamed else (piece(nv),) * 5, staging]
+    if not leaf:
+        views.append((smem((5, C, PIECE), jnp.bfloat16), smem((C, PIECE), w_dtype), smem((C, PIECE), dtype)))
     scratch = dict(
-        # dO, R, S0ᵀ, dSᵀ, dR (Λ over it) in the input dtype; once spent, their first five
-        # [C, 64] tiles are the Gram levels' staging tiles, seen as bf16 (frame factors reach
-        # e^40); the same bytes. Streamed: Λ's pieces and two sets of three slots for the value
-        # pieces' tiles
-        io=plgpu.RefUnion((piece(nv), smem((2, 3, C, PIECE), dtype)) if streamed else (piece(nv),) * 5, staging),
+        io=plgpu.RefUnion(*views),
         a_s=smem((2, C, C), dtype), q_s=smem((C, PIECE), dtype), k_s=smem((C, PIECE), dtype),
         e_s=smem((C, PIECE), dtype), g_s=smem((C, PIECE), F32), g_rows=plgpu.SMEM((C, PIECE), F32),
         o32=smem((3, C, PIECE), F32),
-        bar=plgpu.Barrier(num_arrivals=(0 if streamed else 5 * nv) + 7 + (not centred) + 2 * leaf + erase_b),
+        bar=plgpu.Barrier(num_arrivals=(0 if streamed else 5 * nv) + 7 + (not centred) + (2 if leaf else 1)),
     )
     if streamed:  # a value piece's (dR, R, dO), then (dO, S0ᵀ), then (R, dSᵀ)
         scratch.update(bar3=plgpu.Barrier(num_arrivals=3, num_barriers=2),
@@ -206,30 +211,31 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         scratch.update(beta_s=plgpu.SMEM((C,), F32), v_s=smem((C, PIECE), dtype), db_s=plgpu.SMEM((C,), F32))
     if wy is not None:  # dT over A's first tile once Λ is formed, dĒ's piece over an fp32 tile
         scratch["wy_bar"] = plgpu.Barrier(num_arrivals=2)
-    if erase_b:  # b's piece-j columns
-        scratch["b_s"] = smem((C, PIECE), F32)
+    if not leaf:  # b's piece-j columns; w's and v's arrive over spent tiles (io's third view)
+        scratch.update(b_s=smem((C, PIECE), F32), wv_bar=plgpu.Barrier(num_arrivals=2))
     tok32 = jax.ShapeDtypeStruct((B, Tp, H, K), F32)
     tok = jax.ShapeDtypeStruct((B, Tp, H, K), dtype)
+    val = jax.ShapeDtypeStruct((B, Tp, H, V), dtype)
     if leaf:
-        out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), dtype), tok, tok,
-                    jax.ShapeDtypeStruct((B, H, nk, Tp), F32), tok32, tok32)
+        out_type = (val, tok, tok, jax.ShapeDtypeStruct((B, H, nk, Tp), F32), tok32, tok32)
     else:
-        out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), F32), tok, tok if erase_b else tok32, tok32, tok32, tok32)
+        out_type = (val, tok, tok, tok32, tok32, tok32, jax.ShapeDtypeStruct((B, Tp, H, V), w_dtype))
 
     def vector_chunk_backward_body(
             q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
             io, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None, beta_s=None,
-            v_s=None, db_s=None, b_s=None, bar3=None, bar2=None, wy_bar=None):
-        tiles, spent = io
+            v_s=None, db_s=None, b_s=None, wv_bar=None, bar3=None, bar2=None, wy_bar=None):
+        tiles, spent = io[:2]
         refs = list(refs)
         flag_ref = None if centred else refs.pop(0)
-        beta_ref, v_ref = (refs.pop(0), refs.pop(0)) if leaf else (None, None)
-        b_ref = refs.pop(0) if erase_b else None
-        dt_ref, debar_ref = (refs.pop(0), refs.pop(0)) if wy is not None else (None, None)
         if leaf:
-            dv_ref, dq_ref, dk_ref, db_ref, pairs_ref, yk_ref = refs
+            beta_ref, v_ref = refs.pop(0), refs.pop(0)
         else:
-            lam_ref, dq_ref, dk_ref, de_ref, pairs_ref, yk_ref = refs
+            b_ref, w_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+            _, w_s, v_s = io[2]
+        dt_ref, debar_ref = (refs.pop(0), refs.pop(0)) if wy is not None else (None, None)
+        dv_ref, dq_ref, dk_ref, db_ref, pairs_ref, yk_ref = refs[:6]
+        dw_ref = None if leaf else refs[6]
         b, h, nj = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("nj")
         n, j = lax.div(nj, jnp.int32(nk)), lax.rem(nj, jnp.int32(nk))
         rows = pl.ds(n * C, C)
@@ -254,7 +260,7 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         if leaf:
             plgpu.copy_gmem_to_smem(beta_ref.at[b, h, rows], beta_s, bar)
             plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols], v_s, bar)
-        if erase_b:
+        else:
             plgpu.copy_gmem_to_smem(b_ref.at[b, rows, h, cols], b_s, bar)
         plgpu.barrier_wait(bar)
 
@@ -263,14 +269,16 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         tile = (C, PIECE)
 
         def lam_out(lam_j):
-            """Λ's piece j (value columns j) to HBM — KDA: dv = β ⊙ Λ over v's tile, once Λ ⊙ v
-            is summed — unfenced; returns the issue of its copy and Σ Λ ⊙ v (KDA) or None."""
+            """Λ's piece j (value columns j), unfenced. KDA: dv = β ⊙ Λ over v's tile, once Λ ⊙ v
+            is summed; returns the issue of dv's copy to HBM and Σ Λ ⊙ v. GDN2: Λ's piece into
+            an fp32 tile, where it waits for w's and v's pieces (the epilogue); returns a no-op
+            and None."""
             if leaf:
                 lam_v = jnp.sum(lam_j * load(v_s), axis=1)  # one value per row, held to the end
                 put(v_s, lam_j * rows_of(plgpu.load(beta_s, layout=ROWS), tile))
                 return lambda: plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, h, cols]), lam_v
             put(o32.at[0], lam_j)
-            return lambda: plgpu.copy_smem_to_gmem(o32.at[0], lam_ref.at[b, rows, h, cols]), None
+            return lambda: None, None
 
         def stage_dt_da(lr, dor):
             """dT = −(Λ Rᵀ)_{s<r} and dA = (dO Rᵀ)_{s<r} over A's tiles (spent), unfenced; returns
@@ -322,6 +330,9 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
                 plgpu.barrier_wait(wy_bar)
                 da_diag, strict = stage_dt_da(None, dor)
                 ls0 = load(o32.at[2]) * -1.0  # ReWY's Λ S0ᵀ is −dĒ (o32[2] is rewritten with y below)
+        if not leaf:  # GDN2: w's and v's pieces j over value-side tiles spent by now, during the levels
+            for src, dst in ((w_ref, w_s), (v_ref, v_s)):
+                plgpu.copy_gmem_to_smem(src.at[b, rows, h, cols], dst, wv_bar)
         g_last = cols_of(plgpu.load(g_rows.at[C - 1], layout=COLS), tile)
         gam = jnp.exp2(load(g_s))  # ≤ 1
         de = ls0 * gam * -1.0
@@ -384,7 +395,7 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         de, dq, dk = acc
 
         # Outputs, fenced once: de, pairs, dk_raw through the fp32 tiles; dq (scale applied) over q.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # Λ and yk have been read
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dv (KDA) and yk have been read
         diag = rows_of(da_diag, tile)
         qs = load(q_s) * scale
         k_t = load(k_s)
@@ -393,19 +404,19 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         if leaf:  # dk = dk_raw + β ⊙ de over k's tile; dβ's part Σ de ⊙ k + Σ Λ ⊙ v
             db_s[...] = jnp.sum(de * k_t, axis=1) + lam_v
             put(k_s, dk_raw + rows_of(plgpu.load(beta_s, layout=ROWS), tile) * de)
-        elif erase_b:  # dk = dk_raw + b ⊙ de over k's tile; db = de ⊙ k
-            put(o32.at[0], de * k_t)
+        else:  # dk = dk_raw + b ⊙ de over k's tile; db = de ⊙ k over b's
             put(k_s, dk_raw + load(b_s) * de)
-        else:
-            put(o32.at[0], de)
-            put(o32.at[2], dk_raw)
+            put(b_s, de * k_t)
         put(q_s, (dq + diag * k_t) * scale)
+        outs = ((o32.at[1], pairs_ref), (q_s, dq_ref), (k_s, dk_ref))
+        if not leaf:  # GDN2's write side, after the accumulators: dv = w ⊙ Λ over v's tile, dw = v ⊙ Λ over w's
+            plgpu.barrier_wait(wv_bar)
+            lam_j = load(o32.at[0])
+            dv = load(w_s) * lam_j
+            put(w_s, load(v_s) * lam_j)
+            put(v_s, dv)
+            outs += ((b_s, db_ref), (v_s, dv_ref), (w_s, dw_ref))
         plgpu.commit_smem()
-        outs = ((o32.at[1], pairs_ref), (q_s, dq_ref))
-        if leaf:
-            outs += ((k_s, dk_ref),)
-        else:  # (GDN2's erase side: db over de's tile, dk over k's)
-            outs += ((o32.at[0], de_ref), (k_s if erase_b else o32.at[2], dk_ref))
         for src, ref in outs:
             plgpu.copy_smem_to_gmem(src, ref.at[b, rows, h, cols])
         if leaf:
@@ -417,4 +428,4 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         grid=(B, H, N * nk), grid_names=("b", "h", "nj"),
         compiler_params=compat.compiler_params(), interpret=interpret,
     )(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, *(() if centred else (centred_chunks,)),
-      *(kda_leaf if leaf else ()), *((gdn2_b,) if erase_b else ()), *(wy if wy is not None else ()))
+      *(kda_leaf if leaf else gdn2_leaf), *(wy if wy is not None else ()))
