@@ -200,8 +200,14 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         a_s=smem((2, C, C), dtype), q_s=smem((C, PIECE), dtype), k_s=smem((C, PIECE), dtype),
         e_s=smem((C, PIECE), dtype), g_s=smem((C, PIECE), F32), g_rows=plgpu.SMEM((C, PIECE), F32),
         o32=smem((3, C, PIECE), F32),
-        bar=plgpu.Barrier(num_arrivals=(0 if streamed else 5 * nv) + 7 + (not centred) + (2 if leaf else 1)),
+        # the inputs arrive in three sets, each awaited just before its first use: A's pair and dR
+        # (and KDA's β, v: Λ's leaf map), for Λ; dO, R, S0ᵀ, dSᵀ for the second product group;
+        # the rest (q, k, e, G twice, flags, GDN2's b) after it
+        bar_lam=plgpu.Barrier(num_arrivals=2 + (0 if streamed else nv) + 2 * leaf),
+        bar_rest=plgpu.Barrier(num_arrivals=5 + (not centred) + (not leaf)),
     )
+    if not streamed:
+        scratch["bar_vals"] = plgpu.Barrier(num_arrivals=4 * nv)
     if streamed:  # a value piece's (dR, R, dO), then (dO, S0ᵀ), then (R, dSᵀ)
         scratch.update(bar3=plgpu.Barrier(num_arrivals=3, num_barriers=2),
                        bar2=plgpu.Barrier(num_arrivals=2, num_barriers=2))
@@ -223,8 +229,8 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
 
     def vector_chunk_backward_body(
             q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
-            io, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar, flag_s=None, beta_s=None,
-            v_s=None, db_s=None, b_s=None, wv_bar=None, bar3=None, bar2=None, wy_bar=None):
+            io, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar_lam, bar_rest, bar_vals=None, flag_s=None,
+            beta_s=None, v_s=None, db_s=None, b_s=None, wv_bar=None, bar3=None, bar2=None, wy_bar=None):
         tiles, spent = io[:2]
         refs = list(refs)
         flag_ref = None if centred else refs.pop(0)
@@ -240,29 +246,32 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         n, j = lax.div(nj, jnp.int32(nk)), lax.rem(nj, jnp.int32(nk))
         rows = pl.ds(n * C, C)
         cols = pl.ds(j * PIECE, PIECE)  # this CTA's key channels (and Λ's value columns)
+        # Loads, issued in the order of first use (see bar_lam, bar_vals, bar_rest).
+        plgpu.copy_gmem_to_smem(ahi_ref.at[b, h, rows], a_s.at[0], bar_lam)
+        plgpu.copy_gmem_to_smem(alo_ref.at[b, h, rows], a_s.at[1], bar_lam)
         if not streamed:
             do_s, r_s, s0_s, ds_s, dr_s = tiles
             for i in range(nv):
-                vc = pl.ds(i * PIECE, PIECE)
-                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, vc], do_s.at[i], bar)
-                plgpu.copy_gmem_to_smem(dr_ref.at[b, rows, h, vc], dr_s.at[i], bar)
-                plgpu.copy_gmem_to_smem(r_ref.at[b, rows, h, vc], r_s.at[i], bar)
-                plgpu.copy_gmem_to_smem(st_ref.at[b, h, n, vc, cols], s0_s.at[i], bar)
-                plgpu.copy_gmem_to_smem(dst_ref.at[b, h, n, vc, cols], ds_s.at[i], bar)
-        plgpu.copy_gmem_to_smem(ahi_ref.at[b, h, rows], a_s.at[0], bar)
-        plgpu.copy_gmem_to_smem(alo_ref.at[b, h, rows], a_s.at[1], bar)
-        for src, dst in ((q_ref, q_s), (k_ref, k_s), (e_ref, e_s)):
-            plgpu.copy_gmem_to_smem(src.at[b, rows, h, cols], dst, bar)
-        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_s, bar)
-        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_rows, bar)
-        if not centred:
-            plgpu.copy_gmem_to_smem(flag_ref.at[b, h, n], flag_s, bar)
+                plgpu.copy_gmem_to_smem(dr_ref.at[b, rows, h, pl.ds(i * PIECE, PIECE)], dr_s.at[i], bar_lam)
         if leaf:
-            plgpu.copy_gmem_to_smem(beta_ref.at[b, h, rows], beta_s, bar)
-            plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols], v_s, bar)
-        else:
-            plgpu.copy_gmem_to_smem(b_ref.at[b, rows, h, cols], b_s, bar)
-        plgpu.barrier_wait(bar)
+            plgpu.copy_gmem_to_smem(beta_ref.at[b, h, rows], beta_s, bar_lam)
+            plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols], v_s, bar_lam)
+        if not streamed:
+            for i in range(nv):
+                vc = pl.ds(i * PIECE, PIECE)
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, vc], do_s.at[i], bar_vals)
+                plgpu.copy_gmem_to_smem(r_ref.at[b, rows, h, vc], r_s.at[i], bar_vals)
+                plgpu.copy_gmem_to_smem(st_ref.at[b, h, n, vc, cols], s0_s.at[i], bar_vals)
+                plgpu.copy_gmem_to_smem(dst_ref.at[b, h, n, vc, cols], ds_s.at[i], bar_vals)
+        for src, dst in ((q_ref, q_s), (k_ref, k_s), (e_ref, e_s)):
+            plgpu.copy_gmem_to_smem(src.at[b, rows, h, cols], dst, bar_rest)
+        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_s, bar_rest)
+        plgpu.copy_gmem_to_smem(g_ref.at[b, h, rows, cols], g_rows, bar_rest)
+        if not centred:
+            plgpu.copy_gmem_to_smem(flag_ref.at[b, h, n], flag_s, bar_rest)
+        if not leaf:
+            plgpu.copy_gmem_to_smem(b_ref.at[b, rows, h, cols], b_s, bar_rest)
+        plgpu.barrier_wait(bar_lam)
 
         load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)  # noqa: E731
         rr, cc = iota((C, C), 0), iota((C, C), 1)
@@ -317,6 +326,7 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
             # Σ over the value pieces of x_i y_i (or x_i y_iᵀ)
             over_v = lambda x, y: tuple((x.at[i], y.at[i]) for i in range(nv))  # noqa: E731
             over_v_t = lambda x, y: tuple((x.at[i], y.at[i].T) for i in range(nv))  # noqa: E731
+            plgpu.barrier_wait(bar_vals)
             if wy is None:
                 lr, dor, ls0, dos0, rds = mma_group((
                     (over_v_t(lam_s, r_s), (C, C)), (over_v_t(do_s, r_s), (C, C)),
@@ -333,6 +343,7 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         if not leaf:  # GDN2: w's and v's pieces j over value-side tiles spent by now, during the levels
             for src, dst in ((w_ref, w_s), (v_ref, v_s)):
                 plgpu.copy_gmem_to_smem(src.at[b, rows, h, cols], dst, wv_bar)
+        plgpu.barrier_wait(bar_rest)
         g_last = cols_of(plgpu.load(g_rows.at[C - 1], layout=COLS), tile)
         gam = jnp.exp2(load(g_s))  # ≤ 1
         de = ls0 * gam * -1.0
