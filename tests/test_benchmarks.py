@@ -389,3 +389,17 @@ def test_kernel_ab_prepares_trees_and_times_each(tmp_path, monkeypatch):
     assert out == {"HEAD": {"t0": 0.0, "vector_chunk_runtime": 0.0, "op_kda_fwd_runtime": 0.0}}, out
     assert os.listdir(tmp_path / "logs") == ["HEAD.log"]
     assert '"t0": 0.0' in (tmp_path / "logs" / "HEAD.log").read_text()
+
+
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_mosaic_vector_parts_run_every_kernel(op):
+    """benchmarks.mosaic_kernels.vector_parts (each vector kernel timed alone, with the leaf maps
+    the op runs in the gradient kernel) calls every kernel as the op does: in the GPU interpreter
+    at a small shape each part runs once."""
+    from benchmarks import mosaic_kernels
+    from pallas_kernels.mosaic_gpu import compat
+
+    if not compat.has_interpreter():
+        pytest.skip("the Mosaic GPU interpreter needs jax >= 0.12")
+    out = mosaic_kernels.vector_parts(op, shapes.Shape(1, 128, 1, 64), interpret=compat.interpret_params(True))
+    assert "chunk backward" in out and set(out.values()) == {0.0}, out
