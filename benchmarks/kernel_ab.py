@@ -32,7 +32,7 @@ import sys
 
 import numpy as np
 
-CASES = ("t0", "state_backward_gdn", "vector_chunk_centred", "vector_chunk_exact", "vector_chunk_runtime",
+CASES = ("t0", "state_backward_gdn", "chunk_backward_deltanet", "vector_chunk_centred", "vector_chunk_exact", "vector_chunk_runtime",
          "vector_chunk_inv_centred",
          "vector_chunk_backward_centred", "vector_chunk_backward_exact", "vector_chunk_backward_runtime",
          "op_kda_fwd_centred", "op_kda_fwd_runtime", "op_kda_centred", "op_kda_runtime",
@@ -141,6 +141,28 @@ def _op(x, case, smoke):
     return lambda: f(*args)
 
 
+def _scalar_backward(x, prep, ip, smoke):
+    """A callable of DeltaNet's per-chunk gradient kernel alone, on the states, Λ and dS that
+    the forward and the reverse pass give for ``prep`` (api.prepare's q, k, v, T0, β)."""
+    import jax
+
+    from pallas_kernels.mosaic_gpu import config
+    from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
+    from pallas_kernels.mosaic_gpu.forward import fused_forward
+    from pallas_kernels.mosaic_gpu.state_backward import state_backward
+
+    B, T, H, D = x["shape"]
+    qp, kp, vp, t0, bh = prep
+    # (smoke: the value-rows passes; the key-rows ones need 3 CPUs in the interpreter)
+    cfg = config.default_config(D, D, 2, heads=None if smoke else B * H, gated=False)
+    kw = dict(scale=D ** -0.5, interpret=ip)
+    o, _, states = jax.jit(lambda *a: fused_forward(*a, None, cfg=cfg.forward, out_final=True, save_states=True,
+                                                    **kw))(qp, kp, vp, t0, None, bh)
+    lam, dst, _ = jax.jit(lambda *a: state_backward(*a, None, cfg=cfg.state_backward, **kw))(qp, kp, o, t0, None, bh)
+    cb = jax.jit(lambda *a: chunk_backward(*a, cfg=cfg.chunk_backward, **kw))
+    return lambda: cb(qp, kp, vp, o, lam, states, dst, t0, None, bh)
+
+
 def time_tree(cases: list[str], smoke: bool = False) -> dict:
     """Each case's ms (or its error) with the ``pallas_kernels`` on the path. ``smoke``: a small
     shape in the GPU interpreter, each case run once (the CPU check of this tool; times are 0)."""
@@ -177,6 +199,8 @@ def time_tree(cases: list[str], smoke: bool = False) -> dict:
                 cfg = config.default_config(D, D, 2, heads=None if smoke else B * H, gated=True).state_backward
                 f = jax.jit(lambda *a: state_backward(*a, None, scale=D ** -0.5, cfg=cfg, interpret=ip))
                 out[case] = time_ms(lambda: f(qp, kp, vp, t0, g2, bh))
+            elif case == "chunk_backward_deltanet":  # DeltaNet's per-chunk gradient kernel (one warpgroup)
+                out[case] = time_ms(_scalar_backward(x, (qp, kp, vp, t0, bh), ip, smoke))
             elif case.startswith("op_"):
                 out[case] = time_ms(_op(x, case, smoke))
             else:

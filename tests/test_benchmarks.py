@@ -384,9 +384,9 @@ def test_kernel_ab_prepares_trees_and_times_each(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("PYTHONPATH", repo)
     os.makedirs(tmp_path / "other")  # a tree left out by `trees`
-    out = kernel_ab.run(["t0", "vector_chunk_runtime", "op_kda_fwd_runtime"], limit=400, smoke=True,
-                        log_dir=str(tmp_path / "logs"), trees=["HEAD"])
-    assert out == {"HEAD": {"t0": 0.0, "vector_chunk_runtime": 0.0, "op_kda_fwd_runtime": 0.0}}, out
+    cases = ["t0", "chunk_backward_deltanet", "vector_chunk_runtime", "op_kda_fwd_runtime"]
+    out = kernel_ab.run(cases, limit=600, smoke=True, log_dir=str(tmp_path / "logs"), trees=["HEAD"])
+    assert out == {"HEAD": dict.fromkeys(cases, 0.0)}, out
     assert os.listdir(tmp_path / "logs") == ["HEAD.log"]
     assert '"t0": 0.0' in (tmp_path / "logs" / "HEAD.log").read_text()
 

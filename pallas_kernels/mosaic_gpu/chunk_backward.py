@@ -160,22 +160,26 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
         b_s=vec, g_s=vec, db_s=vec, dg_s=vec, u_s=vec, sds_s=plgpu.SMEM((V,), F32),
         w_st=smem((C, V), dtype), r_st=smem((C, V), dtype), cc_a=smem((C, C), dtype),
         cc_b=smem((C, C), dtype), bk_st=smem((C, K), dtype),
-        bar=plgpu.Barrier(num_arrivals=9 + gated),
+        # the inputs in three sets, each awaited before its first use: what R needs (k, S0ᵀ, v,
+        # T0, β, G); Λ and dO (the ReWY products); q and dSᵀ
+        bar=plgpu.Barrier(num_arrivals=5 + gated), bar_lo=plgpu.Barrier(num_arrivals=2),
+        bar_q=plgpu.Barrier(num_arrivals=2),
     )
 
     def chunk_backward_body(
             *refs, q_s, k_s, v_s, do_s, lam_s, s0_s, ds_s, t_s, b_s, g_s, db_s, dg_s, u_s, sds_s, w_st, r_st,
-            cc_a, cc_b, bk_st, bar):
+            cc_a, cc_b, bk_st, bar, bar_lo, bar_q):
         (q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref, g_ref,
          dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _kernel_refs(refs, gated)
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
-        for src, dst in ((q_ref.at[b, rows, h], q_s), (k_ref.at[b, rows, h], k_s),
-                         (v_ref.at[b, rows, h], v_s), (do_ref.at[b, rows, h], do_s),
-                         (lam_ref.at[b, rows, h], lam_s), (st_ref.at[b, h, n], s0_s),
-                         (dst_ref.at[b, h, n], ds_s), (t_ref.at[b, h, rows], t_s),
-                         (b_ref.at[b, h, rows], b_s)) + (((g_ref.at[b, h, rows], g_s),) if gated else ()):
-            plgpu.copy_gmem_to_smem(src, dst, bar)
+        for src, dst, barrier in (
+                (k_ref.at[b, rows, h], k_s, bar), (st_ref.at[b, h, n], s0_s, bar),
+                (v_ref.at[b, rows, h], v_s, bar), (t_ref.at[b, h, rows], t_s, bar),
+                (b_ref.at[b, h, rows], b_s, bar), *(((g_ref.at[b, h, rows], g_s, bar),) if gated else ()),
+                (lam_ref.at[b, rows, h], lam_s, bar_lo), (do_ref.at[b, rows, h], do_s, bar_lo),
+                (q_ref.at[b, rows, h], q_s, bar_q), (dst_ref.at[b, h, n], ds_s, bar_q)):
+            plgpu.copy_gmem_to_smem(src, dst, barrier)
         plgpu.barrier_wait(bar)
 
         beta_r = plgpu.load(b_s, layout=ROWS)
@@ -203,7 +207,9 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
         # is latency-bound: one warpgroup per chunk). Signs ride on staged operands: the tiles
         # below hold −dT ⊙ D and −β K, so that every sum shares one accumulator; a negated
         # accumulator is never used (it gave zeros on sm_90 with jax 0.11.2 in jla's kernels).
-        if wy:
+        if wy:  # (its first product group reads q; its second dO and dSᵀ)
+            plgpu.barrier_wait(bar_lo)
+            plgpu.barrier_wait(bar_q)
             ndt_d, da_d = _wy_products(
                 w, beta_c, decay, strict, scale, gated, k_f, tail_r if gated else None,
                 q_s=q_s, k_s=k_s, v_s=v_s, do_s=do_s, s0_s=s0_s, ds_s=ds_s, t_s=t_s, g_s=g_s,
@@ -215,11 +221,13 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
             ag = stage(cc_a, plgpu.load(t_s, layout=WGMMA).astype(F32) * decay * cols_of(beta_c, (C, C)))
             r = stage(r_st, mma(ag, w, (C, V)))
             # The three ReWY products (Λ = Aᵀ dR came from the reverse pass): Λ Rᵀ, Λ S0ᵀ, and dO Rᵀ.
+            plgpu.barrier_wait(bar_lo)
             lr, dor = mma_group(((((lam_s, r.T),), (C, C)), (((do_s, r.T),), (C, C))))
             ndt_d = stage(cc_a, jnp.where(strict, lr, 0.0) * decay)  # −dT ⊙ D
             da_d = stage(cc_b, dor * (decay * scale))  # scale·(dA ⊙ D) (D is 0 above the diagonal)
             nbk = stage(bk_st, k_f() * rows_of(beta_r * -1.0, (C, K)))  # −β K
             e_pair = (lam_s, s0_s)  # Λ S0ᵀ, the state part of −dĒ
+            plgpu.barrier_wait(bar_q)
 
         # dq = scale·Γ dO S0ᵀ + scale·(dA ⊙ D) K, and its gate term ⟨q, dq⟩.
         dos0, dak = mma_group(((((do_s, s0_s),), (C, K)), (((da_d, k_s),), (C, K))))

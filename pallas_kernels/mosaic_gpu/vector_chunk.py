@@ -234,11 +234,13 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
         # meet x in U = A Z, which a WGMMA needs in one dtype); the same bytes
         st=plgpu.RefUnion(smem((n_staging, C, C), bf), smem((n_staging, C, C), dtype)),
         out_s=smem((C, C), dtype),
-        bar=plgpu.Barrier(num_arrivals=4 * nk + (nv if n_blocks == 1 else 0) + (nk if channel_erase else 1)
-                          + (not centred)),
+        bar=plgpu.Barrier(num_arrivals=4 * nk + (nk if channel_erase else 1) + (not centred)),
+        # x has a barrier of its own: its first use is U = A Z at the end, so the Grams and the
+        # inverse need not wait for its tiles
+        bar_x=plgpu.Barrier(num_arrivals=nv),
     )
     if n_blocks > 1:  # no x (W and U are vector_wu's); key blocks after the first: q, k, G twice, b
-        del scratch["x_s"]
+        del scratch["x_s"], scratch["bar_x"]
         scratch["bar_next"] = plgpu.Barrier(num_arrivals=(4 + channel_erase) * nk)
     if not centred:
         scratch["flag_s"] = plgpu.SMEM((META,), jnp.int32)
@@ -252,7 +254,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
 
     def vector_chunk_body(
             q_ref, k_ref, x_ref, g_ref, e_ref, *refs, q_s, k_s, g_s, g_rows, e_s, st, out_s, bar,
-            x_s=None, flag_s=None, bar_next=None):
+            x_s=None, bar_x=None, flag_s=None, bar_next=None):
         st, st_x = st  # bf16 and input-dtype views of the staging tiles
         flag_ref = None if centred else refs[0]
         refs = refs[0 if centred else 1:]
@@ -275,13 +277,13 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
                     plgpu.copy_gmem_to_smem(e_ref.at[b, rows, h, cols], e_s.at[j], barrier)
 
         load_key_block(0, bar)
-        if n_blocks == 1:
-            for j in range(nv):
-                plgpu.copy_gmem_to_smem(x_ref.at[b, rows, h, pl.ds(j * PIECE, PIECE)], x_s.at[j], bar)
         if not channel_erase:
             plgpu.copy_gmem_to_smem(e_ref.at[b, h, rows], e_s, bar)
         if not centred:
             plgpu.copy_gmem_to_smem(flag_ref.at[b, h, n], flag_s, bar)
+        if n_blocks == 1:
+            for j in range(nv):
+                plgpu.copy_gmem_to_smem(x_ref.at[b, rows, h, pl.ds(j * PIECE, PIECE)], x_s.at[j], bar_x)
         plgpu.barrier_wait(bar)
         def chunk(centred_frames: bool):
             """Everything after the loads, in the chunk's frames (no value lives across the
@@ -385,6 +387,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
             # with out_inverse the pair sent out is W's and U's.
             cols = lambda j: pl.ds(j * PIECE, PIECE)  # noqa: E731
             ready = channel_erase and out_inverse
+            plgpu.barrier_wait(bar_x)
             gated_tail(
                 None if ready else a, a_out if ready else (st_x.at[2], st_x.at[3]),
                 q=[q_s.at[j] for j in range(nk)], k=[k_s.at[j] for j in range(nk)],
