@@ -59,6 +59,9 @@ at K = 64 they widen that union by 24 KiB), and Λ's piece waits for them in an 
 the five value-side tiles would take 160 KiB: they stream one value piece at a time instead
 (:func:`_streamed_value_products`; Λ ``[C, V]`` and two sets of three ``[C, 64]`` slots, 200
 KiB).
+Loads: one CTA an SM, so nothing else hides them; they go out in three TMA sets, each awaited
+just before its first use (A's pair and dR for Λ; dO, R, S0ᵀ, dSᵀ for the second group; the
+rest after it).
 
 Reads:  q, k, e [B, Tp, H, K]; g2 [B, H, Tp, K] fp32; do, dr, r [B, Tp, H, V];
         states, dstates [B, H, N, V, K]; a_hi, a_lo [B, H, Tp, C] (per piece: all of dO, dR, R, A,
