@@ -182,7 +182,7 @@ def vector_parts(op, s: Shape, bound=None, resets=False, interpret=None):
     kda = op == "kda"
     b = jnp.asarray(rng.uniform(0, 1, (B, T, H) if kda else (B, T, H, D)), jnp.float32)
     w = None if kda else jnp.asarray(rng.uniform(0, 1, (B, T, H, D)), jnp.float32)
-    cfg = va.default_config(D, D, bound)
+    cfg = va.default_config(D, D, bound, op=op)
     scale = D ** -0.5
     pre = jax.jit(lambda q, k, v, g, b, w: prepare_vector(
         q, k, v, g, beta=b if kda else None, b=None if kda else b, w=w, gate_lower_bound=bound,
@@ -215,7 +215,7 @@ def vector_parts(op, s: Shape, bound=None, resets=False, interpret=None):
     # the leaf maps the op runs in the kernel
     leaf = dict(kda_leaf=(erase, prep[2])) if kda else dict(gdn2_leaf=(erase, pad_time(w, Tp), pad_time(v, Tp)))
     cb = jax.jit(lambda *a: vector_chunk_backward(*a, scale=scale, centred=cfg.centred, interpret=interpret,
-                                                  **leaf))
+                                                  load_sets=cfg.grad_load_sets, **leaf))
     args = (qp, kp, e, g2, do, dr, r, states, dstates, a_hi, a_lo, flags)
     out["chunk backward"] = timer(lambda: cb(*args))
     return out

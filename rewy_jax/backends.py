@@ -202,7 +202,7 @@ def mosaic_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
         # clamp's VJP joins the backward's dg pass; XLA's clamp took 0.061 ms of KDA's 1.51 (H100)
         xs = [call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), call.g_in,
               call.b.astype(jnp.float32), w]
-        vcfg = vector_api.default_config(K, V, call.g_bound, backward)
+        vcfg = vector_api.default_config(K, V, call.g_bound, backward, _mosaic_gpu_vector_kind(call))
         run = lambda xs, h0, meta: vector_api.vector_delta_rule(  # noqa: E731
             *xs, h0, meta, float(call.scale), policy, call.g_bound, vcfg, bool(interpret))
     else:

@@ -360,6 +360,7 @@ def test_vector_chunk_backward_streamed_matches_resident(op, centred, monkeypatc
     elif op == "gdn2":
         kw["gdn2_leaf"] = (jnp.asarray(rng.uniform(0, 2, (1, T, H, D)), jnp.float32),
                            jnp.asarray(rng.uniform(0, 2, (1, T, H, D)), jnp.float32), tok())
+        kw["load_sets"] = True  # as GDN2's default config
     ins = (qp, kp, tok(), g2, tok(), tok(), tok(), st(), st(), a, a * 0.01, flags)
     with compat.x32():
         streamed = vcb.vector_chunk_backward(*ins, **kw)
@@ -474,8 +475,9 @@ def test_vector_backward_kernels_lower_for_cuda(D, centred, dtype):
         (lambda *a: vector_chunk_backward(*a[:12], scale=0.1, centred=centred, kda_leaf=a[12:]),  # KDA's
          (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags, S((B, H, T), f32), tok)),
     )
-    for w_dtype in (f32, BF16):  # GDN2's (w, and dw, in its own dtype)
-        cases += ((lambda *a: vector_chunk_backward(*a[:12], scale=0.1, centred=centred, gdn2_leaf=a[12:]),
+    for w_dtype in (f32, BF16):  # GDN2's (w, and dw, in its own dtype; the loads in sets, as its config)
+        cases += ((lambda *a: vector_chunk_backward(*a[:12], scale=0.1, centred=centred, gdn2_leaf=a[12:],
+                                                    load_sets=True),
                    (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags, S((B, T, H, D), f32),
                     S((B, T, H, D), w_dtype), tok)),)
     if D <= 128:  # the seven-product ablation: dT and dĒ, then the gradient kernel reading them
@@ -508,6 +510,9 @@ def test_vector_backward_config_fits_smem():
         for op in ("kda", "gdn2"):
             assert config.vector_chunk_backward_smem_bytes(K, K, 2, op) <= config.SMEM_BUDGET
     assert config.default_vector_config(128, 128, 2, False).state_backward.stages == 2
+    # the gradient kernel's loads in sets: GDN2 only (measured; VectorConfig.grad_load_sets)
+    assert config.default_vector_config(128, 128, 2, False, op="gdn2").grad_load_sets
+    assert not config.default_vector_config(128, 128, 2, False, op="kda").grad_load_sets
     assert config.default_vector_config(64, 64, 2, False).state_backward.stages == 4
 
 

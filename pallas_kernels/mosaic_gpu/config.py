@@ -243,6 +243,11 @@ class VectorConfig:
         anchor; 4 as in the Pallas GPU backend).
     backward: "rewy" (the reduced backward) or "wy": the seven-product chunk backward for the
         ablation (vector_wy.py; K = V ≤ 128), same gradients.
+    grad_load_sets: the per-chunk gradient kernel's inputs in three TMA sets, each awaited at
+        its first use, instead of one awaited before any work (vector_chunk_backward.py). GDN2
+        takes them (H100, ``benchmarks.kernel_ab``, the op's fwd+bwd at the anchor with g ≥ −5:
+        1.950 → 1.764 ms); KDA does not (its gradient kernel 0.578 → 0.816 ms, its op 1.686 →
+        1.905, the same call; why is not known yet).
     """
 
     centred: bool = False
@@ -251,6 +256,7 @@ class VectorConfig:
     state_backward: PassConfig = PassConfig()
     gate_grad_warps: int = 4
     backward: Literal["rewy", "wy"] = "rewy"
+    grad_load_sets: bool = False
 
     def __post_init__(self):
         if self.backward not in ("rewy", "wy"):
@@ -311,9 +317,11 @@ def vector_state_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, ou
 
 
 def default_vector_config(K: int, V: int, itemsize: int, centred: bool,
-                          backward: Literal["rewy", "wy"] = "rewy") -> VectorConfig:
+                          backward: Literal["rewy", "wy"] = "rewy",
+                          op: Literal["kda", "gdn2"] = "kda") -> VectorConfig:
     """The deepest state-pass pipeline that fits SMEM with a double-buffered output tile, else
-    the deepest with a single one (K = 128: 2 stages, one output tile). K = 256: the serial
+    the deepest with a single one (K = 128: 2 stages, one output tile); the gradient kernel's
+    loads in sets for GDN2 (``grad_load_sets``, as measured). K = 256: the serial
     kernels' fp32 register state as four ``[64, 64]`` blocks (:func:`k_block_for`: the whole
     width and its update's fresh accumulator would be 256 registers a thread) and one stage (a
     chunk's W, Qγ and K_tail alone are 96 KiB there)."""
@@ -327,7 +335,7 @@ def default_vector_config(K: int, V: int, itemsize: int, centred: bool,
                 return VectorConfig(centred=centred, state=PassConfig(block_v=64, stages=stages, k_block=kb),
                                     out_buffers=out_buffers,
                                     state_backward=PassConfig(block_v=64, stages=bwd, k_block=kb),
-                                    backward=backward)
+                                    backward=backward, grad_load_sets=op == "gdn2")
     raise ValueError(f"no vector-gate state-pass tiling fits SMEM at K={K}")
 
 

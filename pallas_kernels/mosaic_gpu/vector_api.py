@@ -166,7 +166,8 @@ def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
     outs = vector_chunk_backward(
         qp, kp, _erase_tokens(erase, kp), g2, dop, dr, r, states, dstates, a_hi, a_lo, flags, scale=scale,
         centred=cfg.centred, kda_leaf=(erase, prep[2]) if kda else None,
-        gdn2_leaf=None if kda else (erase, pad_time(w, Tp), pad_time(v, Tp)), wy=wy, interpret=ip)
+        gdn2_leaf=None if kda else (erase, pad_time(w, Tp), pad_time(v, Tp)), wy=wy,
+        load_sets=cfg.grad_load_sets, interpret=ip)
     pairs, yk = outs[4:6]
 
     # dg: dg_t = Σ_{r ≥ t} pairs_r + Σ_{s < t} yk_s + 2^{G_C} ⊙ Σ_v dS ⊙ S0, per key channel and
@@ -195,6 +196,6 @@ def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
 vector_delta_rule.defvjp(_forward_rule, _backward)
 
 
-def default_config(K: int, V: int, gate_lower_bound, backward: str = "rewy") -> config.VectorConfig:
-    """The kernels' settings for these head dims, gate bound and backward (bf16)."""
-    return config.default_vector_config(K, V, 2, centred_ok(gate_lower_bound), backward)
+def default_config(K: int, V: int, gate_lower_bound, backward: str = "rewy", op: str = "kda") -> config.VectorConfig:
+    """The kernels' settings for these head dims, gate bound, backward and op ("kda" or "gdn2"; bf16)."""
+    return config.default_vector_config(K, V, 2, centred_ok(gate_lower_bound), backward, op)

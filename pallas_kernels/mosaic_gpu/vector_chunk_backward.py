@@ -59,9 +59,11 @@ at K = 64 they widen that union by 24 KiB), and Λ's piece waits for them in an 
 the five value-side tiles would take 160 KiB: they stream one value piece at a time instead
 (:func:`_streamed_value_products`; Λ ``[C, V]`` and two sets of three ``[C, 64]`` slots, 200
 KiB).
-Loads: one CTA an SM, so nothing else hides them; they go out in three TMA sets, each awaited
-just before its first use (A's pair and dR for Λ; dO, R, S0ᵀ, dSᵀ for the second group; the
-rest after it).
+Loads: one CTA an SM, so nothing else hides them. With ``load_sets`` (GDN2's default) they go
+out in three TMA sets, each awaited just before its first use (A's pair and dR for Λ; dO, R,
+S0ᵀ, dSᵀ for the second group; the rest after it); without, as one set awaited before any work
+(KDA's default: with sets its kernel took 0.816 instead of 0.578 ms, GDN2's op 1.764 instead of
+1.950, H100, config.VectorConfig.grad_load_sets).
 
 Reads:  q, k, e [B, Tp, H, K]; g2 [B, H, Tp, K] fp32; do, dr, r [B, Tp, H, V];
         states, dstates [B, H, N, V, K]; a_hi, a_lo [B, H, Tp, C] (per piece: all of dO, dR, R, A,
@@ -156,7 +158,7 @@ def _streamed_value_products(tiles, a_s, bars, j, nv: int, lam_out, stage_dt_da,
 
 def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, centred_chunks=None, *,
                           scale: float, centred: bool, kda_leaf=None, gdn2_leaf=None, wy=None,
-                          interpret=None):
+                          load_sets: bool = False, interpret=None):
     """The gradients through each op's leaf maps; see the module docstring. ``centred`` and
     ``centred_chunks`` as for vector_chunk.vector_chunk (the same frames per chunk). Exactly one
     of ``kda_leaf`` and ``gdn2_leaf`` is given.
@@ -169,6 +171,8 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
     ``gdn2_leaf``: GDN2's ``(b [B, Tp, H, K] fp32, w [B, Tp, H, V] (its own float dtype), v [B,
     Tp, H, V])`` (e = b ⊙ k, z = w ⊙ v). Returns ``(dv, dq, dk, db, pairs, yk, dw)``: dv = w ⊙ Λ
     and dk = dk_raw + b ⊙ de in the input dtype, db = de ⊙ k fp32 and dw = v ⊙ Λ in w's dtype.
+
+    ``load_sets``: the inputs in three TMA sets awaited at first use, else one (module docstring).
 
     ``wy``: the seven-product backward's ``(dt [B, H, Tp, C], debar [B, Tp, H, K] fp32)`` from
     vector_wy.vector_wy_products (the ablation, K ≤ 128): the kernel reads dT and its piece of dĒ
@@ -203,14 +207,18 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         a_s=smem((2, C, C), dtype), q_s=smem((C, PIECE), dtype), k_s=smem((C, PIECE), dtype),
         e_s=smem((C, PIECE), dtype), g_s=smem((C, PIECE), F32), g_rows=plgpu.SMEM((C, PIECE), F32),
         o32=smem((3, C, PIECE), F32),
-        # the inputs arrive in three sets, each awaited just before its first use: A's pair and dR
-        # (and KDA's β, v: Λ's leaf map), for Λ; dO, R, S0ᵀ, dSᵀ for the second product group;
-        # the rest (q, k, e, G twice, flags, GDN2's b) after it
-        bar_lam=plgpu.Barrier(num_arrivals=2 + (0 if streamed else nv) + 2 * leaf),
-        bar_rest=plgpu.Barrier(num_arrivals=5 + (not centred) + (not leaf)),
     )
-    if not streamed:
-        scratch["bar_vals"] = plgpu.Barrier(num_arrivals=4 * nv)
+    # The input sets (load_sets): A's pair and dR (and KDA's β, v: Λ's leaf map) for Λ; dO, R,
+    # S0ᵀ, dSᵀ for the second product group; the rest (q, k, e, G twice, flags, GDN2's b) after it.
+    # Without load_sets the first barrier takes them all.
+    n_lam, n_vals = 2 + (0 if streamed else nv) + 2 * leaf, 0 if streamed else 4 * nv
+    n_rest = 5 + (not centred) + (not leaf)
+    if load_sets:
+        scratch.update(bar_lam=plgpu.Barrier(num_arrivals=n_lam), bar_rest=plgpu.Barrier(num_arrivals=n_rest))
+        if not streamed:
+            scratch["bar_vals"] = plgpu.Barrier(num_arrivals=n_vals)
+    else:
+        scratch["bar_lam"] = plgpu.Barrier(num_arrivals=n_lam + n_vals + n_rest)
     if streamed:  # a value piece's (dR, R, dO), then (dO, S0ᵀ), then (R, dSᵀ)
         scratch.update(bar3=plgpu.Barrier(num_arrivals=3, num_barriers=2),
                        bar2=plgpu.Barrier(num_arrivals=2, num_barriers=2))
@@ -232,7 +240,7 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
 
     def vector_chunk_backward_body(
             q_ref, k_ref, e_ref, g_ref, do_ref, dr_ref, r_ref, st_ref, dst_ref, ahi_ref, alo_ref, *refs,
-            io, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar_lam, bar_rest, bar_vals=None, flag_s=None,
+            io, a_s, q_s, k_s, e_s, g_s, g_rows, o32, bar_lam, bar_rest=None, bar_vals=None, flag_s=None,
             beta_s=None, v_s=None, db_s=None, b_s=None, wv_bar=None, bar3=None, bar2=None, wy_bar=None):
         tiles, spent = io[:2]
         refs = list(refs)
@@ -249,7 +257,9 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         n, j = lax.div(nj, jnp.int32(nk)), lax.rem(nj, jnp.int32(nk))
         rows = pl.ds(n * C, C)
         cols = pl.ds(j * PIECE, PIECE)  # this CTA's key channels (and Λ's value columns)
-        # Loads, issued in the order of first use (see bar_lam, bar_vals, bar_rest).
+        # Loads, issued in the order of first use (see bar_lam, bar_vals, bar_rest); one set: all on bar_lam.
+        if not load_sets:
+            bar_vals = bar_rest = bar_lam
         plgpu.copy_gmem_to_smem(ahi_ref.at[b, h, rows], a_s.at[0], bar_lam)
         plgpu.copy_gmem_to_smem(alo_ref.at[b, h, rows], a_s.at[1], bar_lam)
         if not streamed:
@@ -329,7 +339,8 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
             # Σ over the value pieces of x_i y_i (or x_i y_iᵀ)
             over_v = lambda x, y: tuple((x.at[i], y.at[i]) for i in range(nv))  # noqa: E731
             over_v_t = lambda x, y: tuple((x.at[i], y.at[i].T) for i in range(nv))  # noqa: E731
-            plgpu.barrier_wait(bar_vals)
+            if load_sets:
+                plgpu.barrier_wait(bar_vals)
             if wy is None:
                 lr, dor, ls0, dos0, rds = mma_group((
                     (over_v_t(lam_s, r_s), (C, C)), (over_v_t(do_s, r_s), (C, C)),
@@ -346,7 +357,8 @@ def vector_chunk_backward(q, k, e, g2, do, dr, r, states, dstates, a_hi, a_lo, c
         if not leaf:  # GDN2: w's and v's pieces j over value-side tiles spent by now, during the levels
             for src, dst in ((w_ref, w_s), (v_ref, v_s)):
                 plgpu.copy_gmem_to_smem(src.at[b, rows, h, cols], dst, wv_bar)
-        plgpu.barrier_wait(bar_rest)
+        if load_sets:
+            plgpu.barrier_wait(bar_rest)
         g_last = cols_of(plgpu.load(g_rows.at[C - 1], layout=COLS), tile)
         gam = jnp.exp2(load(g_s))  # ≤ 1
         de = ls0 * gam * -1.0
