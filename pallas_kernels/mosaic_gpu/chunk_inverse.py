@@ -32,7 +32,7 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, F32, ROWS, bit_level_pairs, iota, mma, mma_sum, rows_of, smem, stage)
+    C, F32, ROWS, bit_level_pairs, iota, mma, mma_sum, put, rows_of, smem, stage)
 
 LEVELS = (2, 4, 8, 16, 32)  # block sizes s merged into 2s (s = 1 needs no product)
 
@@ -47,16 +47,29 @@ def split_pair(hi_ref, lo_ref, x):
 
 
 def _mm3(a, b):
-    """``a @ b`` for split pairs ``a = (hi, lo)``, ``b = (hi, lo)``: hi·hi + hi·lo + lo·hi."""
+    """``a @ b`` for split pairs ``a = (hi, lo)`` (registers or SMEM), ``b = (hi, lo)`` (SMEM):
+    hi·hi + hi·lo + lo·hi."""
     return mma_sum(((a[0], b[0]), (a[0], b[1]), (a[1], b[0])), (C, C))
 
 
-def invert_unit_lower(a, x_pair, a_pair, y_pair):
+def split_regs(x, dtype):
+    """``x`` (fp32 registers) as the register pair ``(hi, lo)``, ``hi + lo ≈ x`` in ``dtype``
+    (a WGMMA left operand may come from registers in the WGMMA layout, 16-bit)."""
+    hi = x.astype(dtype)
+    return hi, (x - hi.astype(F32)).astype(dtype)
+
+
+def invert_unit_lower(a, x_pair, a_pair):
     """``(I + a)⁻¹`` in fp32 registers ``[C, C]`` for a strictly lower-triangular fp32 tile ``a``
     (WGMMA layout), by the module docstring's recursive block inversion with split-bf16
-    products. ``x_pair``, ``a_pair``, ``y_pair``: (hi, lo) pairs of ``[C, C]`` bf16 SMEM staging
-    buffers (free on return). Also used by the vector-gate chunk kernel (vector_chunk.py), whose
-    ``a`` carries the per-channel decays."""
+    products. ``x_pair``, ``a_pair``: (hi, lo) pairs of ``[C, C]`` 16-bit SMEM staging buffers
+    (free on return; their dtype is the pair's). Also used by the vector-gate chunk kernel
+    (vector_chunk.py), whose ``a`` carries the per-channel decays.
+
+    The left operand of both products of a level comes from registers (X, then Y = (X A)|_s):
+    only the right operands A (once) and X (each level, stored while X A runs) go through SMEM.
+    """
+    dtype = a_pair[0].dtype
     r, c = iota((C, C), 0), iota((C, C), 1)
     a_split = split_pair(*a_pair, a)
     # Level s = 1: the 2×2 diagonal blocks [[1, 0], [a, 1]] invert to [[1, 0], [−a, 1]].
@@ -71,9 +84,12 @@ def invert_unit_lower(a, x_pair, a_pair, y_pair):
         # with it (H100, KDA at the anchor); T0 alone 0.078 against 0.075 (docs/performance-log.md).
         e = i + 1
         keep = (lax.shift_right_logical(diff, e) == 1) & ((lax.shift_right_logical(r, e) & 1) == 1)
-        xs = split_pair(*x_pair, x)
-        y = jnp.where(keep, _mm3(xs, a_split), 0.0)  # X A_s
-        return x - _mm3(split_pair(*y_pair, y), xs)  # X − (X A_s) X
+        xr = split_regs(x, dtype)
+        # X's pair goes to SMEM for the second product (unfenced: X A reads registers and A)
+        xs = (put(x_pair[0], xr[0]), put(x_pair[1], xr[1]))
+        y = jnp.where(keep, _mm3(xr, a_split), 0.0)  # X A_s
+        plgpu.commit_smem()
+        return x - _mm3(split_regs(y, dtype), xs)  # X − (X A_s) X
 
     return lax.fori_loop(jnp.int32(0), jnp.int32(len(LEVELS)), level, x)  # int32 under x64 too
 
@@ -85,15 +101,15 @@ def chunk_inverse(k, beta, *, interpret=None):
     dtype = k.dtype
     bf = jnp.bfloat16
     tile = lambda: smem((C, C), bf)  # noqa: E731
-    # Buffers with disjoint lifetimes share SMEM, so four CTAs fit on an SM (48 KB each): k is
-    # dead once the Gram is formed and its bytes hold the split X and Y; the split A is dead
-    # after the last level and its bytes hold the result.
-    scratch = dict(k_or_xy=plgpu.RefUnion(smem((C, K), dtype), (tile(), tile(), tile(), tile())),
+    # Buffers with disjoint lifetimes share SMEM (32 KB a CTA at K = 128): k is dead once the
+    # Gram is formed and its bytes hold the split X; the split A is dead after the last level
+    # and its bytes hold the result.
+    scratch = dict(k_or_x=plgpu.RefUnion(smem((C, K), dtype), (tile(), tile())),
                    a_or_out=plgpu.RefUnion((tile(), tile()), smem((C, C), dtype)),
                    b_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=2))
 
-    def chunk_inverse_body(k_ref, b_ref, t_ref, k_or_xy, a_or_out, b_s, bar):
-        k_s, (xh, xl, yh, yl) = k_or_xy
+    def chunk_inverse_body(k_ref, b_ref, t_ref, k_or_x, a_or_out, b_s, bar):
+        k_s, (xh, xl) = k_or_x
         (ah, al), out = a_or_out
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
@@ -103,7 +119,7 @@ def chunk_inverse(k, beta, *, interpret=None):
         r, c = iota((C, C), 0), iota((C, C), 1)
         gram = mma(k_s, k_s.T, (C, C))
         a = jnp.where(r > c, gram * rows_of(plgpu.load(b_s, layout=ROWS), (C, C)), 0.0)
-        x = invert_unit_lower(a, (xh, xl), (ah, al), (yh, yl))
+        x = invert_unit_lower(a, (xh, xl), (ah, al))
         out[...] = x.astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out, t_ref.at[b, h, rows])

@@ -374,7 +374,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
 
             if not channel_erase:
                 t = t * rows_of(plgpu.load(e_s, layout=ROWS), (C, C))  # KDA: T = diag(β) tril(...)
-            a = invert_unit_lower(t, (st.at[0], st.at[1]), (st.at[2], st.at[3]), (st.at[4], st.at[5]))
+            a = invert_unit_lower(t, (st.at[0], st.at[1]), (st.at[2], st.at[3]))
             if out_inverse:  # A for the backward, before β is folded in (st 4 and 5 are not reused)
                 a_out = split_pair(st_x.at[4], st_x.at[5], a)
                 for ref, out in zip(a_out, inv_refs):
