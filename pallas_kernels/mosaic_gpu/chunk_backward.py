@@ -218,7 +218,8 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
             e_pair = (t_s.T, bk_st)  # Aᵀ (dR S0ᵀ) = −Aᵀ dW, the state part of −dĒ
             nbk = None  # −β K goes to bk_st once that product has read dR S0ᵀ there
         else:
-            ag = stage(cc_a, plgpu.load(t_s, layout=WGMMA).astype(F32) * decay * cols_of(beta_c, (C, C)))
+            # Ag = T0 ⊙ D ⊙ β_j, the left operand of R = Ag W, from registers (never staged)
+            ag = (plgpu.load(t_s, layout=WGMMA).astype(F32) * decay * cols_of(beta_c, (C, C))).astype(dtype)
             r = stage(r_st, mma(ag, w, (C, V)))
             # The three ReWY products (Λ = Aᵀ dR came from the reverse pass): Λ Rᵀ, Λ S0ᵀ, and dO Rᵀ.
             plgpu.barrier_wait(bar_lo)
@@ -295,12 +296,13 @@ def _wy_products(w, beta_c, decay, strict, scale, gated: bool, k_f, tail_r, *, q
     """
     V, K = w_st.shape[-1], k_s.shape[-1]
     a_f = plgpu.load(t_s, layout=WGMMA).astype(F32) * decay  # A = T0 ⊙ D, the gated inverse
-    ag = stage(cc_a, a_f * cols_of(beta_c, (C, C)))  # Ag = A diag(β): R = A (Z − Ē S0) = Ag W
+    # Ag = A diag(β): R = A (Z − Ē S0) = Ag W, Ag from registers
+    ag = (a_f * cols_of(beta_c, (C, C))).astype(t_s.dtype)
     a = stage(t_s, a_f)
     # R and the query-key Gram (for P̃ of dR), one round trip.
     r, qk = mma_group(((((ag, w),), (C, V)), (((q_s, k_s.T),), (C, C))))
     r = stage(r_st, r)
-    p = stage(cc_a, qk * (decay * scale))  # P̃ = scale·(Q Kᵀ ⊙ D), j ≤ i (Ag is done)
+    p = stage(cc_a, qk * (decay * scale))  # P̃ = scale·(Q Kᵀ ⊙ D), j ≤ i
     # dR = P̃ᵀ dO + K_tail dS: what the standard backward's state pass hands the WY products
     # (the shared reverse pass here emits Λ = Aᵀ dR instead, so the wy body forms dR again).
     kt = stage(bk_st, k_f() * rows_of(tail_r, (C, K))) if gated else k_s  # K_tail = t ⊙ K
@@ -441,9 +443,9 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
         # (one [C, C] fp32 tile, 32 registers, beside phase A's accumulators).
         decay_tile = lambda: (causal_decay(g_row, plgpu.load(g_s, layout=COLS), strict=False)  # noqa: E731
                               if gated else causal_decay(None, None, strict=False))
-        # Ag = T0 ⊙ D ⊙ β_j replaces T0 in its buffer.
+        # Ag = T0 ⊙ D ⊙ β_j in registers: the left operand of every block's R = Ag W.
         beta_c = plgpu.load(b_s, layout=COLS)
-        ag = stage(t_s, plgpu.load(t_s, layout=WGMMA).astype(F32) * decay_tile() * cols_of(beta_c, (C, C)))
+        ag = (plgpu.load(t_s, layout=WGMMA).astype(F32) * decay_tile() * cols_of(beta_c, (C, C))).astype(dtype)
 
         # Phase A, per value block: R = Ag (V − Γ K S0) from the saved chunk start state, and the
         # three ReWY Gram terms' V-sums Λ Rᵀ and dO Rᵀ. Signs are applied as a product with −1,
@@ -567,7 +569,7 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
     starts before all ~150 KB (K = 128) have arrived: k, S0ᵀ, β, g | v, T0 | Λ, dO | dSᵀ, q.
 
     WG0 (the chain: R, dT, dA, dq; it also issues the TMA loads):
-        R = Ag (V − Γ K S0)                   (Ag in place of T0)        -> R staged, ``r_ready``
+        R = Ag (V − Γ K S0)                   (Ag from registers)        -> R staged, ``r_ready``
         Λ Rᵀ, dO Rᵀ                           (one round trip)
         −dT ⊙ D and scale·(dA ⊙ D) staged                                 -> ``cc_ready``
         dq = scale·Γ dO S0ᵀ + (dA ⊙ D) K      (two accumulators, one round trip)
@@ -659,15 +661,15 @@ def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scal
             plgpu.barrier_wait(bar_k)
             _, g_row, gam_r, _ = row_vectors()
 
-            # R = Ag (V − Γ K S0), recomputed from the saved chunk start state; Ag replaces T0.
+            # R = Ag (V − Γ K S0), recomputed from the saved chunk start state.
             ks0 = mma(k_s, s0_s.T, (C, V))
             if gated:
                 ks0 = ks0 * rows_of(gam_r, (C, V))
             plgpu.barrier_wait(bar_v)
             w = stage(w_st, plgpu.load(v_s, layout=WGMMA).astype(F32) - ks0)
             beta_c = plgpu.load(b_s, layout=COLS)
-            ag = stage(t_s, plgpu.load(t_s, layout=WGMMA).astype(F32) * decay_tile(g_row)
-                       * cols_of(beta_c, (C, C)))
+            ag = (plgpu.load(t_s, layout=WGMMA).astype(F32) * decay_tile(g_row)
+                  * cols_of(beta_c, (C, C))).astype(dtype)  # R's left operand, from registers
             r = stage(r_st, mma(ag, w, (C, V)))
             plgpu.barrier_arrive(r_ready)  # R is in SMEM, and V has been read (WG1 writes dv there)
 

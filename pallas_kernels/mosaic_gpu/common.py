@@ -45,9 +45,10 @@ def vectors(stages: int) -> plgpu.SMEM:
 def mma(a, b, shape, acc=None):
     """``acc + a @ b`` on the tensor cores, fp32 result ``shape`` in registers.
 
-    ``a`` and ``b`` are SMEM refs (``.T`` views allowed for 16-bit operands). A register tile
-    goes through :func:`stage` first: the GPU interpreter that checks these kernels on CPU
-    reads WGMMA operands from SMEM only, and one code path serves both. The product goes into a
+    ``b`` is an SMEM ref (``.T`` views allowed for 16-bit operands); ``a`` is an SMEM ref or a
+    16-bit register tile in the WGMMA layout ``[64·m, k]`` (a left operand from registers skips
+    the store and fence of :func:`stage`; the GPU interpreter of jax ≥ 0.12.1 runs both). A
+    register tile that is a right operand goes through :func:`stage`. The product goes into a
     fresh accumulator and ``acc`` is added after it (a pre-initialised accumulator needs
     ``pl.run_state``, which the interpreter cannot run either). The result passes an
     optimisation barrier: reading a WGMMA accumulator lowers to a ``wgmma.wait_group`` with no
@@ -58,7 +59,7 @@ def mma(a, b, shape, acc=None):
 
 
 def mma_sum(pairs, shape, acc=None):
-    """``acc + Σ a @ b`` over ``pairs`` of SMEM refs, as :func:`mma` but in one accumulator.
+    """``acc + Σ a @ b`` over ``pairs`` of operands as for :func:`mma`, in one accumulator.
 
     The products are issued back to back into the same accumulator and waited for once, so a
     sum of products costs one round trip to the tensor cores instead of one per term (the

@@ -120,10 +120,8 @@ def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_st
     state buffer holds one ``[block_v, k_block]`` block (``None``: the whole ``[block_v, K]``)."""
     # per stage: q, k, v, Ag_hi (T0's buffer), Ag_lo, β and g
     per_stage = 2 * C * K * itemsize + C * block_v * itemsize + 2 * C * C * itemsize + 2 * C * 4
-    # the published state (2 halves), R (2), the output/P tile (2), the W stage; the fp32 state;
-    # P's own [C, C] tile when it does not fit the output tile (block_v < C)
+    # the published state (2 halves), R (2), the output tile (2), the W stage; the fp32 state
     fixed = 2 * block_v * K * itemsize + 5 * C * block_v * itemsize
-    fixed += C * C * itemsize if block_v < C else 0
     fixed += block_v * (k_block or K) * 4 if with_state else 0
     return stages * per_stage + fixed
 

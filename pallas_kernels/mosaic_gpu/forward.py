@@ -101,12 +101,10 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
         scratch["state_s"] = smem((kb, bv) if key_rows else (bv, kb), F32)
     if packed:
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
-    if bv < C:  # P [C, C] does not fit the output tile
-        scratch["p_s"] = tile((C, C))
 
     def fused_forward_body(
             *refs, q_s, k_s, v_s, t_s, tl_s, b_s, g_s, s_pub, r_pub, o_out, w_stage, in_bar, in_free,
-            ag_ready, s_ready, s_free, state_bar, done, state_s=None, meta_s=None, p_s=None):
+            ag_ready, s_ready, s_free, state_bar, done, state_s=None, meta_s=None):
         refs = list(refs)
         q_ref = refs.pop(0) if out_o else None
         k_ref, v_ref, t_ref, b_ref = (refs.pop(0) for _ in range(4))
@@ -276,11 +274,8 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                     plgpu.barrier_arrive(s_free.at[half])
                     plgpu.barrier_arrive(in_free.at[slot])
                     return carry
-                # P is staged in o_out[half] (when it fits there: block_v = C), which chunk
-                # n − 2's output store must have read.
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                p = stage(o_out.at[half] if p_s is None else p_s,
-                          mma(q_s.at[slot], k_s.at[slot].T, (C, C)) * decay)
+                # P, the left operand of P R, stays in registers (never staged)
+                p = (mma(q_s.at[slot], k_s.at[slot].T, (C, C)) * decay).astype(dtype)
                 plgpu.barrier_wait(s_ready.at[half])
                 qs0 = ((q_s.at[slot], s_pub.at[half].T),)  # Q S0
                 if gated:  # Γ Q S0 + P R: two accumulators, one round trip
@@ -290,7 +285,8 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                     o = mma_sum(qs0 + ((p, r_pub.at[half]),), (C, bv))
                 plgpu.barrier_arrive(s_free.at[half])
                 plgpu.barrier_arrive(in_free.at[slot])
-                o_out.at[half][...] = (o * scale).astype(dtype)  # P was consumed by the product
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # chunk n − 2's store read o_out[half]
+                o_out.at[half][...] = (o * scale).astype(dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[b, pl.ds(n * C, C), h, vcols])
                 return carry
