@@ -36,13 +36,13 @@ CASES = ("t0", "state_backward_gdn", "chunk_backward_deltanet", "vector_chunk_ce
          "vector_chunk_inv_centred",
          "vector_chunk_backward_centred", "vector_chunk_backward_exact", "vector_chunk_backward_runtime",
          "op_kda_fwd_centred", "op_kda_fwd_runtime", "op_kda_centred", "op_kda_runtime",
-         "op_gdn2_fwd_centred", "op_gdn2_centred")
+         "op_gdn2_fwd_centred", "op_gdn2_centred", "op_gdn_fwd", "op_gdn")
 __doc__ += "\n".join(f"    {c}" for c in CASES) + "\n"
 __doc__ += """
-The ``op_kda`` and ``op_gdn2`` cases time the public op, ``chunk_kda`` / ``chunk_gdn2(...,
-backend="mosaic_gpu")``: its forward (``_fwd_``) or o and every input's gradient (policy
-recompute), XLA's work around the kernels included (what a kernel alone leaves out: the frame
-flags, a conditional, the gate sums, the leaf maps).
+The ``op_kda``, ``op_gdn2`` and ``op_gdn`` cases time the public op, ``chunk_kda`` /
+``chunk_gdn2`` / ``chunk_gated_delta_rule(..., backend="mosaic_gpu")``: its forward (``_fwd``)
+or o and every input's gradient (policy recompute), XLA's work around the kernels included
+(what a kernel alone leaves out: the frame flags, a conditional, the gate sums, the leaf maps).
 """
 AB_DIR = ".ab"
 
@@ -110,24 +110,27 @@ def _vector(x, case, ip):
 
 
 def _op(x, case, smoke):
-    """A callable of the public KDA or GDN2 op for an ``op_`` case (see the module docstring)."""
+    """A callable of the public KDA, GDN2 or GDN op for an ``op_`` case (see the module docstring)."""
     import jax
     import jax.numpy as jnp
 
-    from rewy_jax.ops import chunk_gdn2, chunk_kda
+    from rewy_jax.ops import chunk_gated_delta_rule, chunk_gdn2, chunk_kda
 
     mode = case.rsplit("_", 1)[1]
     bound = -5.0 if mode == "centred" else None
     g = x["g_resets"] if mode == "exact" else x["g"]
     kw = dict(backend="mosaic_gpu", gate_lower_bound=bound, interpret=smoke)
-    if case.startswith("op_kda"):
+    if case.startswith("op_gdn_") or case == "op_gdn":  # scalar gates
+        args = (x["q"], x["k"], x["v"], x["g_scalar"], x["beta"])
+        op = lambda *a: chunk_gated_delta_rule(*a, backend="mosaic_gpu", interpret=smoke)[0]  # noqa: E731
+    elif case.startswith("op_kda"):
         args = (x["q"], x["k"], x["v"], g, x["beta"])
         op = lambda *a: chunk_kda(*a, **kw)[0]  # noqa: E731
     else:  # GDN2: per-channel b and w in [0, 1]
         b = jnp.broadcast_to(x["beta"][..., None], g.shape)
         args = (x["q"], x["k"], x["v"], g, b, b)
         op = lambda *a: chunk_gdn2(*a, **kw)[0]  # noqa: E731
-    if "_fwd_" in case:
+    if "_fwd" in case:
         f = jax.jit(op)
     else:
         do = x["bf"](*x["shape"])

@@ -384,7 +384,7 @@ def test_kernel_ab_prepares_trees_and_times_each(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("PYTHONPATH", repo)
     os.makedirs(tmp_path / "other")  # a tree left out by `trees`
-    cases = ["t0", "chunk_backward_deltanet", "vector_chunk_runtime", "op_kda_fwd_runtime"]
+    cases = ["t0", "chunk_backward_deltanet", "vector_chunk_runtime", "op_kda_fwd_runtime", "op_gdn_fwd"]
     out = kernel_ab.run(cases, limit=600, smoke=True, log_dir=str(tmp_path / "logs"), trees=["HEAD"])
     assert out == {"HEAD": dict.fromkeys(cases, 0.0)}, out
     assert os.listdir(tmp_path / "logs") == ["HEAD.log"]
