@@ -32,7 +32,8 @@ import sys
 
 import numpy as np
 
-CASES = ("t0", "state_backward_gdn", "chunk_backward_deltanet", "vector_chunk_centred", "vector_chunk_exact", "vector_chunk_runtime",
+CASES = ("t0", "forward_gdn", "forward_gdn_value_rows", "state_backward_gdn", "state_backward_gdn_value_rows",
+         "chunk_backward_deltanet", "vector_chunk_centred", "vector_chunk_exact", "vector_chunk_runtime",
          "vector_chunk_inv_centred",
          "vector_chunk_backward_centred", "vector_chunk_backward_exact", "vector_chunk_backward_runtime",
          "op_kda_fwd_centred", "op_kda_fwd_runtime", "op_kda_centred", "op_kda_runtime",
@@ -177,6 +178,7 @@ def time_tree(cases: list[str], smoke: bool = False) -> dict:
     from benchmarks.shapes import ANCHOR_SHAPE, Shape
     from pallas_kernels.mosaic_gpu import api, compat, config
     from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
+    from pallas_kernels.mosaic_gpu.forward import fused_forward
     from pallas_kernels.mosaic_gpu.state_backward import state_backward
 
     import pallas_kernels
@@ -197,11 +199,20 @@ def time_tree(cases: list[str], smoke: bool = False) -> dict:
             if case == "t0":
                 f = jax.jit(functools.partial(chunk_inverse, interpret=ip))
                 out[case] = time_ms(lambda: f(kp, bh), loops=100)
-            elif case == "state_backward_gdn":
-                # (smoke: value rows; the key-rows reverse pass needs 3 CPUs in the interpreter)
-                cfg = config.default_config(D, D, 2, heads=None if smoke else B * H, gated=True).state_backward
-                f = jax.jit(lambda *a: state_backward(*a, None, scale=D ** -0.5, cfg=cfg, interpret=ip))
-                out[case] = time_ms(lambda: f(qp, kp, vp, t0, g2, bh))
+            elif case.startswith(("forward_gdn", "state_backward_gdn")):
+                # GDN's serial passes alone, in the layout the op picks at this shape (key rows at
+                # the anchor) or in value rows (smoke: value rows; the key-rows reverse pass needs
+                # 3 CPUs in the interpreter)
+                value_rows = smoke or case.endswith("_value_rows")
+                cfg = config.default_config(D, D, 2, heads=None if value_rows else B * H, gated=True)
+                if case.startswith("forward"):  # the forward's state chain and output, h0 = 0
+                    f = jax.jit(lambda *a: fused_forward(*a, None, scale=D ** -0.5, cfg=cfg.forward, out_final=False,
+                                                         save_states=False, interpret=ip))
+                    out[case] = time_ms(lambda: f(qp, kp, vp, t0, g2, bh))
+                else:
+                    f = jax.jit(lambda *a: state_backward(*a, None, scale=D ** -0.5, cfg=cfg.state_backward,
+                                                          interpret=ip))
+                    out[case] = time_ms(lambda: f(qp, kp, vp, t0, g2, bh))
             elif case == "chunk_backward_deltanet":  # DeltaNet's per-chunk gradient kernel (one warpgroup)
                 out[case] = time_ms(_scalar_backward(x, (qp, kp, vp, t0, bh), ip, smoke))
             elif case.startswith("op_"):

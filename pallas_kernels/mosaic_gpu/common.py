@@ -42,7 +42,7 @@ def vectors(stages: int) -> plgpu.SMEM:
     return plgpu.SMEM((stages, C), F32)
 
 
-def mma(a, b, shape, acc=None):
+def mma(a, b, shape, acc=None, between=None):
     """``acc + a @ b`` on the tensor cores, fp32 result ``shape`` in registers.
 
     ``b`` is an SMEM ref (``.T`` views allowed for 16-bit operands); ``a`` is an SMEM ref or a
@@ -50,36 +50,42 @@ def mma(a, b, shape, acc=None):
     the store and fence of :func:`stage`; the GPU interpreter of jax ≥ 0.12.1 runs both). A
     register tile that is a right operand goes through :func:`stage`. The product goes into a
     fresh accumulator and ``acc`` is added after it (a pre-initialised accumulator needs
-    ``pl.run_state``, which the interpreter cannot run either). The result passes an
+    ``pl.run_state``, which the interpreter cannot run). The result passes an
     optimisation barrier: reading a WGMMA accumulator lowers to a ``wgmma.wait_group`` with no
     data dependence on the accumulator registers, and without the barrier LLVM may schedule
     arithmetic on the result before the wait (stale values).
     """
-    return mma_sum(((a, b),), shape, acc)
+    return mma_sum(((a, b),), shape, acc, between)
 
 
-def mma_sum(pairs, shape, acc=None):
+def mma_sum(pairs, shape, acc=None, between=None):
     """``acc + Σ a @ b`` over ``pairs`` of operands as for :func:`mma`, in one accumulator.
 
     The products are issued back to back into the same accumulator and waited for once, so a
     sum of products costs one round trip to the tensor cores instead of one per term (the
-    latency that matters on a serial chain or in a chain of small products).
+    latency that matters on a serial chain or in a chain of small products). ``between``: see
+    :func:`mma_group`.
     """
-    (out,) = mma_group(((pairs, shape),))
+    (out,) = mma_group(((pairs, shape),), between)
     return out if acc is None else out + acc
 
 
-def mma_group(specs):
+def mma_group(specs, between=None):
     """Independent sums of products, one accumulator each, issued together and waited for once.
 
     ``specs``: a sequence of ``(pairs, shape)`` (``pairs`` as for :func:`mma_sum`); returns the
     fp32 results in order. The tensor cores start the next product while the previous one
-    drains, and the warpgroup waits once for all of them.
+    drains, and the warpgroup waits once for all of them. ``between`` (optional, no result)
+    runs after the products are issued and before the wait: work that must not delay them
+    (a serial chain publishing a tile for another warpgroup: its stores and fence overlap the
+    products instead of preceding them). It must not write what the products read.
     """
     def scoped(*acc_refs):
         for acc_ref, (pairs, _) in zip(acc_refs, specs):
             for a, b in pairs:
                 plgpu.wgmma(acc_ref, a, b)
+        if between is not None:
+            between()
         return tuple(acc_ref[...] for acc_ref in acc_refs)
 
     accs = [plgpu.ACC(shape, F32) for _, shape in specs]

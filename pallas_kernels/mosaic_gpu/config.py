@@ -115,13 +115,14 @@ class Config:
 
 
 def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_state: bool,
-                       k_block: int | None = None) -> int:
+                       k_block: int | None = None, key_rows: bool = False) -> int:
     """SMEM the fused forward needs (its scratch list, see forward.fused_forward); the fp32
     state buffer holds one ``[block_v, k_block]`` block (``None``: the whole ``[block_v, K]``)."""
     # per stage: q, k, v, Ag_hi (T0's buffer), Ag_lo, β and g
     per_stage = 2 * C * K * itemsize + C * block_v * itemsize + 2 * C * C * itemsize + 2 * C * 4
-    # the published state (2 halves), R (2), the output tile (2), the W stage; the fp32 state
-    fixed = 2 * block_v * K * itemsize + 5 * C * block_v * itemsize
+    # the published state (2 halves), R (2), the output tile (2), the W stage (key rows only:
+    # value rows take the chain's left operands from registers); the fp32 state
+    fixed = 2 * block_v * K * itemsize + (4 + key_rows) * C * block_v * itemsize
     fixed += block_v * (k_block or K) * 4 if with_state else 0
     return stages * per_stage + fixed
 
@@ -134,7 +135,8 @@ def state_backward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int,
     transposed)."""
     per_stage = 2 * C * K * itemsize + C * block_v * itemsize + C * C * itemsize + 2 * C * 4
     fixed = 2 * block_v * C * 4 + 2 * C * block_v * itemsize + C * C * itemsize
-    fixed += block_v * K * itemsize + block_v * C * itemsize + C * block_v * itemsize
+    # dSᵀ, Λ, and (key rows only: value rows take the chain's left operands from registers) dR
+    fixed += block_v * K * itemsize + (1 + key_rows) * block_v * C * itemsize
     fixed += block_v * (C if key_rows else (k_block or K)) * 4
     return stages * per_stage + fixed
 
@@ -343,7 +345,7 @@ def vector_state_backward_smem_bytes(K: int, block_v: int, stages: int, itemsize
     vector_state_backward.vector_state_backward); the fp32 cotangent buffer holds one
     ``[block_v, k_block]`` block (``None``: the whole)."""
     per_stage = 3 * C * K * itemsize + C * C * itemsize + C * block_v * itemsize + K * 4
-    fixed = block_v * K * itemsize + 2 * block_v * C * itemsize + block_v * (k_block or K) * 4
+    fixed = block_v * K * itemsize + block_v * C * itemsize + block_v * (k_block or K) * 4  # dSᵀ, dR, fp32 block
     return stages * per_stage + fixed
 
 

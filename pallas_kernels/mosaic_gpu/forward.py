@@ -17,11 +17,12 @@ One CTA per ``(b, h, 64 value columns)`` walks its chunks in order with three wa
   from the published tiles and stores it with TMA.
 * WG2 (memory) streams q, k, v, T0, the gates and β with TMA into ``stages`` buffers.
 
-All three matmuls of the chain take their left operand from registers (WGMMA), so neither W, R
-nor the chunk states reach HBM, unless ``save_states`` asks for the chunk start states
+Neither W, R nor the chunk states reach HBM, unless ``save_states`` asks for the chunk start states
 (``[B, H, N, V, K]`` in the input dtype; the backward's ``save`` policy reads them). The
 ``recompute`` policy's backward runs this kernel again with ``out_o=False``: the chain and Ag
-only, for the chunk start states.
+only, for the chunk start states. In value rows every left operand of the chain comes from
+registers, so no chain product waits for a store and fence (WG1's tiles are stored while the
+next product runs); in key rows the state, W and R are right operands and are staged.
 Math: docs/math.md (§ chunked forward); this is the scalar-gate, gate-free-inverse form of it.
 
 Reads:  q (not with ``out_o=False``), k [B, Tp, H, K]; v [B, Tp, H, V]; t0 [B, H, Tp, C]; g2, beta [B, H, Tp] fp32;
@@ -89,13 +90,14 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
         tl_s=tile((stages, C, C)),
         b_s=vectors(stages), g_s=vectors(stages),
         s_pub=tile((2, bv, K)), r_pub=tile((2, C, bv)), o_out=tile((2, C, bv)),
-        w_stage=tile((C, bv) if key_rows else (bv, C)),
         in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         ag_ready=plgpu.Barrier(num_barriers=stages),
         s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2),
         state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
     )
+    if key_rows:  # the chain's right operands W and the decayed R (value rows: registers)
+        scratch["w_stage"] = tile((C, bv))
     if has_h0 or out_final:
         # one block of the fp32 state at a time
         scratch["state_s"] = smem((kb, bv) if key_rows else (bv, kb), F32)
@@ -103,8 +105,8 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
     def fused_forward_body(
-            *refs, q_s, k_s, v_s, t_s, tl_s, b_s, g_s, s_pub, r_pub, o_out, w_stage, in_bar, in_free,
-            ag_ready, s_ready, s_free, state_bar, done, state_s=None, meta_s=None):
+            *refs, q_s, k_s, v_s, t_s, tl_s, b_s, g_s, s_pub, r_pub, o_out, in_bar, in_free,
+            ag_ready, s_ready, s_free, state_bar, done, w_stage=None, state_s=None, meta_s=None):
         refs = list(refs)
         q_ref = refs.pop(0) if out_o else None
         k_ref, v_ref, t_ref, b_ref = (refs.pop(0) for _ in range(4))
@@ -148,7 +150,9 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                 plgpu.commit_smem()
                 return ref
 
-            def update(slot, half, s_lo, s):
+            def update(slot, half, publish_start, s):
+                publish_start()  # S is the right operand of K S: published first
+                s_lo = s_pub.at[half]
                 pred = mma(k_s.at[slot], s_lo.T, (C, bv))  # K S [C, bv]
                 v_c = plgpu.load(v_s.at[slot], layout=WGMMA).astype(F32)
                 if gated:
@@ -181,8 +185,12 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
             def publish(ref, blocks):
                 return stage_blocks(ref, blocks, kb)
 
-            def update(slot, half, s_lo, s_t):
-                pred = mma(s_lo, k_s.at[slot].T, (bv, C))  # (Sᵀ Kᵀ) [BV, C]
+            def update(slot, half, publish_start, s_t):
+                # Every left operand of the chain comes from registers (Sᵀ, Wᵀ, then Rᵀ or its
+                # decayed tail), so no product waits for a store and fence: the tiles published
+                # for WG1 (S, then R) are stored while the product after them runs.
+                pred = mma_sum(tuple((x.astype(dtype), key_block(k_s.at[slot], j, kb).T)
+                                     for j, x in enumerate(s_t)), (bv, C), between=publish_start)  # Sᵀ Kᵀ
                 v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32)
                 if gated:
                     g_col = plgpu.load(g_s.at[slot], layout=COLS)
@@ -191,18 +199,22 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                 else:
                     w_t = v_t - pred
                 plgpu.barrier_wait(ag_ready.at[slot])
-                w_s = stage(w_stage, w_t)  # Rᵀ = Wᵀ (Ag_hi + Ag_lo)ᵀ
-                r_t = mma_sum(((w_s, t_s.at[slot].T), (w_s, tl_s.at[slot].T)), (bv, C))
-                r_pub.at[half].T[...] = r_t.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(s_ready.at[half])
+                w_lo = w_t.astype(dtype)  # Rᵀ = Wᵀ (Ag_hi + Ag_lo)ᵀ
+                r_t = mma_sum(((w_lo, t_s.at[slot].T), (w_lo, tl_s.at[slot].T)), (bv, C))
+
+                def publish_r():
+                    r_pub.at[half].T[...] = r_t.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(s_ready.at[half])
+
                 # The state update, one key block at a time (one fresh [BV, kb] accumulator live).
                 if gated:
-                    tail = stage(w_stage, r_t * cols_of(jnp.exp2(g_last - g_col), (bv, C)))
-                    return tuple(mma(tail, key_block(k_s.at[slot], j, kb), (bv, kb),
-                                     acc=s_t[j] * jnp.exp2(g_last)) for j in range(nkb))
-                return tuple(mma(r_pub.at[half].T, key_block(k_s.at[slot], j, kb), (bv, kb),
-                                 acc=s_t[j]) for j in range(nkb))
+                    tail = (r_t * cols_of(jnp.exp2(g_last - g_col), (bv, C))).astype(dtype)
+                    return tuple(mma(tail, key_block(k_s.at[slot], j, kb), (bv, kb), acc=s_t[j] * jnp.exp2(g_last),
+                                     between=publish_r if j == 0 else None) for j in range(nkb))
+                r_lo = r_t.astype(dtype)
+                return tuple(mma(r_lo, key_block(k_s.at[slot], j, kb), (bv, kb), acc=s_t[j],
+                                 between=publish_r if j == 0 else None) for j in range(nkb))
 
         @pl.when(wg == 0)
         def _state_chain():
@@ -223,12 +235,14 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                     s_t = replace_where(reset, s_t, lambda j: state_view(h0_ref, seq, j), state_s,
                                         state_bar)
 
-                if save_states:  # the TMA store of chunk n − 2's state has read s_pub[half]
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                s_lo = publish(s_pub.at[half], s_t)  # the chunk start state, for WG1 and the chain
-                if save_states:
-                    plgpu.copy_smem_to_gmem(s_pub.at[half], st_ref.at[b, h, n, vcols])
-                s_new = update(slot, half, s_lo, s_t)
+                def publish_start():  # the chunk start state: WG1's Q S0, the saved states
+                    if save_states:  # the TMA store of chunk n − 2's state has read s_pub[half]
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    publish(s_pub.at[half], s_t)
+                    if save_states:
+                        plgpu.copy_smem_to_gmem(s_pub.at[half], st_ref.at[b, h, n, vcols])
+
+                s_new = update(slot, half, publish_start, s_t)
                 if packed and out_final:  # a sequence ends here: store its final state
                     end, seq = meta_s[slot, 2], meta_s[slot, 1]
 

@@ -110,7 +110,7 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
         x_pub=smem((2,) + chain, F32), dog_pub=tile((2, C, bv)), p_stage=tile((C, C)),
         # The dS and Λ tiles are single-buffered: only TMA stores read them, and each store has
         # a whole chunk's work to finish before the tile is rewritten (SMEM is the limit here).
-        ds_pub=tile((bv, K)), dr_stage=tile(chain), lam_out=tile((C, bv)),
+        ds_pub=tile((bv, K)), lam_out=tile((C, bv)),
         # one block of the fp32 cotangent at a time
         state_s=smem((kb, bv) if key_rows else (bv, kb), F32),
         in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
@@ -119,12 +119,14 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
         x_ready=plgpu.Barrier(num_barriers=2), x_free=plgpu.Barrier(num_barriers=2),
         state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
     )
+    if key_rows:  # the chain's right operands dR and Λ̃ (value rows: left operands, registers)
+        scratch["dr_stage"] = tile(chain)
     if packed:
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
     def state_backward_body(
-            *refs, q_s, k_s, do_s, a_s, b_s, g_s, x_pub, dog_pub, p_stage, ds_pub, dr_stage, lam_out,
-            state_s, in_bar, in_free, a_ready, x_ready, x_free, state_bar, done, meta_s=None):
+            *refs, q_s, k_s, do_s, a_s, b_s, g_s, x_pub, dog_pub, p_stage, ds_pub, lam_out,
+            state_s, in_bar, in_free, a_ready, x_ready, x_free, state_bar, done, dr_stage=None, meta_s=None):
         refs = list(refs)
         q_ref, k_ref, do_ref, t_ref, b_ref = (refs.pop(0) for _ in range(5))
         g_ref = refs.pop(0) if gated else None
@@ -156,17 +158,20 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
             def chunk_local(slot, p):  # X = P̃ᵀ dO [C, bv]
                 return mma(p.T, do_s.at[slot], (C, bv))
 
-            def predict(slot, ds_lo):  # K dS [C, bv]
-                return mma(k_s.at[slot], ds_lo.T, (C, bv))
+            def predict(slot, ds, publish_ds):  # K dS [C, bv]: dS is a right operand, published first
+                publish_ds()
+                return mma(k_s.at[slot], ds_pub.T, (C, bv))
 
             def adjoint(slot, dr):  # Λ = Aᵀ dR [C, bv]
-                return mma(a_s.at[slot].T, dr, (C, bv))
+                return mma(a_s.at[slot].T, stage(dr_stage, dr), (C, bv))
 
             def put_lam(lam):
                 lam_out[...] = lam.astype(dtype)
 
-            def update(slot, half, lam_lo, ds):
+            def update(slot, half, lam, ds, store_lam):
                 # (γ_C dS) + Qᵀ dO_γ − Kᵀ diag(β γ) Λ: every 64-row block in one round trip
+                store_lam()
+                lam_lo = stage(dr_stage, lam)
                 upd = mma_group(tuple((((key_block(q_s.at[slot], j, C).T, dog_pub.at[half]),
                                         (key_block(k_s.at[slot], j, C).T, lam_lo)), (C, bv))
                                       for j in range(nkb)))
@@ -186,19 +191,24 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
             def chunk_local(slot, p):  # Xᵀ = dOᵀ P̃ [bv, C]
                 return mma(do_s.at[slot].T, p, (bv, C))
 
-            def predict(slot, ds_lo):  # dSᵀ Kᵀ [bv, C]
-                return mma(ds_lo, k_s.at[slot].T, (bv, C))
+            # The chain's left operands (dSᵀ, dRᵀ, Λ̃ᵀ) come from registers: no product waits
+            # for a store and fence; the published dSᵀ and Λ are stored while a product runs.
+            def predict(slot, ds_t, publish_ds):  # dSᵀ Kᵀ [bv, C]
+                return mma_sum(tuple((x.astype(dtype), key_block(k_s.at[slot], j, kb).T)
+                                     for j, x in enumerate(ds_t)), (bv, C), between=publish_ds)
 
             def adjoint(slot, dr):  # Λᵀ = dRᵀ A [bv, C]
-                return mma(dr, a_s.at[slot], (bv, C))
+                return mma(dr.astype(dtype), a_s.at[slot], (bv, C))
 
             def put_lam(lam):
                 lam_out.T[...] = lam.astype(dtype)
 
-            def update(slot, half, lam_lo, ds_t):
+            def update(slot, half, lam, ds_t, store_lam):
                 # One key block at a time: one fresh [BV, kb] accumulator beside the cotangent.
+                lam_lo = lam.astype(dtype)
                 return tuple(mma_sum(((dog_pub.at[half].T, key_block(q_s.at[slot], j, kb)),
-                                      (lam_lo, key_block(k_s.at[slot], j, kb))), (bv, kb), acc=ds_t[j])
+                                      (lam_lo, key_block(k_s.at[slot], j, kb))), (bv, kb), acc=ds_t[j],
+                                     between=store_lam if j == 0 else None)
                              for j in range(nkb))
 
         @pl.when(wg == 2)
@@ -271,10 +281,12 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
                                              state_s, state_bar)
                     else:
                         ds_t = tuple(jnp.where(end == 1, 0.0, x) for x in ds_t)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk i − 1's stores have read
-                ds_lo = publish(ds_pub, ds_t)
-                plgpu.copy_smem_to_gmem(ds_pub, dst_ref.at[b, h, n, vcols], commit_group=False)
-                y = predict(slot, ds_lo)
+                def publish_ds():  # the chunk's end cotangent, an output (and key rows' operand)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk i − 1's stores have read
+                    publish(ds_pub, ds_t)
+                    plgpu.copy_smem_to_gmem(ds_pub, dst_ref.at[b, h, n, vcols], commit_group=False)
+
+                y = predict(slot, ds_t, publish_ds)
                 if gated:
                     g_tok = plgpu.load(g_s.at[slot], layout=per_token)
                     g_last = g_s[slot, C - 1]
@@ -282,20 +294,22 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
                 plgpu.barrier_wait(x_ready.at[half])
                 dr = y + plgpu.load(x_pub.at[half], layout=WGMMA)
                 plgpu.barrier_wait(a_ready.at[slot])
-                lam = adjoint(slot, stage(dr_stage, dr))
-                put_lam(lam)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(lam_out, lam_ref.at[b, pl.ds(n * C, C), h, vcols])
+                lam = adjoint(slot, dr)
+
+                def store_lam():
+                    put_lam(lam)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(lam_out, lam_ref.at[b, pl.ds(n * C, C), h, vcols])
+
                 beta_tok = plgpu.load(b_s.at[slot], layout=per_token)
-                # −diag(β γ) Λ: the sign rides on the staged operand, so both terms of the
-                # update share one accumulator (one tensor-core round trip on the chain).
+                # −diag(β γ) Λ: the sign rides on the operand, so both terms of the update share
+                # one accumulator (one tensor-core round trip on the chain).
                 if gated:
-                    lam = lam * along_tokens(beta_tok * jnp.exp2(g_tok) * -1.0)
+                    lam_s = lam * along_tokens(beta_tok * jnp.exp2(g_tok) * -1.0)
                     ds_t = tuple(x * jnp.exp2(g_last) for x in ds_t)
                 else:
-                    lam = lam * along_tokens(beta_tok * -1.0)
-                lam_lo = stage(dr_stage, lam)
-                ds_new = update(slot, half, lam_lo, ds_t)
+                    lam_s = lam * along_tokens(beta_tok * -1.0)
+                ds_new = update(slot, half, lam_s, ds_t, store_lam)
                 if packed:  # a sequence starts here: its initial state's cotangent is done
                     reset, seq = meta_s[slot, 0], meta_s[slot, 1]
 

@@ -148,24 +148,34 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
                     s_t = replace_where(reset, s_t, lambda j: key_block(h0_ref.at[seq, h, vcols], j, kb),
                                         state_s, state_bar)
 
-                if save_states:  # the stores from this half, two chunks ago, have read it
-                    plgpu.wait_smem_to_gmem(2, wait_read_only=True)
-                s_lo = stage_blocks(s_pub.at[half], s_t, kb)  # the chunk start state, for WG1 and the chain
-                if save_states:
-                    plgpu.copy_smem_to_gmem(s_lo, st_ref.at[b, h, n, vcols])
-                pred = mma(s_lo, w_s.at[slot].T, (bv, C))  # Sᵀ Wᵀ = (W S)ᵀ
+                # The chain's left operands (Sᵀ, Rᵀ) come from registers, so no product waits for
+                # a store and fence: the tiles published for WG1 (and the saved states) are stored
+                # while the product after them runs.
+                def publish_s():  # the chunk start state
+                    if save_states:  # the stores from this half, two chunks ago, have read it
+                        plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+                    stage_blocks(s_pub.at[half], s_t, kb)
+                    if save_states:
+                        plgpu.copy_smem_to_gmem(s_pub.at[half], st_ref.at[b, h, n, vcols])
+
+                pred = mma_sum(tuple((x.astype(dtype), key_block(w_s.at[slot], j, kb).T) for j, x in enumerate(s_t)),
+                               (bv, C), between=publish_s)  # Sᵀ Wᵀ = (W S)ᵀ
                 r_t = plgpu.load(u_s.at[slot].T, layout=WGMMA).astype(F32) - pred  # Rᵀ
-                r_pub.at[half].T[...] = r_t.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(s_ready.at[half])
-                if save_states:
-                    plgpu.copy_smem_to_gmem(r_pub.at[half], r_ref.at[b, pl.ds(n * C, C), h, vcols])
+                r_lo = r_t.astype(dtype)
+
+                def publish_r():
+                    r_pub.at[half].T[...] = r_lo
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(s_ready.at[half])
+                    if save_states:
+                        plgpu.copy_smem_to_gmem(r_pub.at[half], r_ref.at[b, pl.ds(n * C, C), h, vcols])
+
                 s_new = []
                 for j, s_j in enumerate(s_t):  # block by block: one block's fresh accumulator live
                     decay = cols_of(jnp.exp2(plgpu.load(key_block(gl_s.at[slot], j, kb), layout=COLS)),
                                     (bv, kb))  # 2^{G_C} per key
-                    s_new.append(mma(r_pub.at[half].T, key_block(kt_s.at[slot], j, kb), (bv, kb),
-                                     acc=s_j * decay))
+                    s_new.append(mma(r_lo, key_block(kt_s.at[slot], j, kb), (bv, kb),
+                                     acc=s_j * decay, between=publish_r if j == 0 else None))
                 s_new = tuple(s_new)
                 if packed and out_final:  # a sequence ends here: store its final state
                     end, seq = meta_s[slot, 2], meta_s[slot, 1]

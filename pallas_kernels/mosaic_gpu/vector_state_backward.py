@@ -24,10 +24,11 @@ Warpgroups:
   the chunk's last row of G ``[K]`` fp32 into ``stages`` buffers, last chunk first.
 
 SMEM (config.vector_state_backward_smem_bytes): per stage 3·C·K + C·C + C·64 16-bit values and K
-fp32; fixed: dSᵀ (16-bit) for the chain and its store, −dRᵀ (WGMMA operand), dR (store tile),
-the fp32 tile for d(final) and dh0. K = 128: 2 stages, 193 KiB; K = 64: 4 stages, 201 KiB.
-K = 256 (``cfg.k_block = 64``): the cotangent as four ``[64, 64]`` register blocks, each updated
-by its own accumulator, d(final) and dh0 one block at a time; 1 stage, 177 KiB.
+fp32; fixed: dSᵀ (16-bit) and dR, the store tiles, and the fp32 tile for d(final) and dh0 (the
+chain's left operands dSᵀ and −dRᵀ come from registers). K = 128: 2 stages, 185 KiB; K = 64:
+4 stages, 193 KiB. K = 256 (``cfg.k_block = 64``): the cotangent as four ``[64, 64]`` register
+blocks, each updated by its own accumulator, d(final) and dh0 one block at a time; 1 stage,
+169 KiB.
 
 Reads:  kt, w, qg [B, H, Tp, K]; p [B, H, Tp, C]; do [B, Tp, H, V]; g2 [B, H, Tp, K] fp32 (row
         C − 1 of each chunk); dfinal ᵀ [B, H, V, K] fp32 (optional).
@@ -50,7 +51,7 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, cols_of, finish_together, key_block, memory_warpgroup, mma_sum, smem, stage,
+    C, COLS, F32, META, cols_of, finish_together, key_block, memory_warpgroup, mma_sum, smem,
     stage_blocks, replace_where, start_state, store_state)
 from pallas_kernels.mosaic_gpu.config import PassConfig
 
@@ -81,7 +82,7 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
         p_s=smem((stages, C, C), dtype), do_s=smem((stages, C, bv), dtype), gl_s=plgpu.SMEM((stages, K), F32),
         # Single-buffered: only this warpgroup's TMA stores read ds_pub and dr_out, and each store
         # has the next chunk's first product to finish before the tile is rewritten.
-        ds_pub=smem((bv, K), dtype), ndr_s=smem((bv, C), dtype), dr_out=smem((C, bv), dtype),
+        ds_pub=smem((bv, K), dtype), dr_out=smem((C, bv), dtype),
         state_s=smem((bv, kb), F32),  # one block of d(final) / dh0 at a time
         in_bar=plgpu.Barrier(num_arrivals=6 + packed, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
@@ -91,7 +92,7 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
     def vector_state_backward_body(
-            *refs, kt_s, w_s, qg_s, p_s, do_s, gl_s, ds_pub, ndr_s, dr_out, state_s, in_bar, in_free,
+            *refs, kt_s, w_s, qg_s, p_s, do_s, gl_s, ds_pub, dr_out, state_s, in_bar, in_free,
             state_bar, done, meta_s=None):
         refs = list(refs)
         kt_ref, w_ref, qg_ref, p_ref, do_ref, g_ref = (refs.pop(0) for _ in range(6))
@@ -133,20 +134,30 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
                                              state_s, state_bar)
                     else:
                         ds_t = tuple(jnp.where(end == 1, 0.0, x) for x in ds_t)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk i − 1's stores have read
-                ds_lo = stage_blocks(ds_pub, ds_t, kb)  # the chunk's end cotangent: operand and output
-                plgpu.copy_smem_to_gmem(ds_pub, dst_ref.at[b, h, n, vcols])
-                dr_t = mma_sum(((ds_lo, kt_s.at[slot].T), (do_s.at[slot].T, p_s.at[slot])), (bv, C))
-                dr_out.T[...] = dr_t.astype(dtype)
-                # −dRᵀ: the sign rides on the staged operand, so the update is one accumulator
-                ndr = stage(ndr_s, dr_t * -1.0)  # (its fence also covers the dr_out store)
-                plgpu.copy_smem_to_gmem(dr_out, dr_ref.at[b, pl.ds(n * C, C), h, vcols])
+                # The chain's left operands dSᵀ and −dRᵀ come from registers, so no product waits
+                # for a store and fence: the outputs dSᵀ and dR are stored while a product runs.
+                def publish_ds():  # the chunk's end cotangent, an output
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk i − 1's stores have read
+                    stage_blocks(ds_pub, ds_t, kb)
+                    plgpu.copy_smem_to_gmem(ds_pub, dst_ref.at[b, h, n, vcols])
+
+                dr_t = mma_sum(tuple((x.astype(dtype), key_block(kt_s.at[slot], j, kb).T) for j, x in enumerate(ds_t))
+                               + ((do_s.at[slot].T, p_s.at[slot]),), (bv, C), between=publish_ds)
+
+                def store_dr():
+                    dr_out.T[...] = dr_t.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dr_out, dr_ref.at[b, pl.ds(n * C, C), h, vcols])
+
+                # −dRᵀ: the sign rides on the operand, so the update is one accumulator
+                ndr = (dr_t * -1.0).astype(dtype)
                 ds_new = []
                 for j, ds_j in enumerate(ds_t):  # block by block: one block's fresh accumulator live
                     decay = cols_of(jnp.exp2(plgpu.load(key_block(gl_s.at[slot], j, kb), layout=COLS)),
                                     (bv, kb))  # 2^{G_C}
                     ds_new.append(mma_sum(((do_s.at[slot].T, key_block(qg_s.at[slot], j, kb)),
-                                           (ndr, key_block(w_s.at[slot], j, kb))), (bv, kb), acc=ds_j * decay))
+                                           (ndr, key_block(w_s.at[slot], j, kb))), (bv, kb), acc=ds_j * decay,
+                                          between=store_dr if j == 0 else None))
                 ds_new = tuple(ds_new)
                 if packed:  # a sequence starts here: its initial state's cotangent is done
                     reset, seq = meta_s[slot, 0], meta_s[slot, 1]
