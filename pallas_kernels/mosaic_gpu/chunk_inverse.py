@@ -32,9 +32,8 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, F32, ROWS, bit_level_pairs, iota, mma, mma_sum, put, rows_of, smem, stage)
+    C, F32, ROWS, bit_level_pairs, iota, mma, mma_sum, put, rows_of, same_block, smem, stage)
 
-LEVELS = (2, 4, 8, 16, 32)  # block sizes s merged into 2s (s = 1 needs no product)
 
 
 def split_pair(hi_ref, lo_ref, x):
@@ -46,10 +45,10 @@ def split_pair(hi_ref, lo_ref, x):
     return hi_ref, lo_ref
 
 
-def _mm3(a, b):
-    """``a @ b`` for split pairs ``a = (hi, lo)`` (registers or SMEM), ``b = (hi, lo)`` (SMEM):
-    hi·hi + hi·lo + lo·hi."""
-    return mma_sum(((a[0], b[0]), (a[0], b[1]), (a[1], b[0])), (C, C))
+def _mm3(a, b, width: int = C):
+    """``a @ b`` for split pairs ``a = (hi, lo)`` (registers or SMEM), ``b = (hi, lo)`` (SMEM,
+    ``[C, width]``): hi·hi + hi·lo + lo·hi."""
+    return mma_sum(((a[0], b[0]), (a[0], b[1]), (a[1], b[0])), (C, width))
 
 
 def split_regs(x, dtype):
@@ -59,39 +58,88 @@ def split_regs(x, dtype):
     return hi, (x - hi.astype(F32)).astype(dtype)
 
 
-def invert_unit_lower(a, x_pair, a_pair):
+# Packed tiles. A [C, C] tile that is block-diagonal in w-blocks (w = 16, 32) is held as
+# [C, w]: row i keeps the columns of its own block, packed[i, j] = full[i, w·(i // w) + j].
+# Products whose result lies in those blocks then take an N = w right operand (a quarter or a
+# half of the tensor-core work of N = 64).
+WIDTHS = (16, 32, C)  # the packed widths of the levels: s = 2, 4, 8 | 16 | 32
+
+
+def pack(x, w: int):
+    """``[C, C]`` → ``[C, w]``; ``x`` must be zero outside the diagonal w-blocks."""
+    out = x[:, :w]
+    for blk in range(1, C // w):
+        out = out + x[:, blk * w:(blk + 1) * w]
+    return out
+
+
+def unpack(xp, w: int):
+    """``[C, w]`` → ``[C, C]``, zero outside the diagonal w-blocks (inverse of :func:`pack`)."""
+    if w == C:
+        return xp
+    r, c = iota((C, C), 0), iota((C, C), 1)
+    return jnp.where(same_block(r, c, w), jnp.concatenate([xp] * (C // w), axis=1), 0.0)
+
+
+def inverse_scratch(dtype) -> tuple:
+    """SMEM of :func:`invert_unit_lower` in ``dtype`` (16-bit), as alternatives for a
+    ``plgpu.RefUnion``: one tree per width w in :data:`WIDTHS`, ``(A pairs, X pair of width w)``.
+    The A pairs ``[C, w']`` (hi, lo) for every w' lie first in each tree, at the same offsets
+    (28 KiB in bf16: one set, live through the whole inverse); the X pairs of the three widths,
+    used one after another, share the bytes after them (16 KiB). :func:`inverse_refs` takes the
+    union's trees apart."""
+    pair = lambda w: (smem((C, w), dtype), smem((C, w), dtype))  # noqa: E731
+    return tuple((tuple(pair(w2) for w2 in WIDTHS), pair(w)) for w in WIDTHS)
+
+
+def inverse_refs(trees) -> tuple:
+    """``(a_pairs, x_pairs)`` for :func:`invert_unit_lower` from the union's trees of
+    :func:`inverse_scratch` (in the same order)."""
+    return trees[0][0], tuple(x for _, x in trees)
+
+
+def invert_unit_lower(a, a_pairs, x_pairs):
     """``(I + a)⁻¹`` in fp32 registers ``[C, C]`` for a strictly lower-triangular fp32 tile ``a``
     (WGMMA layout), by the module docstring's recursive block inversion with split-bf16
-    products. ``x_pair``, ``a_pair``: (hi, lo) pairs of ``[C, C]`` 16-bit SMEM staging buffers
-    (free on return; their dtype is the pair's). Also used by the vector-gate chunk kernel
-    (vector_chunk.py), whose ``a`` carries the per-channel decays.
+    products. ``a_pairs``, ``x_pairs``: :func:`inverse_refs` (free on return; their dtype is
+    the pairs'). Also used by the vector-gate chunk kernel (vector_chunk.py),
+    whose ``a`` carries the per-channel decays.
 
-    The left operand of both products of a level comes from registers (X, then Y = (X A)|_s):
-    only the right operands A (once) and X (each level, stored while X A runs) go through SMEM.
+    Both products of a level take their left operand (X, then Y = (X A)|_s, as [C, C]) from
+    registers and their right operand (A, then X) packed to the width of the merged blocks:
+    16 columns for s = 2, 4, 8, 32 for s = 16, 64 for s = 32 (every product lies in those
+    blocks), so the three small levels cost a quarter and s = 16 half of a [C, C] product.
     """
-    dtype = a_pair[0].dtype
+    dtype = a_pairs[0][0].dtype
     r, c = iota((C, C), 0), iota((C, C), 1)
-    a_split = split_pair(*a_pair, a)
+    for w, pair in zip(WIDTHS, a_pairs):  # A's diagonal w-blocks, packed, staged once
+        a_w = a if w == C else pack(jnp.where(same_block(r, c, w), a, 0.0), w)
+        for ref, part in zip(pair, split_regs(a_w, dtype)):
+            put(ref, part)
+    plgpu.commit_smem()
     # Level s = 1: the 2×2 diagonal blocks [[1, 0], [a, 1]] invert to [[1, 0], [−a, 1]].
     x = jnp.where(r == c, 1.0, 0.0) - jnp.where(bit_level_pairs(r, c, 1), a, 0.0)
-    diff = r ^ c
 
-    def level(i, x):
-        # Level s = 2^(i+1): row in the second half, column in the first half, of the same
-        # 2s-block — r and c first differ at bit i+1 and r has it set (shifts by the traced
-        # level). One loop body instead of five unrolled levels, a third of the code: the vector
-        # chunk kernel, which holds the Grams' code beside it, took 0.375 instead of 0.557 ms
-        # with it (H100, KDA at the anchor); T0 alone 0.078 against 0.075 (docs/performance-log.md).
-        e = i + 1
-        keep = (lax.shift_right_logical(diff, e) == 1) & ((lax.shift_right_logical(r, e) & 1) == 1)
-        xr = split_regs(x, dtype)
-        # X's pair goes to SMEM for the second product (unfenced: X A reads registers and A)
-        xs = (put(x_pair[0], xr[0]), put(x_pair[1], xr[1]))
-        y = jnp.where(keep, _mm3(xr, a_split), 0.0)  # X A_s
+    def level(e, x_p, w, a_pair, x_pair):
+        """Level s = 2^e on X packed to width w: row in the second half, column in the first
+        half, of the same 2s-block (r and c first differ at bit e and r has it set)."""
+        rw, cw = iota((C, w), 0), iota((C, w), 1)
+        col = (rw // w) * w + cw  # the chunk column of each packed column
+        keep = (lax.shift_right_logical(rw ^ col, e) == 1) & ((lax.shift_right_logical(rw, e) & 1) == 1)
+        # X's packed pair goes to SMEM for the second product (unfenced: X A reads registers and A)
+        for ref, part in zip(x_pair, split_regs(x_p, dtype)):
+            put(ref, part)
+        y = jnp.where(keep, _mm3(split_regs(unpack(x_p, w), dtype), a_pair, w), 0.0)  # X A_s
         plgpu.commit_smem()
-        return x - _mm3(split_regs(y, dtype), xs)  # X − (X A_s) X
+        return x_p - _mm3(split_regs(unpack(y, w), dtype), x_pair, w)  # X − (X A_s) X
 
-    return lax.fori_loop(jnp.int32(0), jnp.int32(len(LEVELS)), level, x)  # int32 under x64 too
+    # s = 2, 4, 8 on 16-column packs: one loop body (less code: the vector chunk kernel, which
+    # holds the Grams' code beside the inverse, ran 0.375 instead of 0.557 ms with its levels
+    # in a loop, docs/performance-log.md)
+    x16 = lax.fori_loop(jnp.int32(1), jnp.int32(4),  # int32 under x64 too
+                        lambda e, x_p: level(e, x_p, 16, a_pairs[0], x_pairs[0]), pack(x, 16))
+    x32 = level(jnp.int32(4), pack(unpack(x16, 16), 32), 32, a_pairs[1], x_pairs[1])
+    return level(jnp.int32(5), unpack(x32, 32), C, a_pairs[2], x_pairs[2])
 
 
 def chunk_inverse(k, beta, *, interpret=None):
@@ -100,17 +148,14 @@ def chunk_inverse(k, beta, *, interpret=None):
     N = Tp // C
     dtype = k.dtype
     bf = jnp.bfloat16
-    tile = lambda: smem((C, C), bf)  # noqa: E731
-    # Buffers with disjoint lifetimes share SMEM (32 KB a CTA at K = 128): k is dead once the
-    # Gram is formed and its bytes hold the split X; the split A is dead after the last level
-    # and its bytes hold the result.
-    scratch = dict(k_or_x=plgpu.RefUnion(smem((C, K), dtype), (tile(), tile())),
-                   a_or_out=plgpu.RefUnion((tile(), tile()), smem((C, C), dtype)),
+    # Buffers with disjoint lifetimes share SMEM (44 KiB a CTA at K ≤ 128): k is dead once the
+    # Gram is formed, the inverse's buffers once it returns, and then the result takes them.
+    scratch = dict(union=plgpu.RefUnion(smem((C, K), dtype), smem((C, C), dtype), *inverse_scratch(bf)),
                    b_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=2))
 
-    def chunk_inverse_body(k_ref, b_ref, t_ref, k_or_x, a_or_out, b_s, bar):
-        k_s, (xh, xl) = k_or_x
-        (ah, al), out = a_or_out
+    def chunk_inverse_body(k_ref, b_ref, t_ref, union, b_s, bar):
+        k_s, out, *trees = union
+        a_pairs, x_pairs = inverse_refs(trees)
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
         plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_s, bar)
@@ -119,7 +164,7 @@ def chunk_inverse(k, beta, *, interpret=None):
         r, c = iota((C, C), 0), iota((C, C), 1)
         gram = mma(k_s, k_s.T, (C, C))
         a = jnp.where(r > c, gram * rows_of(plgpu.load(b_s, layout=ROWS), (C, C)), 0.0)
-        x = invert_unit_lower(a, (xh, xl), (ah, al))
+        x = invert_unit_lower(a, a_pairs, x_pairs)
         out[...] = x.astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out, t_ref.at[b, h, rows])

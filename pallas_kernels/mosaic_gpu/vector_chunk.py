@@ -92,7 +92,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
-from pallas_kernels.mosaic_gpu.chunk_inverse import invert_unit_lower, split_pair
+from pallas_kernels.mosaic_gpu.chunk_inverse import inverse_refs, inverse_scratch, invert_unit_lower, split_pair
 from pallas_kernels.mosaic_gpu.common import (
     C, COLS, DTYPES, F32, META, ROWS, WGMMA, bit_level_pairs, cols_of, iota, mma_group, put, rows_of,
     same_block, smem, stage, upper_half)
@@ -229,10 +229,10 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
         # the swizzled g_s (an untransformed fp32 tile has no bank-conflict-free WGMMA load)
         g_rows=plgpu.SMEM((nk, C, PIECE), F32),
         e_s=smem((nk, C, PIECE), F32) if channel_erase else plgpu.SMEM((C,), F32),
-        # the staging tiles, seen as bf16 (the Gram operands, whose frame factors reach e^40, and
-        # the inverse's split pairs) and in the input dtype (A's pair, Ē and W: the operands that
-        # meet x in U = A Z, which a WGMMA needs in one dtype); the same bytes
-        st=plgpu.RefUnion(smem((n_staging, C, C), bf), smem((n_staging, C, C), dtype)),
+        # the staging tiles, seen as bf16 (the Gram operands, whose frame factors reach e^40), in
+        # the input dtype (A's pair, Ē and W: the operands that meet x in U = A Z, which a WGMMA
+        # needs in one dtype) and as the inverse's packed bf16 pairs (44 KiB); the same bytes
+        st=plgpu.RefUnion(smem((n_staging, C, C), bf), smem((n_staging, C, C), dtype), *inverse_scratch(bf)),
         out_s=smem((C, C), dtype),
         bar=plgpu.Barrier(num_arrivals=4 * nk + (nk if channel_erase else 1) + (not centred)),
         # x has a barrier of its own: its first use is U = A Z at the end, so the Grams and the
@@ -255,7 +255,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
     def vector_chunk_body(
             q_ref, k_ref, x_ref, g_ref, e_ref, *refs, q_s, k_s, g_s, g_rows, e_s, st, out_s, bar,
             x_s=None, bar_x=None, flag_s=None, bar_next=None):
-        st, st_x = st  # bf16 and input-dtype views of the staging tiles
+        st, st_x, *inv_trees = st  # bf16 and input-dtype views of the staging tiles; the inverse's
         flag_ref = None if centred else refs[0]
         refs = refs[0 if centred else 1:]
         if n_blocks == 1:
@@ -374,7 +374,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
 
             if not channel_erase:
                 t = t * rows_of(plgpu.load(e_s, layout=ROWS), (C, C))  # KDA: T = diag(β) tril(...)
-            a = invert_unit_lower(t, (st.at[0], st.at[1]), (st.at[2], st.at[3]))
+            a = invert_unit_lower(t, *inverse_refs(inv_trees))
             if out_inverse:  # A for the backward, before β is folded in (st 4 and 5 are not reused)
                 a_out = split_pair(st_x.at[4], st_x.at[5], a)
                 for ref, out in zip(a_out, inv_refs):
