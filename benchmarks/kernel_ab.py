@@ -17,7 +17,9 @@ tree. A case a tree cannot run (an argument it does not take yet) shows the erro
 Cases (KDA for the vector kernels; "centred": a declared bound g ≥ −5; "exact": undeclared
 gates with resets, every chunk in the exact frames; "runtime": undeclared gates in [−1, 0],
 which trees with per-chunk frames run centred; "inv": the chunk kernel also writing A's split pair,
-as policy "save" and the recompute backward run it):
+as policy "save" and the recompute backward run it; ``forward_gdn`` and ``state_backward_gdn``:
+GDN's serial passes alone in the layout the op picks at the anchor (key rows), ``_value_rows``
+in value rows):
 """
 
 from __future__ import annotations
