@@ -17,6 +17,9 @@ split into bf16 pairs (``x = hi + lo``) and multiplied as ``hi·hi + hi·lo + lo
 accumulator (one tensor-core round trip), about 16 mantissa bits: the inverse is the most
 precision-sensitive step (rewy-math §3), and only its final value is rounded to the input dtype.
 Every block entry stays an entry of a true inverse of a diagonal block, so nothing grows.
+Left operands come from registers and right operands are packed to the width of the blocks
+being merged (:func:`invert_unit_lower`): the levels s = 2, 4, 8 and 16 take a quarter and a
+half of a ``[C, C]`` product's tensor-core work.
 
 Reads:  k [B, Tp, H, K] (16-bit); beta [B, H, Tp] fp32.
 Writes: t0 [B, H, Tp, C] in k's dtype (rows of each chunk's T0).

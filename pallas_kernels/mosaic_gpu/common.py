@@ -222,6 +222,13 @@ def key_block(ref, j: int, kb: int):
     return ref.at[..., pl.ds(j * kb, kb)]
 
 
+def blocks_times_t(blocks, ref, kb: int, dtype):
+    """``pairs`` for :func:`mma_sum`: ``Σ_j X_j R_jᵀ``, the register tile ``X [M, n·kb]`` held as
+    fp32 column blocks ``blocks`` (the left operands, from registers in ``dtype``) times the
+    transpose of SMEM ``ref [N, n·kb]`` (its column blocks :func:`key_block`)."""
+    return tuple((x.astype(dtype), key_block(ref, j, kb).T) for j, x in enumerate(blocks))
+
+
 def load_state(state_s, src_of, bar, n_blocks: int):
     """An fp32 state ``[M, n_blocks·kb]`` from GMEM into registers, as ``n_blocks`` tiles
     ``[M, kb]`` (WGMMA layout) through the one-block SMEM buffer ``state_s [M, kb]``;

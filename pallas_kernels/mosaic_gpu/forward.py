@@ -44,7 +44,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block,
+    blocks_times_t, C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block,
     memory_warpgroup, mma, mma_group, mma_sum, rows_of, smem, stage, stage_blocks, replace_where, start_state,
     store_state, vectors)
 from pallas_kernels.mosaic_gpu import compat
@@ -189,8 +189,8 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
                 # Every left operand of the chain comes from registers (Sᵀ, Wᵀ, then Rᵀ or its
                 # decayed tail), so no product waits for a store and fence: the tiles published
                 # for WG1 (S, then R) are stored while the product after them runs.
-                pred = mma_sum(tuple((x.astype(dtype), key_block(k_s.at[slot], j, kb).T)
-                                     for j, x in enumerate(s_t)), (bv, C), between=publish_start)  # Sᵀ Kᵀ
+                pred = mma_sum(blocks_times_t(s_t, k_s.at[slot], kb, dtype), (bv, C),
+                               between=publish_start)  # Sᵀ Kᵀ
                 v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32)
                 if gated:
                     g_col = plgpu.load(g_s.at[slot], layout=COLS)

@@ -64,7 +64,7 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block,
+    blocks_times_t, C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block,
     memory_warpgroup, mma, mma_group, mma_sum, rows_of, smem, stage, stage_blocks, replace_where, start_state,
     store_state,
     vectors)
@@ -194,8 +194,7 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
             # The chain's left operands (dSᵀ, dRᵀ, Λ̃ᵀ) come from registers: no product waits
             # for a store and fence; the published dSᵀ and Λ are stored while a product runs.
             def predict(slot, ds_t, publish_ds):  # dSᵀ Kᵀ [bv, C]
-                return mma_sum(tuple((x.astype(dtype), key_block(k_s.at[slot], j, kb).T)
-                                     for j, x in enumerate(ds_t)), (bv, C), between=publish_ds)
+                return mma_sum(blocks_times_t(ds_t, k_s.at[slot], kb, dtype), (bv, C), between=publish_ds)
 
             def adjoint(slot, dr):  # Λᵀ = dRᵀ A [bv, C]
                 return mma(dr.astype(dtype), a_s.at[slot], (bv, C))

@@ -52,7 +52,7 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, DTYPES, F32, META, WGMMA, cols_of, finish_together, key_block, memory_warpgroup, mma, mma_sum,
+    blocks_times_t, C, COLS, DTYPES, F32, META, WGMMA, cols_of, finish_together, key_block, memory_warpgroup, mma, mma_sum,
     replace_where, smem, stage_blocks, start_state, store_state)
 from pallas_kernels.mosaic_gpu.config import VectorConfig, default_vector_config
 from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk
@@ -158,8 +158,8 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
                     if save_states:
                         plgpu.copy_smem_to_gmem(s_pub.at[half], st_ref.at[b, h, n, vcols])
 
-                pred = mma_sum(tuple((x.astype(dtype), key_block(w_s.at[slot], j, kb).T) for j, x in enumerate(s_t)),
-                               (bv, C), between=publish_s)  # Sᵀ Wᵀ = (W S)ᵀ
+                pred = mma_sum(blocks_times_t(s_t, w_s.at[slot], kb, dtype), (bv, C),
+                               between=publish_s)  # Sᵀ Wᵀ = (W S)ᵀ
                 r_t = plgpu.load(u_s.at[slot].T, layout=WGMMA).astype(F32) - pred  # Rᵀ
                 r_lo = r_t.astype(dtype)
 

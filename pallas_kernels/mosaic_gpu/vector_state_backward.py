@@ -51,7 +51,7 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
-    C, COLS, F32, META, cols_of, finish_together, key_block, memory_warpgroup, mma_sum, smem,
+    blocks_times_t, C, COLS, F32, META, cols_of, finish_together, key_block, memory_warpgroup, mma_sum, smem,
     stage_blocks, replace_where, start_state, store_state)
 from pallas_kernels.mosaic_gpu.config import PassConfig
 
@@ -141,8 +141,8 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
                     stage_blocks(ds_pub, ds_t, kb)
                     plgpu.copy_smem_to_gmem(ds_pub, dst_ref.at[b, h, n, vcols])
 
-                dr_t = mma_sum(tuple((x.astype(dtype), key_block(kt_s.at[slot], j, kb).T) for j, x in enumerate(ds_t))
-                               + ((do_s.at[slot].T, p_s.at[slot]),), (bv, C), between=publish_ds)
+                dr_t = mma_sum(blocks_times_t(ds_t, kt_s.at[slot], kb, dtype) + ((do_s.at[slot].T, p_s.at[slot]),),
+                               (bv, C), between=publish_ds)
 
                 def store_dr():
                     dr_out.T[...] = dr_t.astype(dtype)
