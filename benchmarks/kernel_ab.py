@@ -19,7 +19,8 @@ gates with resets, every chunk in the exact frames; "runtime": undeclared gates 
 which trees with per-chunk frames run centred; "inv": the chunk kernel also writing A's split pair,
 as policy "save" and the recompute backward run it; ``forward_gdn`` and ``state_backward_gdn``:
 GDN's serial passes alone in the layout the op picks at the anchor (key rows), ``_value_rows``
-in value rows):
+in value rows; ``backward_passes_gdn``: the recompute policy's states-only forward and reverse
+state pass as the tree's backward runs them, one launch (launch.py) or two):
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ CASES = ("t0", "forward_gdn", "forward_gdn_value_rows", "state_backward_gdn", "s
          "vector_chunk_inv_centred",
          "vector_chunk_backward_centred", "vector_chunk_backward_exact", "vector_chunk_backward_runtime",
          "op_kda_fwd_centred", "op_kda_fwd_runtime", "op_kda_centred", "op_kda_runtime",
-         "op_gdn2_fwd_centred", "op_gdn2_centred", "op_gdn_fwd", "op_gdn")
+         "op_gdn2_fwd_centred", "op_gdn2_centred", "op_gdn_fwd", "op_gdn", "op_deltanet",
+         "backward_passes_gdn")
 __doc__ += "\n".join(f"    {c}" for c in CASES) + "\n"
 __doc__ += """
 The ``op_kda``, ``op_gdn2`` and ``op_gdn`` cases time the public op, ``chunk_kda`` /
@@ -117,7 +119,7 @@ def _op(x, case, smoke):
     import jax
     import jax.numpy as jnp
 
-    from rewy_jax.ops import chunk_gated_delta_rule, chunk_gdn2, chunk_kda
+    from rewy_jax.ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_gdn2, chunk_kda
 
     mode = case.rsplit("_", 1)[1]
     bound = -5.0 if mode == "centred" else None
@@ -126,6 +128,9 @@ def _op(x, case, smoke):
     if case.startswith("op_gdn_") or case == "op_gdn":  # scalar gates
         args = (x["q"], x["k"], x["v"], x["g_scalar"], x["beta"])
         op = lambda *a: chunk_gated_delta_rule(*a, backend="mosaic_gpu", interpret=smoke)[0]  # noqa: E731
+    elif case.startswith("op_deltanet"):
+        args = (x["q"], x["k"], x["v"], x["beta"])
+        op = lambda *a: chunk_delta_rule(*a, backend="mosaic_gpu", interpret=smoke)[0]  # noqa: E731
     elif case.startswith("op_kda"):
         args = (x["q"], x["k"], x["v"], g, x["beta"])
         op = lambda *a: chunk_kda(*a, **kw)[0]  # noqa: E731
@@ -167,6 +172,48 @@ def _scalar_backward(x, prep, ip, smoke):
     lam, dst, _ = jax.jit(lambda *a: state_backward(*a, None, cfg=cfg.state_backward, **kw))(qp, kp, o, t0, None, bh)
     cb = jax.jit(lambda *a: chunk_backward(*a, cfg=cfg.chunk_backward, **kw))
     return lambda: cb(qp, kp, vp, o, lam, states, dst, t0, None, bh)
+
+
+def _backward_passes(x, prep, ip, smoke):
+    """A callable of GDN's recompute-policy backward passes (h0 = 0, no final-state cotangent),
+    as the tree runs them: one launch of both where it has ``launch.py``, else the states-only
+    forward, then the reverse state pass."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.mosaic_gpu import config
+    from pallas_kernels.mosaic_gpu.forward import fused_forward
+
+    B, T, H, D = x["shape"]
+    qp, kp, vp, t0, g2, bh = prep
+    do = x["bf"](B, T, H, D)
+    h0 = jnp.zeros((B, H, D, D), jnp.float32)
+    scale = D ** -0.5
+    heads = None if smoke else B * H  # (smoke: value rows, as in the other cases)
+    try:
+        from pallas_kernels.mosaic_gpu.forward import forward_part
+        from pallas_kernels.mosaic_gpu.launch import launch
+        from pallas_kernels.mosaic_gpu.state_backward import state_backward_part
+    except ImportError:  # two launches
+        from pallas_kernels.mosaic_gpu.state_backward import state_backward
+
+        cfg = config.default_config(D, D, 2, heads=heads, gated=True)
+
+        def passes(qp, kp, vp, do, t0, g2, bh, h0):
+            _, _, states = fused_forward(None, kp, vp, t0, g2, bh, h0, scale=scale, cfg=cfg.forward,
+                                         out_final=False, save_states=True, interpret=ip, out_o=False)
+            return states, state_backward(qp, kp, do, t0, g2, bh, None, scale=scale, cfg=cfg.state_backward,
+                                          interpret=ip)
+    else:
+        cfg = config.default_config(D, D, 2, heads=heads, gated=True, policy="recompute")
+
+        def passes(qp, kp, vp, do, t0, g2, bh, h0):
+            rec = forward_part(None, kp, vp, t0, g2, bh, h0, scale=scale, cfg=cfg.recompute, out_final=False,
+                               save_states=True, out_o=False)
+            rev = state_backward_part(qp, kp, do, t0, g2, bh, None, scale=scale, cfg=cfg.state_backward)
+            return launch([rec, rev], B, H, interpret=ip)
+    f = jax.jit(passes)
+    return lambda: f(qp, kp, vp, do, t0, g2, bh, h0)
 
 
 def time_tree(cases: list[str], smoke: bool = False) -> dict:
@@ -215,6 +262,8 @@ def time_tree(cases: list[str], smoke: bool = False) -> dict:
                     f = jax.jit(lambda *a: state_backward(*a, None, scale=D ** -0.5, cfg=cfg.state_backward,
                                                           interpret=ip))
                     out[case] = time_ms(lambda: f(qp, kp, vp, t0, g2, bh))
+            elif case == "backward_passes_gdn":
+                out[case] = time_ms(_backward_passes(x, (qp, kp, vp, t0, g2, bh), ip, smoke))
             elif case == "chunk_backward_deltanet":  # DeltaNet's per-chunk gradient kernel (one warpgroup)
                 out[case] = time_ms(_scalar_backward(x, (qp, kp, vp, t0, bh), ip, smoke))
             elif case.startswith("op_"):

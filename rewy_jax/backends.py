@@ -208,7 +208,7 @@ def mosaic_gpu_impl(call, *, chunk_size, policy, backward, interpret=False):
     else:
         cfg = config.default_config(call.q.shape[-1], call.v.shape[-1], jnp.dtype(dtype).itemsize,
                                     backward, heads=call.q.shape[0] * call.q.shape[2],
-                                    gated=call.g_in is not None)
+                                    gated=call.g_in is not None, policy=policy)
         g = None if call.g_in is None else call.g
         xs = [call.q.astype(dtype), call.k.astype(dtype), call.v.astype(dtype), g,
               call.b.astype(jnp.float32)]

@@ -20,8 +20,9 @@ from pallas_kernels.mosaic_gpu import compat, config
 from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
 from pallas_kernels.mosaic_gpu.common import C, META, bit_level_pairs, same_block, upper_half
-from pallas_kernels.mosaic_gpu.forward import fused_forward
-from pallas_kernels.mosaic_gpu.state_backward import state_backward
+from pallas_kernels.mosaic_gpu.forward import forward_part, fused_forward
+from pallas_kernels.mosaic_gpu.launch import launch
+from pallas_kernels.mosaic_gpu.state_backward import state_backward, state_backward_part
 from rewy_jax import chunk_delta_rule, chunk_gated_delta_rule
 from rewy_jax.testing import ratio, tolerance
 
@@ -386,7 +387,8 @@ def test_wy_refused_where_not_implemented():
 @pytest.mark.parametrize("gated,packed", [(True, False), (False, False), (True, True)])
 def test_kernels_lower_for_cuda(D, key_rows, gated, packed):
     """Every kernel lowers to Mosaic GPU for sm_90 on this CPU (layouts, SMEM budget, barriers),
-    the fused forward, its states-only recompute and the reverse state pass in both layouts."""
+    the fused forward, its states-only recompute and the reverse state pass in both layouts, and
+    the recompute policy's one launch of the last two (launch.py)."""
     B = 1 if packed else 2
     s = _structs(B, 256, 2, D)
     cfg = config.default_config(D, D, 2)
@@ -414,10 +416,18 @@ def test_kernels_lower_for_cuda(D, key_rows, gated, packed):
         return chunk_backward(q, k, v, do, lam, st, dst, t0, pick(g2), b, scale=0.1,
                               cfg=cfg.chunk_backward)
 
+    def passes(q, k, v, do, t0, g2, b, h0, df):  # the recompute policy's one launch of both
+        rec = forward_part(None, k, v, t0, pick(g2), b, h0, scale=0.1, cfg=cfg.recompute,
+                           out_final=False, save_states=True, meta=meta, out_o=False)
+        rev = state_backward_part(q, k, do, t0, pick(g2), b, df, scale=0.1, cfg=cfg.state_backward,
+                                  meta=meta, **slots)
+        return launch([rec, rev], B, 2)
+
     for f, args in ((lambda k, b: chunk_inverse(k, b), [s["tok"], s["vec"]]),
                     (fwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]]),
                     (recompute, [s["tok"]] * 2 + [s["t0"], s["vec"], s["vec"], s["st"]]),
                     (sbwd, [s["tok"]] * 3 + [s["t0"], s["vec"], s["vec"], s["st"]]),
+                    (passes, [s["tok"]] * 4 + [s["t0"], s["vec"], s["vec"], s["st"], s["st"]]),
                     (cbwd, [s["tok"]] * 5 + [s["states"]] * 2 + [s["t0"], s["vec"], s["vec"]])):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text, f
@@ -493,10 +503,21 @@ def test_default_config_key_rows(D):
     assert config.forward_smem_bytes(D, 32, 2, 2, True, C, key_rows=True) <= config.SMEM_BUDGET
     assert config.state_backward_smem_bytes(D, 32, 2, 2, key_rows=True) <= config.SMEM_BUDGET
     # the grid rule itself (the unpinned function): B·H·V/32 ≤ 132 SMs, e.g. the anchor
-    # (B, H) = (2, 16) at V = 128, takes key rows in both passes; a crowded grid value rows
-    for heads, kr in ((32 * 128 // D, D <= 128), (4 * 132, False)):
-        cfg = DEFAULT_CONFIG(D, D, 2, heads=heads)
-        assert cfg.forward.key_rows == cfg.state_backward.key_rows == kr, (heads, cfg)
+    # (B, H) = (2, 16) at V = 128, takes key rows in the forward, and in the reverse pass under
+    # policy "save"; under "recompute" the reverse pass and the states-only forward share one
+    # launch, so both take key rows only where twice that grid fits (B·H ≤ 16 at V = 128), else
+    # value rows (the anchor: 2 · 64 CTAs); a crowded grid value rows everywhere
+    for heads, kr, kr_both in ((32 * 128 // D, D <= 128, False), (16 * 128 // D, D <= 128, D <= 128),
+                               (4 * 132, False, False)):
+        save = DEFAULT_CONFIG(D, D, 2, heads=heads, policy="save")
+        assert save.forward.key_rows == save.state_backward.key_rows == kr, (heads, save)
+        rec = DEFAULT_CONFIG(D, D, 2, heads=heads, policy="recompute")
+        assert rec.forward == save.forward and rec.chunk_backward == save.chunk_backward
+        assert rec.state_backward.key_rows == rec.recompute.key_rows == kr_both, (heads, rec)
+        if not kr_both and D <= 128:  # value rows: the deepest pipelines within SMEM_BUDGET
+            assert config.forward_smem_bytes(D, 64, rec.recompute.stages, 2, True, with_output=False) \
+                <= config.SMEM_BUDGET < config.forward_smem_bytes(D, 64, rec.recompute.stages + 1, 2, True,
+                                                                  with_output=False) or rec.recompute.stages == 4
 
 
 def test_chunk_backward_config_warpgroups():

@@ -5,8 +5,9 @@ Pipeline (each stage's module docstring gives its shapes):
     prep.py             XLA: pad T, log2 gate cumsum, β head-major
     chunk_inverse.py    the gate-free inverse T0 per chunk (tensor cores, split-bf16 products)
     forward.py          fused state pass + output (3 warpgroups); saves chunk start states
-                        (policy "save"; "recompute" reruns it in the backward)
-    state_backward.py   reverse state pass: Λ per chunk, each chunk's end cotangent, dh0
+                        (policy "save"; "recompute" reruns it, states only, in the backward)
+    state_backward.py   reverse state pass: Λ per chunk, each chunk's end cotangent, dh0;
+                        under "recompute" one launch with the states-only forward (launch.py)
     chunk_backward.py   per-chunk gradients dq, dk, dv, dβ, dG (parallel over chunks); the
                         ReWY products, or at K ≤ 128 the seven-product WY ones (backward="wy",
                         config.ChunkBackwardConfig.backward, for the ablation)
@@ -27,8 +28,9 @@ from pallas_kernels.mosaic_gpu import compat, config, prep
 from pallas_kernels.mosaic_gpu.common import C, DTYPES, META
 from pallas_kernels.mosaic_gpu.chunk_backward import chunk_backward
 from pallas_kernels.mosaic_gpu.chunk_inverse import chunk_inverse
-from pallas_kernels.mosaic_gpu.forward import fused_forward
-from pallas_kernels.mosaic_gpu.state_backward import state_backward
+from pallas_kernels.mosaic_gpu.forward import forward_part, fused_forward
+from pallas_kernels.mosaic_gpu.launch import launch
+from pallas_kernels.mosaic_gpu.state_backward import state_backward_part
 
 HEAD_DIMS = (64, 128, 256)  # 256: the blocked tilings of config.default_config
 BACKWARDS = ("rewy", "wy")  # "wy": the whole-width per-chunk gradient kernel only (K ≤ 128)
@@ -172,15 +174,20 @@ def _backward_x32(scale, cfg, interpret, res, cts):
     T = do.shape[1]
     Tp = kp.shape[1]
     ip = compat.interpret_params(interpret)
-    if states is None:  # policy "recompute": the forward again, keeping only the chunk states
-        _, _, states = fused_forward(qp, kp, vp, t0, g2, beta_hm, h0t, scale=scale, cfg=cfg.forward,
-                                     out_final=False, save_states=True, meta=meta, interpret=ip,
-                                     out_o=False)
     dop = prep.pad_time(do.astype(vp.dtype), Tp)
     dfinal_t = _state_layout(dfinal.astype(jnp.float32), cfg.state_backward)
-    lam, dstates, dh0t = state_backward(qp, kp, dop, t0, g2, beta_hm, dfinal_t, scale=scale,
-                                        cfg=cfg.state_backward, meta=meta,
-                                        n_slots=h0t.shape[0], interpret=ip)
+    reverse = state_backward_part(qp, kp, dop, t0, g2, beta_hm, dfinal_t, scale=scale,
+                                  cfg=cfg.state_backward, meta=meta, n_slots=h0t.shape[0])
+    B, _, H, _ = kp.shape
+    if states is None:
+        # policy "recompute": the forward again for the chunk states only, in one launch with
+        # the reverse state pass (they do not depend on each other; launch.py)
+        h0r = _state_layout(_state_layout(h0t, cfg.forward), cfg.recompute)
+        recompute = forward_part(None, kp, vp, t0, g2, beta_hm, h0r, scale=scale, cfg=cfg.recompute,
+                                 out_final=False, save_states=True, meta=meta, out_o=False)
+        (states,), (lam, dstates, dh0t) = launch([recompute, reverse], B, H, interpret=ip)
+    else:
+        ((lam, dstates, dh0t),) = launch([reverse], B, H, interpret=ip)
     outs = chunk_backward(qp, kp, vp, dop, lam, states, dstates, t0, g2, beta_hm, scale=scale,
                           cfg=cfg.chunk_backward, interpret=ip)
     dq, dk, dv, dbeta = outs[:4]

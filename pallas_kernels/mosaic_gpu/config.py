@@ -107,22 +107,30 @@ class ChunkBackwardConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """All Mosaic GPU kernel settings of one call."""
+    """All Mosaic GPU kernel settings of one call.
+
+    forward: the fused forward. state_backward: the reverse state pass. recompute: the
+    states-only forward of the ``recompute`` policy's backward, launched together with the
+    reverse state pass (launch.py: the two serial passes share the SMs; the grid is both
+    passes' CTAs). chunk_backward: the per-chunk gradients."""
 
     forward: PassConfig = PassConfig()
     state_backward: PassConfig = PassConfig()
     chunk_backward: ChunkBackwardConfig = ChunkBackwardConfig()
+    recompute: PassConfig = PassConfig()
 
 
 def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_state: bool,
-                       k_block: int | None = None, key_rows: bool = False) -> int:
-    """SMEM the fused forward needs (its scratch list, see forward.fused_forward); the fp32
-    state buffer holds one ``[block_v, k_block]`` block (``None``: the whole ``[block_v, K]``)."""
-    # per stage: q, k, v, Ag_hi (T0's buffer), Ag_lo, β and g
-    per_stage = 2 * C * K * itemsize + C * block_v * itemsize + 2 * C * C * itemsize + 2 * C * 4
-    # the published state (2 halves), R (2), the output tile (2), the W stage (key rows only:
-    # value rows take the chain's left operands from registers); the fp32 state
-    fixed = 2 * block_v * K * itemsize + (4 + key_rows) * C * block_v * itemsize
+                       k_block: int | None = None, key_rows: bool = False,
+                       with_output: bool = True) -> int:
+    """SMEM the fused forward needs (its scratch list, see forward.forward_part); the fp32
+    state buffer holds one ``[block_v, k_block]`` block (``None``: the whole ``[block_v, K]``).
+    ``with_output=False``: the states-only recompute (no q, no output tile)."""
+    # per stage: q (with the output), k, v, Ag_hi (T0's buffer), Ag_lo, β and g
+    per_stage = (1 + with_output) * C * K * itemsize + C * block_v * itemsize + 2 * C * C * itemsize + 2 * C * 4
+    # the published state (2 halves), R (2), the output tile (2, with the output), the W stage
+    # (key rows only: value rows take the chain's left operands from registers); the fp32 state
+    fixed = 2 * block_v * K * itemsize + (2 + 2 * with_output + key_rows) * C * block_v * itemsize
     fixed += block_v * (k_block or K) * 4 if with_state else 0
     return stages * per_stage + fixed
 
@@ -172,7 +180,8 @@ def _deepest(fits, shallowest: int = 2) -> int:
 
 
 def default_config(K: int, V: int, itemsize: int, backward: Literal["rewy", "wy"] = "rewy",
-                   heads: int | None = None, gated: bool = False, sms: int = SMS) -> Config:
+                   heads: int | None = None, gated: bool = False, sms: int = SMS,
+                   policy: Literal["recompute", "save"] = "recompute") -> Config:
     """The defaults: the deepest input pipeline that fits SMEM, per kernel. K ≤ 128: whole-width
     tiles and at least two stages (the tilings timed on the H100); K = 256: the register state
     in blocks of :func:`k_block_for`, whatever depth fits (one stage: a whole chunk's q and k
@@ -191,18 +200,24 @@ def default_config(K: int, V: int, itemsize: int, backward: Literal["rewy", "wy"
 
     ``gated`` (GDN) at K = 128: the per-chunk gradients on two warpgroups (GDN 0.213 → 0.169 ms
     at the anchor on the H100; DeltaNet, without the gate's live tiles, 0.178 → 0.214, so it
-    keeps one)."""
+    keeps one).
+
+    ``policy`` "recompute": the reverse state pass and the states-only forward share one launch
+    (both passes' CTAs in one grid), so the one-wave rule counts both: key rows where twice the
+    32-column grid fits one wave, else value rows for both (at the anchor 2 · 64 = 128 CTAs)."""
     if K <= 128:
-        if heads is not None and heads * (V // 32) <= sms:
-            fwd_cfg = PassConfig(block_v=32, key_rows=True, stages=2)
-            bwd_cfg = PassConfig(block_v=32, key_rows=True, stages=2)
-        else:
-            fwd_cfg = PassConfig(block_v=64, stages=_deepest(
-                lambda s: forward_smem_bytes(K, 64, s, itemsize, True) <= SMEM_BUDGET))
-            bwd_cfg = PassConfig(block_v=64, stages=_deepest(
-                lambda s: state_backward_smem_bytes(K, 64, s, itemsize) <= SMEM_BUDGET))
-        return Config(forward=fwd_cfg,
-                      state_backward=bwd_cfg,
+        def pass_cfg(key_rows: bool, smem_bytes) -> PassConfig:
+            if key_rows:
+                return PassConfig(block_v=32, key_rows=True, stages=2)
+            return PassConfig(block_v=64, stages=_deepest(lambda s: smem_bytes(s) <= SMEM_BUDGET))
+
+        one_wave = lambda passes: heads is not None and passes * heads * (V // 32) <= sms  # noqa: E731
+        passes = 2 if policy == "recompute" else 1  # CTAs sharing the reverse pass's launch
+        return Config(forward=pass_cfg(one_wave(1), lambda s: forward_smem_bytes(K, 64, s, itemsize, True)),
+                      state_backward=pass_cfg(one_wave(passes),
+                                              lambda s: state_backward_smem_bytes(K, 64, s, itemsize)),
+                      recompute=pass_cfg(one_wave(2), lambda s: forward_smem_bytes(
+                          K, 64, s, itemsize, True, with_output=False)),
                       chunk_backward=ChunkBackwardConfig(
                           backward=backward,
                           warpgroups=2 if gated and K == 128 and backward == "rewy" else 1))
@@ -210,11 +225,14 @@ def default_config(K: int, V: int, itemsize: int, backward: Literal["rewy", "wy"
         raise ValueError(f"the blocked per-chunk gradient kernel (K = {K}) has the ReWY backward only")
     kb = k_block_for(K)
     fwd = _deepest(lambda s: forward_smem_bytes(K, 64, s, itemsize, True, kb) <= SMEM_BUDGET, 1)
+    rec = _deepest(lambda s: forward_smem_bytes(K, 64, s, itemsize, True, kb, with_output=False)
+                   <= SMEM_BUDGET, 1)
     bwd = _deepest(lambda s: state_backward_smem_bytes(K, 64, s, itemsize, kb) <= SMEM_BUDGET, 1)
     if chunk_backward_smem_bytes(K, itemsize, 64) > SMEM_BUDGET:
         raise ValueError(f"no Mosaic GPU chunk-gradient tiling fits SMEM at K={K}")
     return Config(forward=PassConfig(block_v=64, stages=fwd, k_block=kb),
                   state_backward=PassConfig(block_v=64, stages=bwd, k_block=kb),
+                  recompute=PassConfig(block_v=64, stages=rec, k_block=kb),
                   chunk_backward=ChunkBackwardConfig(block=64))
 
 

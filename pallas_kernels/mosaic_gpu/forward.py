@@ -47,7 +47,7 @@ from pallas_kernels.mosaic_gpu.common import (
     blocks_times_t, C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block,
     memory_warpgroup, mma, mma_group, mma_sum, rows_of, smem, stage, stage_blocks, replace_where, start_state,
     store_state, vectors)
-from pallas_kernels.mosaic_gpu import compat
+from pallas_kernels.mosaic_gpu.launch import Part, launch
 from pallas_kernels.mosaic_gpu.config import PassConfig
 
 
@@ -59,6 +59,22 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
     ``out_o=False`` is the backward's state recompute: WG1 only builds Ag and hands the published
     tiles back (no Q Kᵀ, no output products, q never loaded, no o written).
     """
+    B, _, H, _ = k.shape
+    part = forward_part(q, k, v, t0, g2, beta, h0t, scale=scale, cfg=cfg, out_final=out_final,
+                        save_states=save_states, meta=meta, out_o=out_o)
+    (outs,) = launch([part], B, H, interpret=interpret)
+    o = outs.pop(0) if out_o else None
+    final = outs.pop(0) if out_final else None
+    states = outs.pop(0) if save_states else None
+    return o, final, states
+
+
+def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, out_final: bool,
+                 save_states: bool, meta=None, out_o: bool = True) -> Part:
+    """This kernel as a :class:`launch.Part` (arguments as for :func:`fused_forward`; its
+    outputs are o if ``out_o``, the final state if ``out_final``, the states if ``save_states``,
+    in that order). The recompute policy's backward launches the states-only part beside the
+    reverse state pass (state_backward.backward_passes)."""
     B, Tp, H, K = k.shape
     V = v.shape[-1]
     N = Tp // C
@@ -85,17 +101,12 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
     # A WGMMA's operands share one swizzle: [C, 32] tiles (block_v = 32) allow at most 64 bytes.
     tile = lambda shape: smem(shape, dtype, 128 if bv == C else 64)  # noqa: E731
     scratch = dict(
-        q_s=tile((stages, C, K)), k_s=tile((stages, C, K)),
-        v_s=tile((stages, C, bv)), t_s=tile((stages, C, C)),
-        tl_s=tile((stages, C, C)),
-        b_s=vectors(stages), g_s=vectors(stages),
-        s_pub=tile((2, bv, K)), r_pub=tile((2, C, bv)), o_out=tile((2, C, bv)),
-        in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
-        in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        ag_ready=plgpu.Barrier(num_barriers=stages),
-        s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2),
-        state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
+        k_s=tile((stages, C, K)), v_s=tile((stages, C, bv)), t_s=tile((stages, C, C)),
+        tl_s=tile((stages, C, C)), b_s=vectors(stages), g_s=vectors(stages),
+        s_pub=tile((2, bv, K)), r_pub=tile((2, C, bv)),
     )
+    if out_o:  # q and the output tile (not in the states-only recompute)
+        scratch.update(q_s=tile((stages, C, K)), o_out=tile((2, C, bv)))
     if key_rows:  # the chain's right operands W and the decayed R (value rows: registers)
         scratch["w_stage"] = tile((C, bv))
     if has_h0 or out_final:
@@ -103,10 +114,18 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
         scratch["state_s"] = smem((kb, bv) if key_rows else (bv, kb), F32)
     if packed:
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
+    barriers = dict(
+        in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
+        in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ag_ready=plgpu.Barrier(num_barriers=stages),
+        s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2),
+        state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
+    )
 
     def fused_forward_body(
-            *refs, q_s, k_s, v_s, t_s, tl_s, b_s, g_s, s_pub, r_pub, o_out, in_bar, in_free,
-            ag_ready, s_ready, s_free, state_bar, done, w_stage=None, state_s=None, meta_s=None):
+            iv, *refs, k_s, v_s, t_s, tl_s, b_s, g_s, s_pub, r_pub, in_bar, in_free,
+            ag_ready, s_ready, s_free, state_bar, done, q_s=None, o_out=None, w_stage=None,
+            state_s=None, meta_s=None):
         refs = list(refs)
         q_ref = refs.pop(0) if out_o else None
         k_ref, v_ref, t_ref, b_ref = (refs.pop(0) for _ in range(4))
@@ -116,7 +135,7 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
         o_ref = refs.pop(0) if out_o else None
         fin_ref = refs.pop(0) if out_final else None
         st_ref = refs.pop(0) if save_states else None
-        b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        b, h = lax.axis_index("b"), lax.axis_index("h")
         vcols = pl.ds(iv * bv, bv)
         wg = lax.axis_index("wg")
 
@@ -312,13 +331,5 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
 
     args = ([q] if out_o else []) + [k, v, t0, beta] + ([g2] if gated else []) + ([meta] if packed else [])
     args += [h0t] if has_h0 else []
-    outs = plgpu.kernel(
-        fused_forward_body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
-        grid_names=("b", "h", "v"), num_threads=3, thread_name="wg",
-        compiler_params=compat.compiler_params(), interpret=interpret,
-    )(*args)
-    outs = list(outs)
-    o = outs.pop(0) if out_o else None
-    final = outs.pop(0) if out_final else None
-    states = outs.pop(0) if save_states else None
-    return o, final, states
+    return Part(args=tuple(args), out_type=tuple(out_type), smem=scratch, barriers=barriers,
+                blocks=V // bv, warpgroups=3, body=fused_forward_body)

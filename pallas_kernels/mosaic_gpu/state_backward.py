@@ -62,7 +62,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
-from pallas_kernels.mosaic_gpu import compat
+from pallas_kernels.mosaic_gpu.launch import Part, launch
 from pallas_kernels.mosaic_gpu.common import (
     blocks_times_t, C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block,
     memory_warpgroup, mma, mma_group, mma_sum, rows_of, smem, stage, stage_blocks, replace_where, start_state,
@@ -79,6 +79,17 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
     ``g2`` is ``None`` for DeltaNet; ``dfinal_t`` is ``None`` when the final state has no
     cotangent.
     """
+    part = state_backward_part(q, k, do, t0, g2, beta, dfinal_t, scale=scale, cfg=cfg, meta=meta,
+                               n_slots=n_slots)
+    (outs,) = launch([part], k.shape[0], k.shape[2], interpret=interpret)
+    return tuple(outs)
+
+
+def state_backward_part(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassConfig,
+                        meta=None, n_slots: int = 0) -> Part:
+    """This kernel as a :class:`launch.Part` (arguments and outputs as for
+    :func:`state_backward`): the recompute policy launches it beside the states-only forward
+    (api.py)."""
     B, Tp, H, K = k.shape
     V = do.shape[-1]
     N = Tp // C
@@ -113,19 +124,21 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
         ds_pub=tile((bv, K)), lam_out=tile((C, bv)),
         # one block of the fp32 cotangent at a time
         state_s=smem((kb, bv) if key_rows else (bv, kb), F32),
+    )
+    if key_rows:  # the chain's right operands dR and Λ̃ (value rows: left operands, registers)
+        scratch["dr_stage"] = tile(chain)
+    if packed:
+        scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
+    barriers = dict(
         in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         a_ready=plgpu.Barrier(num_barriers=stages),
         x_ready=plgpu.Barrier(num_barriers=2), x_free=plgpu.Barrier(num_barriers=2),
         state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
     )
-    if key_rows:  # the chain's right operands dR and Λ̃ (value rows: left operands, registers)
-        scratch["dr_stage"] = tile(chain)
-    if packed:
-        scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
 
     def state_backward_body(
-            *refs, q_s, k_s, do_s, a_s, b_s, g_s, x_pub, dog_pub, p_stage, ds_pub, lam_out,
+            iv, *refs, q_s, k_s, do_s, a_s, b_s, g_s, x_pub, dog_pub, p_stage, ds_pub, lam_out,
             state_s, in_bar, in_free, a_ready, x_ready, x_free, state_bar, done, dr_stage=None, meta_s=None):
         refs = list(refs)
         q_ref, k_ref, do_ref, t_ref, b_ref = (refs.pop(0) for _ in range(5))
@@ -133,7 +146,7 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
         meta_ref = refs.pop(0) if packed else None
         df_ref = refs.pop(0) if has_df else None
         lam_ref, dst_ref, dh0_ref = refs
-        b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        b, h = lax.axis_index("b"), lax.axis_index("h")
         vcols = pl.ds(iv * bv, bv)
         wg = lax.axis_index("wg")
 
@@ -329,8 +342,5 @@ def state_backward(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: PassC
 
     args = [q, k, do, t0, beta] + ([g2] if gated else []) + ([meta] if packed else [])
     args += [dfinal_t] if has_df else []
-    return plgpu.kernel(
-        state_backward_body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // bv),
-        grid_names=("b", "h", "v"), num_threads=3, thread_name="wg",
-        compiler_params=compat.compiler_params(), interpret=interpret,
-    )(*args)
+    return Part(args=tuple(args), out_type=out_type, smem=scratch, barriers=barriers,
+                blocks=V // bv, warpgroups=3, body=state_backward_body)
