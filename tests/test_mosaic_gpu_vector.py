@@ -411,6 +411,20 @@ def test_vector_packed_matches_float64(op, T, H, gates, seed, policy):
     assert not bad, f"ratios over rewy-math §8 bf16 bounds: {bad} (all: {ratios})"
 
 
+def _states_and_reverse(cfg, w, u, qg, kt, p, g2, h0t, do, meta=None, n_slots=0):
+    """The recompute policy's one launch (launch.py): the states-only state pass (3 warpgroups)
+    beside the reverse state pass (2, and an idle third); h0t doubles as d(final)ᵀ."""
+    from pallas_kernels.mosaic_gpu.launch import launch
+    from pallas_kernels.mosaic_gpu.vector_forward import vector_state_part
+    from pallas_kernels.mosaic_gpu.vector_state_backward import vector_state_backward_part
+
+    states = vector_state_part(w, u, qg, kt, p, g2, h0t, cfg=cfg, out_final=False, save_states=True,
+                               meta=meta, out_o=False)
+    reverse = vector_state_backward_part(kt, w, qg, p, do, g2, h0t, cfg=cfg.state_backward, meta=meta,
+                                         n_slots=n_slots, warpgroups=3)
+    return launch([states, reverse], w.shape[0], w.shape[1])
+
+
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_vector_serial_kernels_lower_for_cuda_packed(D):
     """The two serial vector kernels with packed sequences (meta, h0 / final / d(final) / dh0 per
@@ -436,6 +450,8 @@ def test_vector_serial_kernels_lower_for_cuda_packed(D):
          (head, head, head, cc, tok, g2, slots, meta)),
         (lambda *a: vector_state_backward(*a[:-1], None, cfg=cfg.state_backward, meta=a[-1], n_slots=n_slots),
          (head, head, head, cc, tok, g2, meta)),
+        (lambda *a: _states_and_reverse(cfg, *a[:5], a[6], a[7], a[5], a[-1], n_slots),  # policy "recompute"
+         (head, head, head, head, cc, tok, g2, slots, meta)),
     )
     for f, args in cases:
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -472,6 +488,8 @@ def test_vector_backward_kernels_lower_for_cuda(D, centred, dtype):
         (lambda *a: vector_wu(*a, scale=0.1), (tok, tok, tok, g2, S((B, T, H, D), f32), cc, cc)),
         (lambda *a: vector_state_backward(*a, cfg=cfg.state_backward),
          (head, head, head, cc, tok, g2, st32)),
+        # policy "recompute": the states-only pass and the reverse pass in one launch
+        (lambda *a: _states_and_reverse(cfg, *a), (head, head, head, head, cc, g2, st32, tok)),
         (lambda *a: vector_chunk_backward(*a[:12], scale=0.1, centred=centred, kda_leaf=a[12:]),  # KDA's
          (tok, tok, tok, g2, tok, tok, tok, st, st, cc, cc, flags, S((B, H, T), f32), tok)),
     )

@@ -8,8 +8,10 @@ Pipeline (each stage's module docstring gives its shapes):
     vector_chunk.py           per chunk: gated Grams in reference frames, A, W, U, Qγ, K_tail, P
                               (+ A as a split pair for the backward)
     vector_forward.py         fused state pass + output; saves chunk start states and R
-                              (policy "save"; "recompute" reruns both kernels in the backward)
-    vector_state_backward.py  reverse state pass: dR per chunk, each chunk's end cotangent, dh0
+                              (policy "save"; "recompute" re-forms W, U from the kept A and
+                              reruns the pass, states only, in the backward)
+    vector_state_backward.py  reverse state pass: dR per chunk, each chunk's end cotangent, dh0;
+                              under "recompute" one launch with the states-only pass (launch.py)
     vector_wy.py              backward="wy" only (the ablation): dT and dĒ by the seven products
     vector_chunk_backward.py  per (chunk, 64 key channels): Λ = Aᵀ dR, dq, and through each op's
                               leaf maps dk, dv and the gate gradients (KDA: dβ's parts; GDN2: db,
@@ -37,9 +39,10 @@ from pallas_kernels.mosaic_gpu.common import C, DTYPES
 from pallas_kernels.mosaic_gpu.prep import pad_time
 from pallas_kernels.mosaic_gpu.vector_chunk import vector_chunk, vector_wu
 from pallas_kernels.mosaic_gpu.vector_chunk_backward import vector_chunk_backward
-from pallas_kernels.mosaic_gpu.vector_forward import HEAD_DIMS, vector_state_output
+from pallas_kernels.mosaic_gpu.launch import launch
+from pallas_kernels.mosaic_gpu.vector_forward import HEAD_DIMS, vector_state_output, vector_state_part
 from pallas_kernels.mosaic_gpu.vector_prep import centred_ok, gate_floor, prepare_vector
-from pallas_kernels.mosaic_gpu.vector_state_backward import vector_state_backward
+from pallas_kernels.mosaic_gpu.vector_state_backward import vector_state_backward_part
 from pallas_kernels.mosaic_gpu.vector_wy import vector_wy_products
 
 F32 = jnp.float32
@@ -142,13 +145,11 @@ def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
     do, dfinal = cts
     B, T, H, K = k.shape
     ip = compat.interpret_params(interpret)
-    if policy == "recompute":  # W, U, Qγ, K_tail from the kept A, then the states
+    recompute = policy == "recompute"
+    if recompute:  # W, U, Qγ, K_tail from the kept A (the states: below)
         p, a_hi, a_lo = saved
         prep = _prepare(q, k, v, g, b, w, bound, interpret)
         chunk = vector_wu(*prep[:5], a_hi, a_lo, scale=scale, interpret=ip) + (p, a_hi, a_lo)
-        h0t = jnp.swapaxes(h0.astype(F32), -1, -2)
-        _, _, states, r = vector_state_output(*chunk[:5], prep[3], h0t, cfg=cfg, out_final=False,
-                                              save_states=True, meta=meta, interpret=ip)
     else:
         prep, chunk, states, r = saved
     qp, kp, _, g2, erase, flags = prep
@@ -157,8 +158,17 @@ def _backward_x32(scale, policy, bound, cfg, interpret, res, cts):
     N = Tp // C
     dop = pad_time(do.astype(kp.dtype), Tp)
     dfinal_t = jnp.swapaxes(dfinal.astype(F32), -1, -2)
-    dr, dstates, dh0t = vector_state_backward(kt, w_, qg, p, dop, g2, dfinal_t, cfg=cfg.state_backward,
-                                              meta=meta, n_slots=h0.shape[0], interpret=ip)
+    reverse = vector_state_backward_part(kt, w_, qg, p, dop, g2, dfinal_t, cfg=cfg.state_backward, meta=meta,
+                                         n_slots=h0.shape[0], warpgroups=3 if recompute else 2)
+    if recompute:
+        # the states (and R) again, no output, in one launch with the reverse state pass (they do
+        # not depend on each other; launch.py)
+        h0t = jnp.swapaxes(h0.astype(F32), -1, -2)
+        states_only = vector_state_part(*chunk[:5], g2, h0t, cfg=cfg, out_final=False, save_states=True,
+                                        meta=meta, out_o=False)
+        (states, r), (dr, dstates, dh0t) = launch([states_only, reverse], B, H, interpret=ip)
+    else:
+        ((dr, dstates, dh0t),) = launch([reverse], B, H, interpret=ip)
     kda = w is None
     wy = None
     if cfg.backward == "wy":  # the ablation: dT and dĒ by the seven products (vector_wy.py)

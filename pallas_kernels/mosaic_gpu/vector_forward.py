@@ -51,6 +51,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
 from pallas_kernels.mosaic_gpu import compat
+from pallas_kernels.mosaic_gpu.launch import Part, launch
 from pallas_kernels.mosaic_gpu.common import (
     blocks_times_t, C, COLS, DTYPES, F32, META, WGMMA, cols_of, finish_together, key_block, memory_warpgroup, mma, mma_sum,
     replace_where, smem, stage_blocks, start_state, store_state)
@@ -69,6 +70,22 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
     reads (vector_chunk_backward.py). See the module docstring. ``h0t`` is ``None`` for a zero
     initial state; ``meta``: packed sequences (module docstring), with ``h0t`` and the final
     states per slot."""
+    B, H = w.shape[:2]
+    part = vector_state_part(w, u, qg, kt, p, g2, h0t, cfg=cfg, out_final=out_final,
+                             save_states=save_states, meta=meta)
+    (outs,) = launch([part], B, H, interpret=interpret)
+    if save_states:
+        return outs[0], (outs[1] if out_final else None), outs[-2], outs[-1]
+    return outs[0], (outs[1] if out_final else None)
+
+
+def vector_state_part(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_final: bool,
+                      save_states: bool = False, meta=None, out_o: bool = True) -> Part:
+    """This kernel as a :class:`launch.Part` (arguments as for :func:`vector_state_output`;
+    outputs o if ``out_o``, the final state if ``out_final``, the states and R if
+    ``save_states``, in that order). ``out_o=False`` is the recompute policy's states-only pass
+    (no Qγ, P loads, no output products, no o): vector_api launches it beside the reverse state
+    pass."""
     B, H, Tp, K = w.shape
     V = u.shape[-1]
     N = Tp // C
@@ -83,36 +100,40 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
     if packed and not (B == 1 and has_h0):
         raise ValueError("packed sequences need B == 1 and per-sequence initial states h0t")
 
-    out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dtype)]
+    out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dtype)] if out_o else []
     if out_final:
         out_type.append(jax.ShapeDtypeStruct(h0t.shape if packed else (B, H, V, K), F32))
     if save_states:
         out_type += [jax.ShapeDtypeStruct((B, H, N, V, K), dtype), jax.ShapeDtypeStruct((B, Tp, H, V), dtype)]
     scratch = dict(
-        w_s=smem((stages, C, K), dtype), kt_s=smem((stages, C, K), dtype), qg_s=smem((stages, C, K), dtype),
-        u_s=smem((stages, C, bv), dtype), p_s=smem((stages, C, C), dtype),
-        gl_s=plgpu.SMEM((stages, K), F32),
-        s_pub=smem((2, bv, K), dtype), r_pub=smem((2, C, bv), dtype), o_out=smem((n_out, C, bv), dtype),
-        in_bar=plgpu.Barrier(num_arrivals=6 + packed, num_barriers=stages),
-        in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2),
-        state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
+        w_s=smem((stages, C, K), dtype), kt_s=smem((stages, C, K), dtype), u_s=smem((stages, C, bv), dtype),
+        gl_s=plgpu.SMEM((stages, K), F32), s_pub=smem((2, bv, K), dtype), r_pub=smem((2, C, bv), dtype),
     )
+    if out_o:  # the output's operands and tile
+        scratch.update(qg_s=smem((stages, C, K), dtype), p_s=smem((stages, C, C), dtype),
+                       o_out=smem((n_out, C, bv), dtype))
     if has_h0 or out_final:
         scratch["state_s"] = smem((bv, kb), F32)  # one block of h0 / the final state at a time
     if packed:
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
+    barriers = dict(
+        in_bar=plgpu.Barrier(num_arrivals=4 + 2 * out_o + packed, num_barriers=stages),
+        in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2),
+        state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
+    )
 
-    def vector_state_output_body(*refs, w_s, kt_s, qg_s, u_s, p_s, gl_s, s_pub, r_pub, o_out, in_bar, in_free,
-                                 s_ready, s_free, state_bar, done, state_s=None, meta_s=None):
+    def vector_state_output_body(iv, *refs, w_s, kt_s, u_s, gl_s, s_pub, r_pub, in_bar, in_free,
+                                 s_ready, s_free, state_bar, done, qg_s=None, p_s=None, o_out=None,
+                                 state_s=None, meta_s=None):
         refs = list(refs)
         w_ref, u_ref, qg_ref, kt_ref, p_ref, g_ref = (refs.pop(0) for _ in range(6))
         meta_ref = refs.pop(0) if packed else None
         h0_ref = refs.pop(0) if has_h0 else None
-        o_ref = refs.pop(0)
+        o_ref = refs.pop(0) if out_o else None
         fin_ref = refs.pop(0) if out_final else None
         st_ref, r_ref = (refs.pop(0), refs.pop(0)) if save_states else (None, None)
-        b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        b, h = lax.axis_index("b"), lax.axis_index("h")
         vcols = pl.ds(iv * bv, bv)
         wg = lax.axis_index("wg")
 
@@ -121,8 +142,9 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
             def copies(n):
                 rows = pl.ds(n * C, C)
                 yield from ((w_ref.at[b, h, rows], w_s), (kt_ref.at[b, h, rows], kt_s),
-                            (qg_ref.at[b, h, rows], qg_s), (u_ref.at[b, h, rows, vcols], u_s),
-                            (p_ref.at[b, h, rows], p_s))
+                            (u_ref.at[b, h, rows, vcols], u_s))
+                if out_o:
+                    yield from ((qg_ref.at[b, h, rows], qg_s), (p_ref.at[b, h, rows], p_s))
                 yield g_ref.at[b, h, n * C + C - 1], gl_s
                 if packed:
                     yield meta_ref.at[n], meta_s
@@ -202,6 +224,10 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
                 slot, half, ob = lax.rem(n, stages), lax.rem(n, 2), lax.rem(n, n_out)
                 plgpu.barrier_wait(in_bar.at[slot])
                 plgpu.barrier_wait(s_ready.at[half])
+                if not out_o:  # the states-only pass: hand the published tiles back
+                    plgpu.barrier_arrive(s_free.at[half])
+                    plgpu.barrier_arrive(in_free.at[slot])
+                    return carry
                 # Qγ S0 + P R in one accumulator (scale inside Qγ and P)
                 o = mma_sum(((qg_s.at[slot], s_pub.at[half].T), (p_s.at[slot], r_pub.at[half])), (C, bv))
                 plgpu.barrier_arrive(s_free.at[half])
@@ -218,14 +244,8 @@ def vector_state_output(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_fina
         finish_together(done)
 
     args = [w, u, qg, kt, p, g2] + ([meta] if packed else []) + ([h0t] if has_h0 else [])
-    outs = plgpu.kernel(
-        vector_state_output_body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H, V // bv),
-        grid_names=("b", "h", "v"), num_threads=3, thread_name="wg",
-        compiler_params=compat.compiler_params(), interpret=interpret,
-    )(*args)
-    if save_states:
-        return outs[0], (outs[1] if out_final else None), outs[-2], outs[-1]
-    return outs[0], (outs[1] if out_final else None)
+    return Part(args=tuple(args), out_type=tuple(out_type), smem=scratch, barriers=barriers,
+                blocks=V // bv, warpgroups=3, body=vector_state_output_body)
 
 
 def vector_forward(q, k, v, g, beta=None, b=None, w=None, h0=None, *, scale: float | None = None,

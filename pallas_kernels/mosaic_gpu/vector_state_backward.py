@@ -49,7 +49,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
-from pallas_kernels.mosaic_gpu import compat
+from pallas_kernels.mosaic_gpu.launch import Part, launch
 from pallas_kernels.mosaic_gpu.common import (
     blocks_times_t, C, COLS, F32, META, cols_of, finish_together, key_block, memory_warpgroup, mma_sum, smem,
     stage_blocks, replace_where, start_state, store_state)
@@ -61,6 +61,19 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
     """``(dr [B, Tp, H, V], dstates [B, H, N, V, K], dh0 ᵀ [B, H, V, K] fp32)``; see the module
     docstring. ``dfinal_t`` is ``None`` when the final state has no cotangent; with ``meta``
     (packed sequences) dfinal_t and dh0 are ``[n_slots, H, V, K]``."""
+    part = vector_state_backward_part(kt, w, qg, p, do, g2, dfinal_t, cfg=cfg, meta=meta, n_slots=n_slots)
+    (outs,) = launch([part], w.shape[0], w.shape[1], interpret=interpret)
+    return tuple(outs)
+
+
+def vector_state_backward_part(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, meta=None,
+                               n_slots: int = 0, warpgroups: int = 2) -> Part:
+    """This kernel as a :class:`launch.Part` (arguments and outputs as for
+    :func:`vector_state_backward`). ``warpgroups=3``: one more, idle warpgroup (it gives up its
+    registers and waits for the others to finish), so that the part can share a launch with the
+    three-warpgroup states-only forward (vector_api.py, policy "recompute")."""
+    if warpgroups not in (2, 3):
+        raise ValueError(f"the vector reverse state pass runs on 2 or 3 warpgroups, got {warpgroups}")
     B, H, Tp, K = w.shape
     V = do.shape[-1]
     N = Tp // C
@@ -84,22 +97,24 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
         # has the next chunk's first product to finish before the tile is rewritten.
         ds_pub=smem((bv, K), dtype), dr_out=smem((C, bv), dtype),
         state_s=smem((bv, kb), F32),  # one block of d(final) / dh0 at a time
-        in_bar=plgpu.Barrier(num_arrivals=6 + packed, num_barriers=stages),
-        in_free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-        state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=2),
     )
     if packed:
         scratch["meta_s"] = plgpu.SMEM((stages, META), jnp.int32)
+    barriers = dict(
+        in_bar=plgpu.Barrier(num_arrivals=6 + packed, num_barriers=stages),
+        in_free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=warpgroups),
+    )
 
     def vector_state_backward_body(
-            *refs, kt_s, w_s, qg_s, p_s, do_s, gl_s, ds_pub, dr_out, state_s, in_bar, in_free,
+            iv, *refs, kt_s, w_s, qg_s, p_s, do_s, gl_s, ds_pub, dr_out, state_s, in_bar, in_free,
             state_bar, done, meta_s=None):
         refs = list(refs)
         kt_ref, w_ref, qg_ref, p_ref, do_ref, g_ref = (refs.pop(0) for _ in range(6))
         meta_ref = refs.pop(0) if packed else None
         df_ref = refs.pop(0) if has_df else None
         dr_ref, dst_ref, dh0_ref = refs
-        b, h, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        b, h = lax.axis_index("b"), lax.axis_index("h")
         vcols = pl.ds(iv * bv, bv)
         wg = lax.axis_index("wg")
 
@@ -174,11 +189,13 @@ def vector_state_backward(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfig, me
                 store_state(state_s, ds_t, lambda j: key_block(dh0_ref.at[b, h, vcols], j, kb), wait_first=True)
             plgpu.wait_smem_to_gmem(0)
 
+        if warpgroups == 3:
+            @pl.when(wg == 2)
+            def _idle():
+                plgpu.set_max_registers(40, action="decrease")
+
         finish_together(done)
 
     args = [kt, w, qg, p, do, g2] + ([meta] if packed else []) + ([dfinal_t] if has_df else [])
-    return plgpu.kernel(
-        vector_state_backward_body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // bv),
-        grid_names=("b", "h", "v"), num_threads=2, thread_name="wg",
-        compiler_params=compat.compiler_params(), interpret=interpret,
-    )(*args)
+    return Part(args=tuple(args), out_type=out_type, smem=scratch, barriers=barriers, blocks=V // bv,
+                warpgroups=warpgroups, body=vector_state_backward_body)
