@@ -20,7 +20,8 @@ One CTA per ``(b, h, 64 value columns)`` walks its chunks in order with three wa
 Neither W, R nor the chunk states reach HBM, unless ``save_states`` asks for the chunk start states
 (``[B, H, N, V, K]`` in the input dtype; the backward's ``save`` policy reads them). The
 ``recompute`` policy's backward runs this kernel again with ``out_o=False``: the chain and Ag
-only, for the chunk start states. In value rows every left operand of the chain comes from
+only, for the chunk start states, in one launch with the reverse state pass (:func:`forward_part`,
+launch.py). In value rows every left operand of the chain comes from
 registers, so no chain product waits for a store and fence (WG1's tiles are stored while the
 next product runs); in key rows the state, W and R are right operands and are staged.
 Math: docs/math.md (§ chunked forward); this is the scalar-gate, gate-free-inverse form of it.

@@ -1,6 +1,7 @@
 """Reverse state pass of the ReWY backward (DeltaNet, GDN): dS over chunks, Λ per chunk, dh0.
 
-Pipeline position:  forward (saves or recomputes chunk start states)  ->  **this kernel**
+Pipeline position:  forward (saves chunk start states, or the backward recomputes them: the
+states-only forward runs in one launch with this kernel, launch.py)  ->  **this kernel**
 ->  chunk_backward.py (per-chunk gradients, parallel over chunks).
 
 One CTA per ``(b, h, block_v value columns)`` walks the chunks last to first with three
