@@ -7,7 +7,9 @@
     python3 -m tools.stall_report table ncu.csv
 
 ``run`` calls ``jax.grad`` of Σ o·dO through the public op once (bf16 inputs, ``backend=
-"pallas_gpu"``, as the benchmark calls it), so ncu sees each of our kernels (``rewy_*``) once.
+"pallas_gpu"``, as the benchmark calls it, or the backend given after the shape), so ncu sees
+each of our kernels once (``rewy_*`` on pallas_gpu; on mosaic_gpu each kernel is named after its
+body, e.g. ``regex:chunk_inverse_body``).
 ``table`` pivots ncu's long CSV into one row per kernel: time, registers, achieved occupancy and
 what limits it, throughput of the SMs, DRAM and tensor pipes, and the warp stall reasons that
 dominate (cycles stalled per issued instruction). Kernel-work tooling, not a benchmark: ncu
@@ -45,7 +47,7 @@ def metrics():
     return ",".join(list(COLUMNS.values()) + [STALL_METRIC.format(s) for s in STALLS])
 
 
-def run(op, shape):
+def run(op, shape, backend="pallas_gpu"):
     import jax
     import jax.numpy as jnp
 
@@ -56,7 +58,7 @@ def run(op, shape):
     dO = jax.random.normal(jax.random.PRNGKey(1), (B, T, H, D), jnp.float32).astype(jnp.bfloat16)
 
     def loss(x):
-        o = testing.run_op(op, x, backend="pallas_gpu")[0]
+        o = testing.run_op(op, x, backend=backend)[0]
         return jnp.sum(o.astype(jnp.float32) * dO.astype(jnp.float32))
 
     jax.block_until_ready(jax.jit(jax.grad(loss))(inp))
@@ -100,8 +102,8 @@ if __name__ == "__main__":
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""
     if cmd == "metrics":
         print(metrics())
-    elif cmd == "run" and len(sys.argv) == 4:
-        run(sys.argv[2], sys.argv[3])
+    elif cmd == "run" and len(sys.argv) in (4, 5):
+        run(*sys.argv[2:])
     elif cmd == "table" and len(sys.argv) == 3:
         table(sys.argv[2])
     else:

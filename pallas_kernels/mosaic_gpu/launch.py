@@ -81,6 +81,8 @@ def launch(parts, B: int, H: int, *, interpret=None) -> list:
 
             first += p.blocks
 
+    # the kernel's name (traces, ncu) is its body's: the parts' bodies' names
+    body.__name__ = body.__qualname__ = "__".join(p.body.__name__ for p in parts)
     outs = plgpu.kernel(
         body, out_type=tuple(o for p in parts for o in p.out_type), scratch_types=scratch,
         grid=(B, H, sum(p.blocks for p in parts)), grid_names=("b", "h", "v"),
