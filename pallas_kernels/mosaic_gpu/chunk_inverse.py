@@ -19,7 +19,9 @@ precision-sensitive step (rewy-math §3), and only its final value is rounded to
 Every block entry stays an entry of a true inverse of a diagonal block, so nothing grows.
 Left operands come from registers and right operands are packed to the width of the blocks
 being merged (:func:`invert_unit_lower`): the levels s = 2, 4, 8 and 16 take a quarter and a
-half of a ``[C, C]`` product's tensor-core work.
+half of a ``[C, C]`` product's tensor-core work, and the last level (one off-diagonal block)
+contracts over 32 rows into 32 columns, an eighth: 9 of the 64³ products' work a chunk (13.5
+with the last level whole, 30 with five whole levels; the Gram adds K/32).
 
 Reads:  k [B, Tp, H, K] (16-bit); beta [B, H, Tp] fp32.
 Writes: t0 [B, H, Tp, C] in k's dtype (rows of each chunk's T0).
@@ -49,8 +51,8 @@ def split_pair(hi_ref, lo_ref, x):
 
 
 def _mm3(a, b, width: int = C):
-    """``a @ b`` for split pairs ``a = (hi, lo)`` (registers or SMEM), ``b = (hi, lo)`` (SMEM,
-    ``[C, width]``): hi·hi + hi·lo + lo·hi."""
+    """``a @ b`` for split pairs ``a = (hi, lo)`` (registers or SMEM, ``[C, k]``), ``b = (hi,
+    lo)`` (SMEM, ``[k, width]``): hi·hi + hi·lo + lo·hi."""
     return mma_sum(((a[0], b[0]), (a[0], b[1]), (a[1], b[0])), (C, width))
 
 
@@ -65,7 +67,8 @@ def split_regs(x, dtype):
 # [C, w]: row i keeps the columns of its own block, packed[i, j] = full[i, w·(i // w) + j].
 # Products whose result lies in those blocks then take an N = w right operand (a quarter or a
 # half of the tensor-core work of N = 64).
-WIDTHS = (16, 32, C)  # the packed widths of the levels: s = 2, 4, 8 | 16 | 32
+WIDTHS = (16, 32)  # the packed widths of the levels s = 2, 4, 8 | 16 (s = 32: see invert_unit_lower)
+HALF = C // 2
 
 
 def pack(x, w: int):
@@ -87,12 +90,14 @@ def unpack(xp, w: int):
 def inverse_scratch(dtype) -> tuple:
     """SMEM of :func:`invert_unit_lower` in ``dtype`` (16-bit), as alternatives for a
     ``plgpu.RefUnion``: one tree per width w in :data:`WIDTHS`, ``(A pairs, X pair of width w)``.
-    The A pairs ``[C, w']`` (hi, lo) for every w' lie first in each tree, at the same offsets
-    (28 KiB in bf16: one set, live through the whole inverse); the X pairs of the three widths,
-    used one after another, share the bytes after them (16 KiB). :func:`inverse_refs` takes the
-    union's trees apart."""
+    The A pairs (hi, lo) — A's diagonal 16- and 32-blocks packed, and A's first 32 columns, whose
+    rows 32..63 are the last level's A21 — lie first in each tree, at the same offsets (20 KiB in
+    bf16: one set, live through the whole inverse); the X pairs of the two widths, used one after
+    the other, share the bytes after them (8 KiB). :func:`inverse_refs` takes the union's trees
+    apart."""
     pair = lambda w: (smem((C, w), dtype), smem((C, w), dtype))  # noqa: E731
-    return tuple((tuple(pair(w2) for w2 in WIDTHS), pair(w)) for w in WIDTHS)
+    a_pairs = (pair(16), pair(32), pair(HALF))
+    return tuple((a_pairs, pair(w)) for w in WIDTHS)
 
 
 def inverse_refs(trees) -> tuple:
@@ -108,16 +113,22 @@ def invert_unit_lower(a, a_pairs, x_pairs):
     the pairs'). Also used by the vector-gate chunk kernel (vector_chunk.py),
     whose ``a`` carries the per-channel decays.
 
-    Both products of a level take their left operand (X, then Y = (X A)|_s, as [C, C]) from
-    registers and their right operand (A, then X) packed to the width of the merged blocks:
-    16 columns for s = 2, 4, 8, 32 for s = 16, 64 for s = 32 (every product lies in those
-    blocks), so the three small levels cost a quarter and s = 16 half of a [C, C] product.
+    Both products of a level take their left operand (X, then Y = (X A)|_s) from registers and
+    their right operand (A, then X) packed to the width of the merged blocks: 16 columns for
+    s = 2, 4, 8 and 32 for s = 16 (every product lies in those blocks), so these levels cost a
+    quarter and a half of a [C, C] product. The last level (s = 32) has one off-diagonal block,
+    ``X21 = −X22 A21 X11``, so its products contract over 32 rows and give 32 columns:
+    ``Y = X[:, 32:] A[32:, :32]`` (X's rows 0..31 are zero there, so Y's are) and
+    ``X[:, :32] −= Y X11``, an eighth of a [C, C] product's work each (the terms left out are
+    exact zeros, so the sums are those of the whole products).
     """
     dtype = a_pairs[0][0].dtype
     r, c = iota((C, C), 0), iota((C, C), 1)
-    for w, pair in zip(WIDTHS, a_pairs):  # A's diagonal w-blocks, packed, staged once
-        a_w = a if w == C else pack(jnp.where(same_block(r, c, w), a, 0.0), w)
-        for ref, part in zip(pair, split_regs(a_w, dtype)):
+    a_tiles = (pack(jnp.where(same_block(r, c, 16), a, 0.0), 16),
+               pack(jnp.where(same_block(r, c, 32), a, 0.0), 32),
+               a[:, :HALF])  # rows 32..63: A21, the last level's right operand
+    for pair, tile in zip(a_pairs, a_tiles):  # staged once
+        for ref, part in zip(pair, split_regs(tile, dtype)):
             put(ref, part)
     plgpu.commit_smem()
     # Level s = 1: the 2×2 diagonal blocks [[1, 0], [a, 1]] invert to [[1, 0], [−a, 1]].
@@ -142,7 +153,16 @@ def invert_unit_lower(a, a_pairs, x_pairs):
     x16 = lax.fori_loop(jnp.int32(1), jnp.int32(4),  # int32 under x64 too
                         lambda e, x_p: level(e, x_p, 16, a_pairs[0], x_pairs[0]), pack(x, 16))
     x32 = level(jnp.int32(4), pack(unpack(x16, 16), 32), 32, a_pairs[1], x_pairs[1])
-    return level(jnp.int32(5), unpack(x32, 32), C, a_pairs[2], x_pairs[2])
+    # s = 32: X11 is the top half of X's 32-packed pair, A21 the bottom half of A[:, :32]
+    x_full = unpack(x32, 32)
+    for ref, part in zip(x_pairs[1], split_regs(x32, dtype)):
+        put(ref, part)
+    lower = tuple(ref.at[pl.ds(HALF, HALF)] for ref in a_pairs[2])
+    y = _mm3(split_regs(x_full[:, HALF:], dtype), lower, HALF)  # X22 A21 (rows 0..31: zero)
+    plgpu.commit_smem()
+    x11 = tuple(ref.at[pl.ds(0, HALF)] for ref in x_pairs[1])
+    x21 = _mm3(split_regs(y, dtype), x11, HALF)  # (X22 A21) X11 (rows 0..31: zero)
+    return jnp.concatenate([x_full[:, :HALF] - x21, x_full[:, HALF:]], axis=1)
 
 
 def chunk_inverse(k, beta, *, interpret=None):
@@ -151,7 +171,7 @@ def chunk_inverse(k, beta, *, interpret=None):
     N = Tp // C
     dtype = k.dtype
     bf = jnp.bfloat16
-    # Buffers with disjoint lifetimes share SMEM (44 KiB a CTA at K ≤ 128): k is dead once the
+    # Buffers with disjoint lifetimes share SMEM (28 KiB a CTA at K ≤ 128): k is dead once the
     # Gram is formed, the inverse's buffers once it returns, and then the result takes them.
     scratch = dict(union=plgpu.RefUnion(smem((C, K), dtype), smem((C, C), dtype), *inverse_scratch(bf)),
                    b_s=plgpu.SMEM((C,), F32), bar=plgpu.Barrier(num_arrivals=2))

@@ -231,7 +231,7 @@ def _vector_chunk(q, k, x, g2, erase, centred_chunks, *, scale: float, centred: 
         e_s=smem((nk, C, PIECE), F32) if channel_erase else plgpu.SMEM((C,), F32),
         # the staging tiles, seen as bf16 (the Gram operands, whose frame factors reach e^40), in
         # the input dtype (A's pair, Ē and W: the operands that meet x in U = A Z, which a WGMMA
-        # needs in one dtype) and as the inverse's packed bf16 pairs (44 KiB); the same bytes
+        # needs in one dtype) and as the inverse's packed bf16 pairs (28 KiB); the same bytes
         st=plgpu.RefUnion(smem((n_staging, C, C), bf), smem((n_staging, C, C), dtype), *inverse_scratch(bf)),
         out_s=smem((C, C), dtype),
         bar=plgpu.Barrier(num_arrivals=4 * nk + (nk if channel_erase else 1) + (not centred)),
