@@ -324,6 +324,38 @@ def test_chunk_inverse_interpret(K):
     assert err < 2e-3, err  # bf16 rounding of the result is ~1e-3; a wrong block is O(1)
 
 
+@needs_interpreter
+def test_invert_unit_lower_precision():
+    """The inverse itself (chunk_inverse.invert_unit_lower: packed pieces, split-bf16 products)
+    in fp32, before any rounding to the input dtype: within 16-bit-mantissa precision of the
+    float64 inverse, for Grams of unit keys with β in [0, 2] (one bf16 product anywhere would
+    give ~1e-3; a wrong block O(1))."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels.mosaic_gpu.chunk_inverse import inverse_refs, inverse_scratch, invert_unit_lower
+    from pallas_kernels.mosaic_gpu.common import WGMMA
+
+    rng = np.random.default_rng(8)
+    n = 3
+    k = rng.standard_normal((n, 64, 128))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    a = np.tril(np.einsum("nik,njk->nij", k, k), -1) * rng.uniform(0, 2, (n, 64, 1))
+
+    def body(a_ref, out_ref, union):
+        a_pairs, x_pairs = inverse_refs(union)
+        out_ref[...] = invert_unit_lower(plgpu.load(a_ref, layout=WGMMA), a_pairs, x_pairs)
+
+    f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+                     scratch_types=dict(union=plgpu.RefUnion(*inverse_scratch(BF16))),
+                     compiler_params=compat.compiler_params(),
+                     interpret=compat.interpret_params(INTERPRET))
+    for i in range(n):
+        got = np.asarray(f(jnp.asarray(a[i], jnp.float32)), np.float64)
+        ref = np.linalg.inv(np.eye(64) + a[i].astype(np.float32).astype(np.float64))
+        err = np.sqrt(np.mean((got - ref) ** 2)) / np.sqrt(np.mean(ref ** 2))
+        assert err < 5e-5, (i, err)
+
+
 def test_bit_level_masks():
     """The index masks of the recursive block schemes against their bitwise definitions, at
     every level of a 64-row chunk: level s joins the pairs whose highest differing index bit is

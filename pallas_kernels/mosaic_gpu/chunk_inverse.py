@@ -17,11 +17,10 @@ split into bf16 pairs (``x = hi + lo``) and multiplied as ``hi·hi + hi·lo + lo
 accumulator (one tensor-core round trip), about 16 mantissa bits: the inverse is the most
 precision-sensitive step (rewy-math §3), and only its final value is rounded to the input dtype.
 Every block entry stays an entry of a true inverse of a diagonal block, so nothing grows.
-Left operands come from registers and right operands are packed to the width of the blocks
-being merged (:func:`invert_unit_lower`): the levels s = 2, 4, 8 and 16 take a quarter and a
-half of a ``[C, C]`` product's tensor-core work, and the last level (one off-diagonal block)
-contracts over 32 rows into 32 columns, an eighth: 9 of the 64³ products' work a chunk (13.5
-with the last level whole, 30 with five whole levels; the Gram adds K/32).
+Left operands come from registers, in K = 16 or 32 pieces of X held packed, and right operands
+are packed to the width of the blocks being merged (:func:`invert_unit_lower`): no ``[C, C]``
+operand is formed and no block that is zero by the structure is multiplied, 6.75 of the 64³
+products' work a chunk against 30 for five whole levels (the Gram adds K/32).
 
 Reads:  k [B, Tp, H, K] (16-bit); beta [B, H, Tp] fp32.
 Writes: t0 [B, H, Tp, C] in k's dtype (rows of each chunk's T0).
@@ -90,13 +89,13 @@ def unpack(xp, w: int):
 def inverse_scratch(dtype) -> tuple:
     """SMEM of :func:`invert_unit_lower` in ``dtype`` (16-bit), as alternatives for a
     ``plgpu.RefUnion``: one tree per width w in :data:`WIDTHS`, ``(A pairs, X pair of width w)``.
-    The A pairs (hi, lo) — A's diagonal 16- and 32-blocks packed, and A's first 32 columns, whose
-    rows 32..63 are the last level's A21 — lie first in each tree, at the same offsets (20 KiB in
-    bf16: one set, live through the whole inverse); the X pairs of the two widths, used one after
-    the other, share the bytes after them (8 KiB). :func:`inverse_refs` takes the union's trees
-    apart."""
+    The A pairs (hi, lo) — A's diagonal 16-blocks and the 16-blocks below them, packed to 16
+    columns, and A's first 32 columns, whose rows 32..63 are the last level's A21 — lie first in
+    each tree, at the same offsets (16 KiB in bf16: one set, live through the whole inverse); the
+    X pairs of the two widths, used one after the other, share the bytes after them (8 KiB).
+    :func:`inverse_refs` takes the union's trees apart."""
     pair = lambda w: (smem((C, w), dtype), smem((C, w), dtype))  # noqa: E731
-    a_pairs = (pair(16), pair(32), pair(HALF))
+    a_pairs = (pair(16), pair(16), pair(HALF))
     return tuple((a_pairs, pair(w)) for w in WIDTHS)
 
 
@@ -106,6 +105,23 @@ def inverse_refs(trees) -> tuple:
     return trees[0][0], tuple(x for _, x in trees)
 
 
+def _blockwise(x, pair, blocks, w: int = 16):
+    """``Σ x_b @ pair[16-row block m]`` over ``blocks``, pairs ``(b, m)``, on the tensor cores
+    (split products, one accumulator), ``x_b = x`` on the rows of 16-block ``b`` and 0
+    elsewhere: the product of a packed tile whose row block b only meets row block m of the
+    right operand, in K = 16 pieces, so no ``[C, C]`` left operand is formed and no zero block
+    is multiplied. ``x``: fp32 ``[C, 16]``; ``pair``: SMEM (hi, lo) ``[C, w]``."""
+    dtype = pair[0].dtype
+    hi, lo = split_regs(x, dtype)
+    blk = iota(x.shape, 0) // 16
+    terms = []
+    for b, m in blocks:
+        rows = tuple(ref.at[pl.ds(16 * m, 16)] for ref in pair)
+        h, l = (jnp.where(blk == b, t, jnp.zeros_like(t)) for t in (hi, lo))
+        terms += [(h, rows[0]), (h, rows[1]), (l, rows[0])]
+    return mma_sum(tuple(terms), (C, w))
+
+
 def invert_unit_lower(a, a_pairs, x_pairs):
     """``(I + a)⁻¹`` in fp32 registers ``[C, C]`` for a strictly lower-triangular fp32 tile ``a``
     (WGMMA layout), by the module docstring's recursive block inversion with split-bf16
@@ -113,19 +129,23 @@ def invert_unit_lower(a, a_pairs, x_pairs):
     the pairs'). Also used by the vector-gate chunk kernel (vector_chunk.py),
     whose ``a`` carries the per-channel decays.
 
-    Both products of a level take their left operand (X, then Y = (X A)|_s) from registers and
-    their right operand (A, then X) packed to the width of the merged blocks: 16 columns for
-    s = 2, 4, 8 and 32 for s = 16 (every product lies in those blocks), so these levels cost a
-    quarter and a half of a [C, C] product. The last level (s = 32) has one off-diagonal block,
-    ``X21 = −X22 A21 X11``, so its products contract over 32 rows and give 32 columns:
-    ``Y = X[:, 32:] A[32:, :32]`` (X's rows 0..31 are zero there, so Y's are) and
-    ``X[:, :32] −= Y X11``, an eighth of a [C, C] product's work each (the terms left out are
-    exact zeros, so the sums are those of the whole products).
+    X is held packed (:func:`pack`): ``[C, 16]`` up to s = 16, then ``[C, 32]``. Every product
+    takes its left operand from registers in K = 16 or 32 pieces of the packed tile (the row
+    blocks it meets, :func:`_blockwise`) and its right operand from a packed SMEM pair, so no
+    ``[C, C]`` operand is formed and no term that is zero by the block structure is multiplied:
+
+    * s = 2, 4, 8 (inside 16-blocks): ``Y = (X A)|_s`` from X's 16-blocks times A's diagonal
+      16-blocks, then ``X ← X − Y X``, each four K = 16 pieces into 16 columns;
+    * s = 16: ``Y = X22 A21`` per 32-block from the odd 16-blocks of X times the 16-blocks below
+      A's diagonal, ``X21 = −Y X11`` from the even 16-blocks of X: two pieces each;
+    * s = 32: ``Y = X[:, 32:] A[32:, :32]``, ``X21 = −Y X11``: K = 32, 32 columns.
+
+    The sums are those of the whole-tile products (the terms left out are exact zeros).
     """
     dtype = a_pairs[0][0].dtype
     r, c = iota((C, C), 0), iota((C, C), 1)
-    a_tiles = (pack(jnp.where(same_block(r, c, 16), a, 0.0), 16),
-               pack(jnp.where(same_block(r, c, 32), a, 0.0), 32),
+    a_tiles = (pack(jnp.where(same_block(r, c, 16), a, 0.0), 16),  # A's diagonal 16-blocks
+               pack(jnp.where(bit_level_pairs(r, c, 16), a, 0.0), 16),  # the 16-blocks below them
                a[:, :HALF])  # rows 32..63: A21, the last level's right operand
     for pair, tile in zip(a_pairs, a_tiles):  # staged once
         for ref, part in zip(pair, split_regs(tile, dtype)):
@@ -133,36 +153,47 @@ def invert_unit_lower(a, a_pairs, x_pairs):
     plgpu.commit_smem()
     # Level s = 1: the 2×2 diagonal blocks [[1, 0], [a, 1]] invert to [[1, 0], [−a, 1]].
     x = jnp.where(r == c, 1.0, 0.0) - jnp.where(bit_level_pairs(r, c, 1), a, 0.0)
+    rw, cw = iota((C, 16), 0), iota((C, 16), 1)
+    blk = rw // 16
 
-    def level(e, x_p, w, a_pair, x_pair):
-        """Level s = 2^e on X packed to width w: row in the second half, column in the first
-        half, of the same 2s-block (r and c first differ at bit e and r has it set)."""
-        rw, cw = iota((C, w), 0), iota((C, w), 1)
-        col = (rw // w) * w + cw  # the chunk column of each packed column
+    def level(e, x16):
+        """Level s = 2^e < 16 on X packed to 16 columns: row in the second half, column in the
+        first half, of the same 2s-block (r and c first differ at bit e and r has it set)."""
+        col = blk * 16 + cw  # the chunk column of each packed column
         keep = (lax.shift_right_logical(rw ^ col, e) == 1) & ((lax.shift_right_logical(rw, e) & 1) == 1)
-        # X's packed pair goes to SMEM for the second product (unfenced: X A reads registers and A)
-        for ref, part in zip(x_pair, split_regs(x_p, dtype)):
+        # X's pair goes to SMEM for the second product (unfenced: X A reads registers and A)
+        for ref, part in zip(x_pairs[0], split_regs(x16, dtype)):
             put(ref, part)
-        y = jnp.where(keep, _mm3(split_regs(unpack(x_p, w), dtype), a_pair, w), 0.0)  # X A_s
+        diagonal = tuple((b, b) for b in range(4))  # X and Y lie in the diagonal 16-blocks
+        y = jnp.where(keep, _blockwise(x16, a_pairs[0], diagonal), 0.0)  # X A_s
         plgpu.commit_smem()
-        return x_p - _mm3(split_regs(unpack(y, w), dtype), x_pair, w)  # X − (X A_s) X
+        return x16 - _blockwise(y, x_pairs[0], diagonal)  # X − (X A_s) X
 
-    # s = 2, 4, 8 on 16-column packs: one loop body (less code: the vector chunk kernel, which
-    # holds the Grams' code beside the inverse, ran 0.375 instead of 0.557 ms with its levels
-    # in a loop, docs/performance-log.md)
+    # s = 2, 4, 8: one loop body (less code: the vector chunk kernel, which holds the Grams'
+    # code beside the inverse, ran 0.375 instead of 0.557 ms with its levels in a loop,
+    # docs/performance-log.md)
     x16 = lax.fori_loop(jnp.int32(1), jnp.int32(4),  # int32 under x64 too
-                        lambda e, x_p: level(e, x_p, 16, a_pairs[0], x_pairs[0]), pack(x, 16))
-    x32 = level(jnp.int32(4), pack(unpack(x16, 16), 32), 32, a_pairs[1], x_pairs[1])
+                        lambda e, x_p: level(e, x_p), pack(x, 16))
+    # s = 16: the odd 16-blocks (each 32-block's second half) meet A's 16-blocks below the
+    # diagonal; then Y meets X11, the even 16-blocks of X's pair
+    for ref, part in zip(x_pairs[0], split_regs(x16, dtype)):
+        put(ref, part)
+    y = _blockwise(x16, a_pairs[1], ((1, 1), (3, 3)))  # X22 A21 per 32-block (odd row blocks)
+    plgpu.commit_smem()
+    x21 = _blockwise(y, x_pairs[0], ((1, 0), (3, 2)))  # times X11: the 32-block's even 16-block
+    upper = blk % 2 == 0  # rows in the first half of their 32-block
+    x32 = jnp.concatenate([jnp.where(upper, x16, -x21), jnp.where(upper, 0.0, x16)], axis=1)
     # s = 32: X11 is the top half of X's 32-packed pair, A21 the bottom half of A[:, :32]
-    x_full = unpack(x32, 32)
+    top = iota((C, HALF), 0) < HALF
+    x22 = jnp.where(top, 0.0, x32)  # X[:, 32:] (X is block-diagonal: its rows 0..31 are zero)
     for ref, part in zip(x_pairs[1], split_regs(x32, dtype)):
         put(ref, part)
     lower = tuple(ref.at[pl.ds(HALF, HALF)] for ref in a_pairs[2])
-    y = _mm3(split_regs(x_full[:, HALF:], dtype), lower, HALF)  # X22 A21 (rows 0..31: zero)
+    y = _mm3(split_regs(x22, dtype), lower, HALF)  # X22 A21 (rows 0..31: zero)
     plgpu.commit_smem()
     x11 = tuple(ref.at[pl.ds(0, HALF)] for ref in x_pairs[1])
     x21 = _mm3(split_regs(y, dtype), x11, HALF)  # (X22 A21) X11 (rows 0..31: zero)
-    return jnp.concatenate([x_full[:, :HALF] - x21, x_full[:, HALF:]], axis=1)
+    return jnp.concatenate([jnp.where(top, x32, 0.0) - x21, x22], axis=1)
 
 
 def chunk_inverse(k, beta, *, interpret=None):
