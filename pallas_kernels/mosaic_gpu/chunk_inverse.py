@@ -151,10 +151,11 @@ def invert_unit_lower(a, a_pairs, x_pairs):
         for ref, part in zip(pair, split_regs(tile, dtype)):
             put(ref, part)
     plgpu.commit_smem()
-    # Level s = 1: the 2×2 diagonal blocks [[1, 0], [a, 1]] invert to [[1, 0], [−a, 1]].
-    x = jnp.where(r == c, 1.0, 0.0) - jnp.where(bit_level_pairs(r, c, 1), a, 0.0)
     rw, cw = iota((C, 16), 0), iota((C, 16), 1)
     blk = rw // 16
+    # Level s = 1, packed: the 2×2 diagonal blocks [[1, 0], [a, 1]] invert to [[1, 0], [−a, 1]].
+    col = blk * 16 + cw  # the chunk column of each packed column
+    x16 = jnp.where(rw == col, 1.0, 0.0) - jnp.where(bit_level_pairs(rw, col, 1), a_tiles[0], 0.0)
 
     def level(e, x16):
         """Level s = 2^e < 16 on X packed to 16 columns: row in the second half, column in the
@@ -173,7 +174,7 @@ def invert_unit_lower(a, a_pairs, x_pairs):
     # code beside the inverse, ran 0.375 instead of 0.557 ms with its levels in a loop,
     # docs/performance-log.md)
     x16 = lax.fori_loop(jnp.int32(1), jnp.int32(4),  # int32 under x64 too
-                        lambda e, x_p: level(e, x_p), pack(x, 16))
+                        lambda e, x_p: level(e, x_p), x16)
     # s = 16: the odd 16-blocks (each 32-block's second half) meet A's 16-blocks below the
     # diagonal; then Y meets X11, the even 16-blocks of X's pair
     for ref, part in zip(x_pairs[0], split_regs(x16, dtype)):
