@@ -46,7 +46,7 @@ from jax import lax
 
 from pallas_kernels.mosaic_gpu.common import (
     blocks_times_t, C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block,
-    memory_warpgroup, mma, mma_group, mma_sum, rows_of, smem, stage, stage_blocks, replace_where, start_state,
+    memory_warpgroup, mma, mma_group, mma_sum, put, rows_of, smem, stage, stage_blocks, replace_where, start_state,
     store_state, vectors)
 from pallas_kernels.mosaic_gpu.launch import Part, launch
 from pallas_kernels.mosaic_gpu.config import PassConfig
@@ -185,14 +185,15 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
                 w_s = stage(w_stage, w)  # R = (Ag_hi + Ag_lo) W
                 r = mma_sum(((t_s.at[slot], w_s), (tl_s.at[slot], w_s)), (C, bv))
                 r_pub.at[half][...] = r.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(s_ready.at[half])
-                # S ← γ_C S + Kᵀ (t ⊙ R): every 64-row block in one round trip
+                # S ← γ_C S + Kᵀ (t ⊙ R): every 64-row block in one round trip; the decayed tail
+                # is stored beside R, under the same fence
                 if gated:
-                    tail = stage(w_stage, r * rows_of(jnp.exp2(g_last - g_row), (C, bv)))
+                    tail = put(w_stage, r * rows_of(jnp.exp2(g_last - g_row), (C, bv)))
                     decay_c = jnp.exp2(g_last)
                 else:
                     tail, decay_c = r_pub.at[half], None
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(s_ready.at[half])
                 upd = mma_group(tuple((((key_block(k_s.at[slot], j, C).T, tail),), (C, bv))
                                       for j in range(nkb)))
                 return tuple(u + (x if decay_c is None else x * decay_c) for u, x in zip(upd, s))

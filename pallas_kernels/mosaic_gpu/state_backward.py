@@ -66,7 +66,7 @@ from jax import lax
 from pallas_kernels.mosaic_gpu.launch import Part, launch
 from pallas_kernels.mosaic_gpu.common import (
     blocks_times_t, C, COLS, F32, META, ROWS, WGMMA, causal_decay, cols_of, finish_together, key_block,
-    memory_warpgroup, mma, mma_group, mma_sum, rows_of, smem, stage, stage_blocks, replace_where, start_state,
+    memory_warpgroup, mma, mma_group, mma_sum, put, rows_of, smem, stage, stage_blocks, replace_where, start_state,
     store_state,
     vectors)
 from pallas_kernels.mosaic_gpu.config import PassConfig
@@ -184,8 +184,8 @@ def state_backward_part(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: 
 
             def update(slot, half, lam, ds, store_lam):
                 # (γ_C dS) + Qᵀ dO_γ − Kᵀ diag(β γ) Λ: every 64-row block in one round trip
-                store_lam()
-                lam_lo = stage(dr_stage, lam)
+                lam_lo = put(dr_stage, lam)
+                store_lam()  # Λ's output tile, fenced together with Λ̃'s stage
                 upd = mma_group(tuple((((key_block(q_s.at[slot], j, C).T, dog_pub.at[half]),
                                         (key_block(k_s.at[slot], j, C).T, lam_lo)), (C, bv))
                                       for j in range(nkb)))
