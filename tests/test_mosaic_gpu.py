@@ -136,6 +136,7 @@ def test_forward_alone_matches_differentiated():
     ("gdn", "recompute", "mild", 150, 1, None, 64, BF16),
     ("deltanet", "save", None, 130, 2, None, 64, BF16),
     ("gdn", "save", "mild", 150, 3, 3, 64, BF16),  # packed: sequences re-laid on chunk boundaries
+    ("gdn", "recompute", "reset", 200, 9, 3, 64, BF16),  # packed, the backward's one launch (launch.py)
     ("gdn", "recompute", "reset", 140, 4, None, 64, BF16),
     ("deltanet", "recompute", None, 100, 4, None, 128, F16),  # fp16 inputs, whole-width K = 128
     # K = V = 256: the state in four 64-column register blocks, one-stage input pipelines and
