@@ -12,8 +12,7 @@ One CTA per ``(b, h, 64 value columns)`` walks its chunks in order with three wa
       Rᵀ = Wᵀ Agᵀ                         (Ag = T0 ⊙ exp2(G_i − G_j) ⊙ β_j: the gated inverse)
       Sᵀ ← exp2(G_C) Sᵀ + (Rᵀ diag(exp2(G_C − G_j))) K
   and publishes ``Sᵀ`` (chunk start state) and ``R`` in the input dtype through double-buffered SMEM.
-* WG1 (output) builds ``Ag`` in place of T0 for WG0, one chunk ahead of its output (stages ≥ 2),
-  then
+* WG1 (output) builds ``Ag`` in place of T0 for WG0, then
       O = scale · (Γ Q S + (Q Kᵀ ⊙ exp2(G_i − G_j))_{j ≤ i} R)
   from the published tiles and stores it with TMA.
 * WG2 (memory) streams q, k, v, T0, the gates and β with TMA into ``stages`` buffers.
@@ -287,46 +286,29 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
         def _output():
             plgpu.set_max_registers(232, action="increase")
 
-            def decay_of(slot):
+            def step(n, carry):
+                slot, half = lax.rem(n, stages), lax.rem(n, 2)
+                plgpu.barrier_wait(in_bar.at[slot])
                 if gated:
                     g_row = plgpu.load(g_s.at[slot], layout=ROWS)
-                    return g_row, causal_decay(g_row, plgpu.load(g_s.at[slot], layout=COLS), strict=False)
-                return None, causal_decay(None, None, strict=False)
-
-            def build_ag(m):
+                    decay = causal_decay(g_row, plgpu.load(g_s.at[slot], layout=COLS), strict=False)
+                else:
+                    decay = causal_decay(None, None, strict=False)
                 # Ag = T0 ⊙ exp2(G_i − G_j) ⊙ β_j (j ≤ i) replaces T0 in its buffer for WG0, as
                 # the pair Ag_hi + Ag_lo: a single rounding of Ag was the largest of the forward's
                 # bf16 error sources (docs/mosaic-gpu.md, accuracy).
-                slot = lax.rem(m, stages)
-                plgpu.barrier_wait(in_bar.at[slot])
                 beta_c = cols_of(plgpu.load(b_s.at[slot], layout=COLS), (C, C))
-                ag = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32) * decay_of(slot)[1] * beta_c
+                ag = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32) * decay * beta_c
                 ag_hi = ag.astype(dtype)
                 t_s.at[slot][...] = ag_hi
                 tl_s.at[slot][...] = (ag - ag_hi.astype(F32)).astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ag_ready.at[slot])
-
-            # WG1 builds Ag one chunk ahead of its output where the pipeline holds two chunks, so
-            # that WG0, done with chunk n's R, finds chunk n + 1's Ag ready instead of waiting for
-            # chunk n's output products (one stage: chunk n + 1 loads only after n is released).
-            ahead = min(stages - 1, 1)
-            for m in range(min(ahead, N)):
-                build_ag(m)
-
-            def step(n, carry):
-                slot, half = lax.rem(n, stages), lax.rem(n, 2)
-
-                @pl.when(n + ahead < N)
-                def _():
-                    build_ag(n + ahead)
-
                 if not out_o:  # the state recompute: only Ag was needed
                     plgpu.barrier_wait(s_ready.at[half])
                     plgpu.barrier_arrive(s_free.at[half])
                     plgpu.barrier_arrive(in_free.at[slot])
                     return carry
-                g_row, decay = decay_of(slot)
                 # P, the left operand of P R, stays in registers (never staged)
                 p = (mma(q_s.at[slot], k_s.at[slot].T, (C, C)) * decay).astype(dtype)
                 plgpu.barrier_wait(s_ready.at[half])
