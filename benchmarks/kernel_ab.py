@@ -41,13 +41,15 @@ CASES = ("t0", "forward_gdn", "forward_gdn_value_rows", "state_backward_gdn", "s
          "vector_chunk_backward_centred", "vector_chunk_backward_exact", "vector_chunk_backward_runtime",
          "op_kda_fwd_centred", "op_kda_fwd_runtime", "op_kda_centred", "op_kda_runtime",
          "op_gdn2_fwd_centred", "op_gdn2_centred", "op_gdn_fwd", "op_gdn", "op_deltanet",
-         "backward_passes_gdn")
+         "backward_passes_gdn", "op_gdn_k256", "op_deltanet_k256")
 __doc__ += "\n".join(f"    {c}" for c in CASES) + "\n"
 __doc__ += """
 The ``op_kda``, ``op_gdn2`` and ``op_gdn`` cases time the public op, ``chunk_kda`` /
 ``chunk_gdn2`` / ``chunk_gated_delta_rule(..., backend="mosaic_gpu")``: its forward (``_fwd``)
 or o and every input's gradient (policy recompute), XLA's work around the kernels included
 (what a kernel alone leaves out: the frame flags, a conditional, the gate sums, the leaf maps).
+``_k256`` cases: the op at (4, 2048, 16, 256) instead of the anchor (K = 256: the blocked
+per-chunk gradient kernel).
 """
 AB_DIR = ".ab"
 
@@ -266,6 +268,9 @@ def time_tree(cases: list[str], smoke: bool = False) -> dict:
                 out[case] = time_ms(_backward_passes(x, (qp, kp, vp, t0, g2, bh), ip, smoke))
             elif case == "chunk_backward_deltanet":  # DeltaNet's per-chunk gradient kernel (one warpgroup)
                 out[case] = time_ms(_scalar_backward(x, (qp, kp, vp, t0, bh), ip, smoke))
+            elif case.endswith("_k256"):
+                x256 = _inputs(Shape(1, 128, 1, 256) if smoke else Shape(4, 2048, 16, 256))
+                out[case] = time_ms(_op(x256, case.removesuffix("_k256"), smoke))
             elif case.startswith("op_"):
                 out[case] = time_ms(_op(x, case, smoke))
             else:

@@ -587,8 +587,10 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
     assert picked("gdn", 64) is backends.mosaic_gpu_impl
     assert picked("kda", 128) is backends.mosaic_gpu_impl
     assert picked("gdn2", 64) is backends.mosaic_gpu_impl
-    # K = V = 256 only by name (served, accuracy not yet checked on a GPU)
-    assert picked("gdn", 256) is not backends.mosaic_gpu_impl
+    # K = V = 256: DeltaNet/GDN by default (checked on the H100), KDA/GDN2 only by name
+    assert picked("gdn", 256) is backends.mosaic_gpu_impl
+    assert picked("deltanet", 256) is backends.mosaic_gpu_impl
+    assert picked("gdn", 256, backward="wy") is not backends.mosaic_gpu_impl
     assert picked("kda", 256) is not backends.mosaic_gpu_impl
     assert picked("kda", 256, name="mosaic_gpu") is backends.mosaic_gpu_impl
     # the seven-product backward (the ablation baseline) by name and by default

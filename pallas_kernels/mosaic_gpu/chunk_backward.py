@@ -48,15 +48,19 @@ kernel :func:`chunk_backward` holds every operand whole in SMEM (``[64, K]`` til
 
     phase A, per value block jv:  R_jv = Ag (V_jv − Γ Σ_jk K_jk S0ᵀ[jv, jk]ᵀ)   (R replaces V in SMEM)
                                   dT += Λ_jv R_jvᵀ,  dA += dO_jv R_jvᵀ,  dv_jv = β Λ_jv
-    phase B, per key block jk:    pass 1: dq_jk  = Σ_jv dO_jv S0ᵀ[jv, jk]            (then dq out)
-                                  pass 2: e_jk   = Σ_jv Λ_jv S0ᵀ[jv, jk],  (R dSᵀ)_jk = Σ_jv R_jv dSᵀ[jv, jk]
-                                          (and sds from the same tile pairs)       (then dk out)
+    phase B, per key block jk:    one pass over jv: dq_jk = Σ_jv dO_jv S0ᵀ[jv, jk],
+                                  e_jk = Σ_jv Λ_jv S0ᵀ[jv, jk],  (R dSᵀ)_jk = Σ_jv R_jv dSᵀ[jv, jk]
+                                  (and sds from the same tile pairs)       (then dq and dk out)
     the per-row sums (dβ, dG, u) add up over the key blocks in registers.
 
-S0ᵀ and dSᵀ stream as ``[64, 64]`` tiles through two-slot TMA rings: S0ᵀ's 16 tiles take 43
-loads per chunk (phase A, then passes 1 and 2, less the tiles shared where one pass ends and
-the next begins; the two passes keep dq's sum apart from those of e and R dSᵀ) and dSᵀ's
-16 tiles one load each. No tile wider than ``[64, 64]`` fp32 lives in registers.
+S0ᵀ and dSᵀ stream as ``[64, 64]`` tiles through two three-slot TMA rings: S0ᵀ's 16 tiles take 31
+loads per chunk (phase A, then phase B, whose first tile is phase A's last) and dSᵀ's 16 tiles
+one load each. Every sum over tiles (:func:`_ring_products`) accumulates in place and is
+pipelined: a tile's products are issued as soon as it arrives, and the warpgroup waits for the
+previous tile's products (and frees their slots for the loads two ahead) only after that, so the
+tensor cores are not left idle behind each load. The three accumulators of phase B
+(96 registers a thread) are live together.
+No tile wider than ``[64, 64]`` fp32 lives in registers.
 
 ``warpgroups=2`` (K ≤ 128) selects :func:`_chunk_backward_2wg`, the whole-width kernel split
 over two warpgroups of one CTA (WG0: R, dT, dA, dq; WG1: dk, dv and the row sums; at most two
@@ -82,7 +86,7 @@ from pallas_kernels.mosaic_gpu import compat
 from pallas_kernels.mosaic_gpu.common import (
     C, COLS, F32, ROWS, WGMMA, causal_decay, cols_of, finish_together, iota, key_block, mma,
     mma_group, mma_sum, rows_of, smem, stage)
-from pallas_kernels.mosaic_gpu.config import ChunkBackwardConfig
+from pallas_kernels.mosaic_gpu.config import BLOCKED_RING_SLOTS, ChunkBackwardConfig
 
 
 def _out_types(k, v, gated: bool):
@@ -375,6 +379,50 @@ class _TileRing:
             self._issue(li + self.slots)
 
 
+def _ring_products(specs, starts, n: int, shape, between=None):
+    """Sums over ``n`` consecutive uses of tile rings, one fp32 accumulator per spec, pipelined.
+
+    ``specs``: ``(ring, pairs_of)`` with ``pairs_of(tile, i)`` the ``(a, b)`` operand pairs of
+    step ``i`` (``tile``: that spec's ring tile at use ``start + i``); ``starts``: each spec's
+    first use (specs on one ring at the same use share its tile). Step i's products are issued
+    as soon as its tiles have arrived and accumulate in place; only then does the warpgroup wait
+    for step i − 1's products and release their tiles, so the tensor cores run one step's
+    products while the next step's tiles are awaited and the freed slots refill. ``between``
+    (optional): ``between(tiles)`` after step i's products are issued, with the step's tiles
+    (reads only); its results are returned per step. Returns ``(sums, between_results)``.
+    """
+    if isinstance(starts, int):
+        starts = (starts,) * len(specs)
+
+    def uses(i):  # each (ring, use) of step i once
+        seen = {}
+        for (ring, _), u0 in zip(specs, starts):
+            seen[(id(ring), u0 + i)] = (ring, u0 + i)
+        return list(seen.values())
+
+    def body(*accs):
+        extra = []
+        for i in range(n):
+            tiles = [ring.get(u0 + i) for (ring, _), u0 in zip(specs, starts)]
+            issued = 0
+            for acc, (_, pairs_of), tile in zip(accs, specs, tiles):
+                for a, b in pairs_of(tile, i):
+                    plgpu.wgmma(acc, a, b)
+                    issued += 1
+            if between is not None:
+                extra.append(between(tiles))
+            if i:
+                plgpu.wgmma_wait(issued)  # step i − 1's products have read their tiles
+                for ring, u in uses(i - 1):
+                    ring.release(u)
+        plgpu.wgmma_wait(0)
+        for ring, u in uses(n - 1):
+            ring.release(u)
+        return tuple(acc[...] for acc in accs), tuple(extra)
+
+    return lax.optimization_barrier(pl.run_scoped(body, *(plgpu.ACC(shape, F32) for _ in specs)))
+
+
 def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: float, bk: int,
                             interpret=None):
     """:func:`chunk_backward` over ``bk``-column blocks (the module docstring's phases A and B);
@@ -388,16 +436,16 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
         raise ValueError(f"K={K} is not a multiple of the block {bk}")
     nb = K // bk
     rev = list(reversed(range(nb)))
-    # Uses of the S0ᵀ tiles: phase A by value block (jk inner), then per key block pass 1 (jv
-    # descending) and pass 2 (jv ascending), so that phase A's last tile and each pass 1's last
-    # tile are the next pass's first (shared loads). dSᵀ tiles: pass 2 only.
+    # Uses of the S0ᵀ tiles: phase A by value block (jk inner), then phase B by key block (jv
+    # descending, so that phase A's last tile is phase B's first: one shared load). dSᵀ tiles:
+    # phase B only, beside S0ᵀ's.
     s0_uses = [(jv, jk) for jv in range(nb) for jk in range(nb)]
     ds_uses = []
     for jk in rev:
-        s0_uses += [(jv, jk) for jv in rev] + [(jv, jk) for jv in range(nb)]
-        ds_uses += [(jv, jk) for jv in range(nb)]
-    s0_slots = min(2, _TileRing.n_loads(s0_uses))
-    ds_slots = min(2, _TileRing.n_loads(ds_uses))
+        s0_uses += [(jv, jk) for jv in rev]
+        ds_uses += [(jv, jk) for jv in rev]
+    s0_slots = min(BLOCKED_RING_SLOTS, _TileRing.n_loads(s0_uses))
+    ds_slots = min(BLOCKED_RING_SLOTS, _TileRing.n_loads(ds_uses))
 
     out_type = _out_types(k, v, gated)
     vec = plgpu.SMEM((C,), F32)
@@ -405,7 +453,6 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
         k_s=smem((C, K), dtype), vr_s=smem((C, V), dtype), do_s=smem((C, V), dtype),
         lam_s=smem((C, V), dtype), t_s=smem((C, C), dtype), da_s=smem((C, C), dtype),
         w_st=smem((C, bk), dtype), q_st=smem((C, bk), dtype), bk_st=smem((C, bk), dtype),
-        dv_st=smem((C, bk), dtype),
         s0_t=smem((s0_slots, bk, bk), dtype), ds_t=smem((ds_slots, bk, bk), dtype),
         b_s=vec, g_s=vec, db_s=vec, dg_s=vec, u_s=vec, sds_s=plgpu.SMEM((V,), F32),
         bar=plgpu.Barrier(num_arrivals=6 + gated), q_bar=plgpu.Barrier(),
@@ -413,7 +460,7 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
     )
 
     def chunk_backward_blocked_body(
-            *refs, k_s, vr_s, do_s, lam_s, t_s, da_s, w_st, q_st, bk_st, dv_st, s0_t, ds_t, b_s, g_s, db_s,
+            *refs, k_s, vr_s, do_s, lam_s, t_s, da_s, w_st, q_st, bk_st, s0_t, ds_t, b_s, g_s, db_s,
             dg_s, u_s, sds_s, bar, q_bar, s0_bar, ds_bar):
         (q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref, g_ref,
          dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _kernel_refs(refs, gated)
@@ -453,12 +500,9 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
         dt = da = db = None
         use = 0  # the next use of the S0ᵀ ring
         for jv in range(nb):
-            ks0 = None
-            for jk in range(nb):
-                tile = s0_ring.get(use)  # S0ᵀ[jv, jk]
-                ks0 = mma(key_block(k_s, jk, bk), tile.T, (C, bk), acc=ks0)
-                s0_ring.release(use)
-                use += 1
+            ks0 = _ring_products(((s0_ring, lambda t, jk: ((key_block(k_s, jk, bk), t.T),)),),
+                                 use, nb, (C, bk))[0][0]  # Σ_jk K_jk S0ᵀ[jv, jk]ᵀ
+            use += nb
             if gated:
                 ks0 = ks0 * rows_of(gam_r, (C, bk))
             v_blk, lam_blk = key_block(vr_s, jv, bk), key_block(lam_s, jv, bk)
@@ -466,10 +510,10 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
             lam_f = plgpu.load(lam_blk, layout=WGMMA).astype(F32)
             part = jnp.sum(v_f * lam_f, axis=1)  # ⟨v, Λ⟩ of dβ
             db = part if db is None else db + part
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's dv store read dv_st
-            dv_st[...] = (lam_f * rows_of(beta_r, (C, bk))).astype(dtype)  # dv = β Λ
-            w = stage(w_st, v_f - ks0)  # (its fence also publishes dv_st)
-            plgpu.copy_smem_to_gmem(dv_st, key_block(dv_ref.at[b, rows, h], jv, bk))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's dv store read bk_st
+            bk_st[...] = (lam_f * rows_of(beta_r, (C, bk))).astype(dtype)  # dv = β Λ
+            w = stage(w_st, v_f - ks0)  # (its fence also publishes bk_st)
+            plgpu.copy_smem_to_gmem(bk_st, key_block(dv_ref.at[b, rows, h], jv, bk))
             r = mma(ag, w, (C, bk))
             stage(v_blk, r)  # R replaces V (every thread read its V block before the fence above)
             lr, dor = mma_group(((((lam_blk, v_blk.T),), (C, C)),  # Λ Rᵀ and dO Rᵀ: one round trip
@@ -480,18 +524,28 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
         dt_d = stage(t_s, jnp.where(strict, dt * -1.0, 0.0) * decay)  # dT ⊙ D (Ag is done)
         da_d = stage(da_s, da * decay)  # dA ⊙ D (D is 0 above the diagonal)
 
-        # Phase B, per key block: dq, dk and the per-row gate and β sums.
+        # Phase B, per key block: dq, dk and the per-row gate and β sums. One pass over the value
+        # blocks per key block forms dq's Σ dO S0ᵀ, e's Σ Λ S0ᵀ and Σ R dSᵀ (each S0ᵀ tile loaded
+        # once for two products), and sds = Σ_k S0ᵀ ⊙ dSᵀ per value row while they run.
         dg = u_acc = None
         sds = [None] * nb
+        sds_part = lambda s0_tile, ds_tile: jnp.sum(  # noqa: E731
+            plgpu.load(s0_tile, layout=WGMMA).astype(F32) * plgpu.load(ds_tile, layout=WGMMA).astype(F32), axis=1)
         d = 0  # the next use of the dSᵀ ring
         for m, jk in enumerate(rev):
             k_blk = key_block(k_s, jk, bk)
-            # Pass 1: dq = scale·(Γ dO S0ᵀ + (dA ⊙ D) K) and its gate term ⟨q, dq⟩.
-            dq = None
-            for jv in rev:
-                dq = mma(key_block(do_s, jv, bk), s0_ring.get(use), (C, bk), acc=dq)
-                s0_ring.release(use)
-                use += 1
+            (dq, e, rds), parts = _ring_products(
+                ((s0_ring, lambda t, i: ((key_block(do_s, rev[i], bk), t),)),      # dO S0ᵀ
+                 (s0_ring, lambda t, i: ((key_block(lam_s, rev[i], bk), t),)),     # Λ S0ᵀ
+                 (ds_ring, lambda t, i: ((key_block(vr_s, rev[i], bk), t),))),     # R dSᵀ
+                (use, use, d), nb, (C, bk),
+                between=(lambda tiles: sds_part(tiles[0], tiles[2])) if gated else None)
+            use += nb
+            d += nb
+            if gated:
+                for i, jv in enumerate(rev):
+                    sds[jv] = parts[i] if sds[jv] is None else sds[jv] + parts[i]
+            # dq = scale·(Γ dO S0ᵀ + (dA ⊙ D) K) and its gate term ⟨q, dq⟩.
             if gated:
                 dq = dq * rows_of(gam_r, (C, bk))
             dq = (dq + mma(da_d, k_blk, (C, bk))) * scale
@@ -502,22 +556,7 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous dq, dk, dv stores have read
             stage(w_st, dq)
             plgpu.copy_smem_to_gmem(w_st, key_block(dq_ref.at[b, rows, h], jk, bk))
-            # Pass 2: the erase-side terms e = −γ Λ S0ᵀ + (dT ⊙ D) K (dk = β e + ...,
-            # dβ = ⟨k, e⟩ + ⟨v, Λ⟩) and R dSᵀ; sds = Σ_k S0ᵀ ⊙ dSᵀ per value row.
-            e = rds = None
-            for jv in range(nb):
-                s0_tile, ds_tile = s0_ring.get(use), ds_ring.get(d)
-                if gated:  # before the accumulators of this tile: two fp32 tiles in registers
-                    part = jnp.sum(plgpu.load(s0_tile, layout=WGMMA).astype(F32)
-                                   * plgpu.load(ds_tile, layout=WGMMA).astype(F32), axis=1)
-                    sds[jv] = part if sds[jv] is None else sds[jv] + part
-                le, rd = mma_group(((((key_block(lam_s, jv, bk), s0_tile),), (C, bk)),
-                                    (((key_block(vr_s, jv, bk), ds_tile),), (C, bk))))  # Λ S0ᵀ, R dSᵀ
-                e, rds = (le, rd) if e is None else (e + le, rds + rd)
-                s0_ring.release(use)
-                ds_ring.release(d)
-                use += 1
-                d += 1
+            # The erase-side terms e = −γ Λ S0ᵀ + (dT ⊙ D) K (dk = β e + ..., dβ = ⟨k, e⟩ + ⟨v, Λ⟩).
             e = e * (rows_of(gam_r * -1.0, (C, bk)) if gated else -1.0)
             e = e + mma(dt_d, k_blk, (C, bk))
             k_f = plgpu.load(k_blk, layout=WGMMA).astype(F32)

@@ -149,6 +149,11 @@ def state_backward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int,
     return stages * per_stage + fixed
 
 
+# Slots of each of the blocked per-chunk gradient kernel's two TMA rings ([64, 64] tiles of S0ᵀ
+# and dSᵀ): loads run two tiles ahead of the products (K = 256, bf16: 223,488 B of SMEM).
+BLOCKED_RING_SLOTS = 3
+
+
 def chunk_backward_smem_bytes(K: int, itemsize: int, block: int | None = None,
                               warpgroups: int = 1) -> int:
     """SMEM the per-chunk gradient kernel needs (its scratch list, see chunk_backward). The
@@ -157,11 +162,10 @@ def chunk_backward_smem_bytes(K: int, itemsize: int, block: int | None = None,
     vecs = (5 + (warpgroups == 2)) * C * 4 + K * 4  # β, g, dβ, dG, u (+ ⟨q, dq⟩); sds
     if block is None:  # q, k, v, dO, Λ, W, R, βK [C, K]; S0ᵀ, dSᵀ [K, K]; T0, two [C, C]
         return 8 * C * K * itemsize + 2 * K * K * itemsize + 3 * C * C * itemsize + vecs
-    slots = min(2, (K // block) ** 2)
     whole = 4 * C * K * itemsize  # k, v (then R), dO, Λ
     cc = 2 * C * C * itemsize  # T0 (then Ag, then dT ⊙ D), dA ⊙ D
-    blocks = 4 * C * block * itemsize  # W (then dq), q block, βK (then dk), dv
-    ring = 2 * slots * block * block * itemsize  # S0ᵀ and dSᵀ tiles
+    blocks = 3 * C * block * itemsize  # W (then dq), q block, dv (then βK, then dk)
+    ring = 2 * BLOCKED_RING_SLOTS * block * block * itemsize  # S0ᵀ and dSᵀ tiles
     return whole + cc + blocks + ring + vecs
 
 
