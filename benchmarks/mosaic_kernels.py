@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -124,8 +125,12 @@ def parts(op, s: Shape):
                                            save_states=True, out_o=False))
     out["state recompute (no output)"] = time_ms(lambda: rec(qp, kp, vp, t0, g2, bh))
     # the forward's other layouts (default_config picks by grid size): A/B in one process
-    for name, fc in (("value rows, 64 columns", config.default_config(s.D, s.D, 2).forward),
-                     ("key rows, 32 columns, 2 stages", config.PassConfig(block_v=32, stages=2, key_rows=True))):
+    # (with the default's split_r), and the default with split_r flipped (R as a bf16 pair or not)
+    split = cfg.forward.split_r
+    for name, fc in (("value rows, 64 columns", config.default_config(s.D, s.D, 2, gated=op == "gdn").forward),
+                     ("key rows, 32 columns, 2 stages",
+                      config.PassConfig(block_v=32, stages=2, key_rows=True, split_r=split)),
+                     (f"split_r={not split}", dataclasses.replace(cfg.forward, split_r=not split))):
         if fc != cfg.forward:
             alt = jax.jit(lambda *a, fc=fc: fused_forward(*a, None, scale=scale, cfg=fc, out_final=True,
                                                           save_states=False))

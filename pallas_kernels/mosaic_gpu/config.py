@@ -44,12 +44,20 @@ class PassConfig:
         The fused forward's h0 and final state are then ``[.., K, V]``; so are the reverse state
         pass's ``dS [K, block_v]`` carry, its final-state cotangent and dh0 (api._state_layout).
         The chunk states and cotangents it saves stay ``[.., V, K]`` in both layouts.
+    split_r: the fused forward (and the states-only recompute) uses the chain's R as the bf16
+        pair ``R_hi + R_lo`` (both in the input dtype) in the state update ``S += Kᵀ R`` and in
+        the output's ``P R``, instead of ``R`` rounded once: one more WGMMA on the chain per key
+        block (WG0: ``Kᵀ R_lo``, in the same round trip as ``Kᵀ R_hi``) and, with the output,
+        one more on WG1 (``P R_lo``, off the chain), plus a published ``[C, block_v]`` R_lo tile
+        pair. R's rounding is the forward's largest bf16 error source (docs/mosaic-gpu.md,
+        "Accuracy"); :func:`split_r_for` chooses it. The reverse state pass ignores it.
     """
 
     block_v: int = 64
     stages: int = 2
     k_block: int | None = None
     key_rows: bool = False
+    split_r: bool = False
 
     def __post_init__(self):
         if self.block_v not in ((32, 64) if self.key_rows else (64,)):
@@ -122,17 +130,33 @@ class Config:
 
 def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_state: bool,
                        k_block: int | None = None, key_rows: bool = False,
-                       with_output: bool = True) -> int:
+                       with_output: bool = True, split_r: bool = False, gated: bool = False) -> int:
     """SMEM the fused forward needs (its scratch list, see forward.forward_part); the fp32
     state buffer holds one ``[block_v, k_block]`` block (``None``: the whole ``[block_v, K]``).
-    ``with_output=False``: the states-only recompute (no q, no output tile)."""
+    ``with_output=False``: the states-only recompute (no q, no output tile). ``split_r``
+    (:attr:`PassConfig.split_r`): the published R_lo pair (with the output or in key rows) and,
+    gated in key rows, the decayed tail's lo stage."""
     # per stage: q (with the output), k, v, Ag_hi (T0's buffer), Ag_lo, β and g
     per_stage = (1 + with_output) * C * K * itemsize + C * block_v * itemsize + 2 * C * C * itemsize + 2 * C * 4
     # the published state (2 halves), R (2), the output tile (2, with the output), the W stage
     # (key rows only: value rows take the chain's left operands from registers); the fp32 state
     fixed = 2 * block_v * K * itemsize + (2 + 2 * with_output + key_rows) * C * block_v * itemsize
     fixed += block_v * (k_block or K) * 4 if with_state else 0
+    if split_r:
+        fixed += (2 * (with_output or key_rows) + (key_rows and gated)) * C * block_v * itemsize
     return stages * per_stage + fixed
+
+
+def split_r_for(K: int, gated: bool) -> bool:
+    """:attr:`PassConfig.split_r`: ungated DeltaNet at K = 64 only. There the forward failed
+    the benchmark's bf16 bound on the H100 (o 5.42e-3, final state 5.49e-3 > 5e-3 at
+    (1, 512, 8, 64)). A float64 emulation of the kernel's rounding points on the benchmark's
+    inputs (tools/mosaic_rounding_emulation.py) puts R first (o 3.0e-3, final state 3.3e-3
+    alone); with the pair the interpreter gives o 4.47e-3, final state 4.32e-3
+    (tools/mosaic_accuracy_repro.py). GDN (o 3.5e-3 at K = 64) and K ≥ 128 (DeltaNet o 4.7e-3:
+    64 unit keys per chunk in more dimensions give a better conditioned Gram) pass without it
+    (docs/mosaic-gpu.md, "Accuracy")."""
+    return K == 64 and not gated
 
 
 def state_backward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int,
@@ -209,19 +233,22 @@ def default_config(K: int, V: int, itemsize: int, backward: Literal["rewy", "wy"
     ``policy`` "recompute": the reverse state pass and the states-only forward share one launch
     (both passes' CTAs in one grid), so the one-wave rule counts both: key rows where twice the
     32-column grid fits one wave, else value rows for both (at the anchor 2 · 64 = 128 CTAs)."""
+    split = split_r_for(K, gated)  # the fused forward and its recompute (the same chunk states)
     if K <= 128:
-        def pass_cfg(key_rows: bool, smem_bytes) -> PassConfig:
+        def pass_cfg(key_rows: bool, smem_bytes, split_r: bool = False) -> PassConfig:
             if key_rows:
-                return PassConfig(block_v=32, key_rows=True, stages=2)
-            return PassConfig(block_v=64, stages=_deepest(lambda s: smem_bytes(s) <= SMEM_BUDGET))
+                return PassConfig(block_v=32, key_rows=True, stages=2, split_r=split_r)
+            return PassConfig(block_v=64, stages=_deepest(lambda s: smem_bytes(s) <= SMEM_BUDGET),
+                              split_r=split_r)
 
         one_wave = lambda passes: heads is not None and passes * heads * (V // 32) <= sms  # noqa: E731
         passes = 2 if policy == "recompute" else 1  # CTAs sharing the reverse pass's launch
-        return Config(forward=pass_cfg(one_wave(1), lambda s: forward_smem_bytes(K, 64, s, itemsize, True)),
+        return Config(forward=pass_cfg(one_wave(1), lambda s: forward_smem_bytes(
+                          K, 64, s, itemsize, True, split_r=split, gated=gated), split),
                       state_backward=pass_cfg(one_wave(passes),
                                               lambda s: state_backward_smem_bytes(K, 64, s, itemsize)),
                       recompute=pass_cfg(one_wave(2), lambda s: forward_smem_bytes(
-                          K, 64, s, itemsize, True, with_output=False)),
+                          K, 64, s, itemsize, True, with_output=False, split_r=split, gated=gated), split),
                       chunk_backward=ChunkBackwardConfig(
                           backward=backward,
                           warpgroups=2 if gated and K == 128 and backward == "rewy" else 1))
@@ -234,9 +261,9 @@ def default_config(K: int, V: int, itemsize: int, backward: Literal["rewy", "wy"
     bwd = _deepest(lambda s: state_backward_smem_bytes(K, 64, s, itemsize, kb) <= SMEM_BUDGET, 1)
     if chunk_backward_smem_bytes(K, itemsize, 64) > SMEM_BUDGET:
         raise ValueError(f"no Mosaic GPU chunk-gradient tiling fits SMEM at K={K}")
-    return Config(forward=PassConfig(block_v=64, stages=fwd, k_block=kb),
+    return Config(forward=PassConfig(block_v=64, stages=fwd, k_block=kb, split_r=split),
                   state_backward=PassConfig(block_v=64, stages=bwd, k_block=kb),
-                  recompute=PassConfig(block_v=64, stages=rec, k_block=kb),
+                  recompute=PassConfig(block_v=64, stages=rec, k_block=kb, split_r=split),
                   chunk_backward=ChunkBackwardConfig(block=64))
 
 

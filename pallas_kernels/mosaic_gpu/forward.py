@@ -12,6 +12,8 @@ One CTA per ``(b, h, 64 value columns)`` walks its chunks in order with three wa
       Rᵀ = Wᵀ Agᵀ                         (Ag = T0 ⊙ exp2(G_i − G_j) ⊙ β_j: the gated inverse)
       Sᵀ ← exp2(G_C) Sᵀ + (Rᵀ diag(exp2(G_C − G_j))) K
   and publishes ``Sᵀ`` (chunk start state) and ``R`` in the input dtype through double-buffered SMEM.
+  With ``PassConfig.split_r`` (DeltaNet at K = 64) R is the pair ``R_hi + R_lo`` in the state
+  update (one more WGMMA per key block, same round trip) and in WG1's ``P R`` (one more there).
 * WG1 (output) builds ``Ag`` in place of T0 for WG0, then
       O = scale · (Γ Q S + (Q Kᵀ ⊙ exp2(G_i − G_j))_{j ≤ i} R)
   from the published tiles and stores it with TMA.
@@ -91,6 +93,7 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
     if packed and not (B == 1 and has_h0):
         raise ValueError("packed sequences need B == 1 and per-sequence initial states h0t")
     stages = cfg.stages
+    split_r = cfg.split_r
 
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dtype)] if out_o else []
     if out_final:
@@ -110,6 +113,10 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
         scratch.update(q_s=tile((stages, C, K)), o_out=tile((2, C, bv)))
     if key_rows:  # the chain's right operands W and the decayed R (value rows: registers)
         scratch["w_stage"] = tile((C, bv))
+    if split_r and (out_o or key_rows):  # R_lo for P R_lo (WG1) and, in key rows, Kᵀ R_lo
+        scratch["rl_pub"] = tile((2, C, bv))
+    if split_r and key_rows and gated:  # the decayed tail's lo half (the chain's right operand)
+        scratch["wl_stage"] = tile((C, bv))
     if has_h0 or out_final:
         # one block of the fp32 state at a time
         scratch["state_s"] = smem((kb, bv) if key_rows else (bv, kb), F32)
@@ -126,7 +133,7 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
     def fused_forward_body(
             iv, *refs, k_s, v_s, t_s, tl_s, b_s, g_s, s_pub, r_pub, in_bar, in_free,
             ag_ready, s_ready, s_free, state_bar, done, q_s=None, o_out=None, w_stage=None,
-            state_s=None, meta_s=None):
+            state_s=None, meta_s=None, rl_pub=None, wl_stage=None):
         refs = list(refs)
         q_ref = refs.pop(0) if out_o else None
         k_ref, v_ref, t_ref, b_ref = (refs.pop(0) for _ in range(4))
@@ -184,17 +191,25 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
                 plgpu.barrier_wait(ag_ready.at[slot])
                 w_s = stage(w_stage, w)  # R = (Ag_hi + Ag_lo) W
                 r = mma_sum(((t_s.at[slot], w_s), (tl_s.at[slot], w_s)), (C, bv))
-                r_pub.at[half][...] = r.astype(dtype)
+                r_hi = r.astype(dtype)
+                r_pub.at[half][...] = r_hi
+                if split_r:  # R = R_hi + R_lo (PassConfig.split_r)
+                    rl_pub.at[half][...] = (r - r_hi.astype(F32)).astype(dtype)
                 # S ← γ_C S + Kᵀ (t ⊙ R): every 64-row block in one round trip; the decayed tail
                 # is stored beside R, under the same fence
                 if gated:
-                    tail = put(w_stage, r * rows_of(jnp.exp2(g_last - g_row), (C, bv)))
+                    tail = r * rows_of(jnp.exp2(g_last - g_row), (C, bv))
+                    tail_hi = tail.astype(dtype)
+                    tails = (put(w_stage, tail_hi),)
+                    if split_r:
+                        tails += (put(wl_stage, (tail - tail_hi.astype(F32)).astype(dtype)),)
                     decay_c = jnp.exp2(g_last)
                 else:
-                    tail, decay_c = r_pub.at[half], None
+                    tails = (r_pub.at[half],) + ((rl_pub.at[half],) if split_r else ())
+                    decay_c = None
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(s_ready.at[half])
-                upd = mma_group(tuple((((key_block(k_s.at[slot], j, C).T, tail),), (C, bv))
+                upd = mma_group(tuple((tuple((key_block(k_s.at[slot], j, C).T, t) for t in tails), (C, bv))
                                       for j in range(nkb)))
                 return tuple(u + (x if decay_c is None else x * decay_c) for u, x in zip(upd, s))
         else:  # Sᵀ [bv, K] as nkb register tiles [bv, kb] (key columns j·kb onwards)
@@ -223,19 +238,28 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
                 w_lo = w_t.astype(dtype)  # Rᵀ = Wᵀ (Ag_hi + Ag_lo)ᵀ
                 r_t = mma_sum(((w_lo, t_s.at[slot].T), (w_lo, tl_s.at[slot].T)), (bv, C))
 
+                def halves(x):  # x as its 16-bit left operands: (hi,), or (hi, lo) with split_r
+                    x_hi = x.astype(dtype)
+                    return (x_hi, (x - x_hi.astype(F32)).astype(dtype)) if split_r else (x_hi,)
+
+                r_halves = halves(r_t)
+
                 def publish_r():
-                    r_pub.at[half].T[...] = r_t.astype(dtype)
+                    r_pub.at[half].T[...] = r_halves[0]
+                    if split_r and out_o:  # R_lo for WG1's P R_lo
+                        rl_pub.at[half].T[...] = r_halves[1]
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(s_ready.at[half])
 
                 # The state update, one key block at a time (one fresh [BV, kb] accumulator live).
                 if gated:
-                    tail = (r_t * cols_of(jnp.exp2(g_last - g_col), (bv, C))).astype(dtype)
-                    return tuple(mma(tail, key_block(k_s.at[slot], j, kb), (bv, kb), acc=s_t[j] * jnp.exp2(g_last),
-                                     between=publish_r if j == 0 else None) for j in range(nkb))
-                r_lo = r_t.astype(dtype)
-                return tuple(mma(r_lo, key_block(k_s.at[slot], j, kb), (bv, kb), acc=s_t[j],
-                                 between=publish_r if j == 0 else None) for j in range(nkb))
+                    tails = halves(r_t * cols_of(jnp.exp2(g_last - g_col), (bv, C)))
+                    return tuple(mma_sum(tuple((t, key_block(k_s.at[slot], j, kb)) for t in tails), (bv, kb),
+                                         acc=s_t[j] * jnp.exp2(g_last), between=publish_r if j == 0 else None)
+                                 for j in range(nkb))
+                tails = r_halves
+                return tuple(mma_sum(tuple((t, key_block(k_s.at[slot], j, kb)) for t in tails), (bv, kb),
+                                     acc=s_t[j], between=publish_r if j == 0 else None) for j in range(nkb))
 
         @pl.when(wg == 0)
         def _state_chain():
@@ -313,11 +337,12 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
                 p = (mma(q_s.at[slot], k_s.at[slot].T, (C, C)) * decay).astype(dtype)
                 plgpu.barrier_wait(s_ready.at[half])
                 qs0 = ((q_s.at[slot], s_pub.at[half].T),)  # Q S0
+                pr = ((p, r_pub.at[half]),) + (((p, rl_pub.at[half]),) if split_r else ())  # P R
                 if gated:  # Γ Q S0 + P R: two accumulators, one round trip
-                    o, pr = mma_group(((qs0, (C, bv)), (((p, r_pub.at[half]),), (C, bv))))
+                    o, pr = mma_group(((qs0, (C, bv)), (pr, (C, bv))))
                     o = o * rows_of(jnp.exp2(g_row), (C, bv)) + pr
                 else:
-                    o = mma_sum(qs0 + ((p, r_pub.at[half]),), (C, bv))
+                    o = mma_sum(qs0 + pr, (C, bv))
                 plgpu.barrier_arrive(s_free.at[half])
                 plgpu.barrier_arrive(in_free.at[slot])
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # chunk n − 2's store read o_out[half]
