@@ -476,7 +476,7 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
         s0_ring.start()
         ds_ring.start()
         q_rows = q_ref.at[b, rows, h]
-        # q of phase B's first key block (passes 1 and 2 read it; it has all of phase A to arrive)
+        # q of phase B's first key block (its dq and dk read it; it has all of phase A to arrive)
         plgpu.copy_gmem_to_smem(key_block(q_rows, rev[0], bk), q_st, q_bar)
         plgpu.barrier_wait(bar)
 
