@@ -41,7 +41,7 @@ CASES = ("t0", "forward_gdn", "forward_gdn_value_rows", "state_backward_gdn", "s
          "vector_chunk_backward_centred", "vector_chunk_backward_exact", "vector_chunk_backward_runtime",
          "op_kda_fwd_centred", "op_kda_fwd_runtime", "op_kda_centred", "op_kda_runtime",
          "op_gdn2_fwd_centred", "op_gdn2_centred", "op_gdn_fwd", "op_gdn", "op_deltanet",
-         "backward_passes_gdn", "op_gdn_k256", "op_deltanet_k256")
+         "backward_passes_gdn", "op_gdn_k256", "op_deltanet_k256", "op_deltanet_k64", "op_deltanet_fwd_k64")
 __doc__ += "\n".join(f"    {c}" for c in CASES) + "\n"
 __doc__ += """
 The ``op_kda``, ``op_gdn2`` and ``op_gdn`` cases time the public op, ``chunk_kda`` /
@@ -49,7 +49,8 @@ The ``op_kda``, ``op_gdn2`` and ``op_gdn`` cases time the public op, ``chunk_kda
 or o and every input's gradient (policy recompute), XLA's work around the kernels included
 (what a kernel alone leaves out: the frame flags, a conditional, the gate sums, the leaf maps).
 ``_k256`` cases: the op at (4, 2048, 16, 256) instead of the anchor (K = 256: the blocked
-per-chunk gradient kernel).
+per-chunk gradient kernel); ``_k64`` cases: at (8, 1024, 8, 64), FLA's D = 64 shape (DeltaNet's
+R as a bf16 pair).
 """
 AB_DIR = ".ab"
 
@@ -268,9 +269,11 @@ def time_tree(cases: list[str], smoke: bool = False) -> dict:
                 out[case] = time_ms(_backward_passes(x, (qp, kp, vp, t0, g2, bh), ip, smoke))
             elif case == "chunk_backward_deltanet":  # DeltaNet's per-chunk gradient kernel (one warpgroup)
                 out[case] = time_ms(_scalar_backward(x, (qp, kp, vp, t0, bh), ip, smoke))
-            elif case.endswith("_k256"):
-                x256 = _inputs(Shape(1, 128, 1, 256) if smoke else Shape(4, 2048, 16, 256))
-                out[case] = time_ms(_op(x256, case.removesuffix("_k256"), smoke))
+            elif case.endswith(("_k256", "_k64")):
+                base, k = case.rsplit("_k", 1)
+                full = Shape(4, 2048, 16, 256) if k == "256" else Shape(8, 1024, 8, 64)
+                xk = _inputs(Shape(1, 128, 1, int(k)) if smoke else full)
+                out[case] = time_ms(_op(xk, base, smoke))
             elif case.startswith("op_"):
                 out[case] = time_ms(_op(x, case, smoke))
             else:
