@@ -41,7 +41,8 @@ CASES = ("t0", "forward_gdn", "forward_gdn_value_rows", "state_backward_gdn", "s
          "vector_chunk_backward_centred", "vector_chunk_backward_exact", "vector_chunk_backward_runtime",
          "op_kda_fwd_centred", "op_kda_fwd_runtime", "op_kda_centred", "op_kda_runtime",
          "op_gdn2_fwd_centred", "op_gdn2_centred", "op_gdn_fwd", "op_gdn", "op_deltanet",
-         "backward_passes_gdn", "op_gdn_k256", "op_deltanet_k256", "op_deltanet_k64", "op_deltanet_fwd_k64")
+         "backward_passes_gdn", "op_gdn_k256", "op_deltanet_k256", "op_gdn_fwd_k256", "op_deltanet_fwd_k256",
+         "op_deltanet_k64", "op_deltanet_fwd_k64")
 __doc__ += "\n".join(f"    {c}" for c in CASES) + "\n"
 __doc__ += """
 The ``op_kda``, ``op_gdn2`` and ``op_gdn`` cases time the public op, ``chunk_kda`` /

@@ -139,7 +139,8 @@ def test_forward_alone_matches_differentiated():
     ("gdn", "recompute", "reset", 200, 9, 3, 64, BF16),  # packed, the backward's one launch (launch.py)
     ("gdn", "recompute", "reset", 140, 4, None, 64, BF16),
     ("deltanet", "recompute", None, 100, 4, None, 128, F16),  # fp16 inputs, whole-width K = 128
-    # K = V = 256: the state in four 64-column register blocks, one-stage input pipelines and
+    # K = V = 256: the state in four 64-column register blocks, the forward two stages deep with q
+    # in a slot of its own, the reverse pass one stage deep, and
     # the per-chunk gradients in 64-column blocks over rings of [64, 64] state tiles.
     pytest.param("gdn", "save", "strong", 100, 5, None, 256, BF16, marks=needs_pool_threads),
     pytest.param("deltanet", "recompute", None, 130, 6, None, 256, BF16, marks=needs_pool_threads),
@@ -198,6 +199,27 @@ def test_chunk_backward_two_warpgroups_interpret(monkeypatch, op, policy, decay,
     monkeypatch.setattr(cb_module, "_chunk_backward_2wg", counted)
     _check_against_float64(op, policy, decay, T, seed, None, D, dtype)
     assert ran, "the two-warpgroup kernel did not run"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op,policy,decay,T,seed,n_seq", [
+    ("gdn", "save", "strong", 150, 30, None),
+    ("deltanet", "recompute", None, 130, 31, None),  # with split_r: R_lo single too
+    ("gdn", "save", "mild", 150, 32, 3),  # packed
+    pytest.param("gdn", "save", "strong", 150, 33, None, marks=[pytest.mark.key_rows, needs_pool_threads]),
+])
+def test_single_publication_and_own_q_ring(monkeypatch, op, policy, decay, T, seed, n_seq):
+    """The fused forward with single-buffered published tiles and q in a one-slot ring of its
+    own (PassConfig.publish_buffers = 1, q_stages = 1: the K = 256 default) at K = 64, in both
+    state layouts, every gradient against float64 (h0, β in [0, 2], T not a multiple of 64)."""
+    default = config.default_config
+
+    def single(*a, **kw):
+        cfg = default(*a, **kw)
+        return dataclasses.replace(cfg, forward=dataclasses.replace(cfg.forward, publish_buffers=1, q_stages=1))
+
+    monkeypatch.setattr(config, "default_config", single)
+    _check_against_float64(op, policy, decay, T, seed, n_seq, 64, BF16)
 
 
 @needs_interpreter
@@ -525,16 +547,19 @@ def test_supports_says_why_not():
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_default_config_fits_smem(D):
     """Each kernel's tiling fits SMEM_BUDGET with the deepest pipeline that fits; K ≤ 128 keeps
-    the whole-width tilings timed on the H100, K = 256 takes 64-column blocks and one-stage
-    pipelines (docs/mosaic-gpu.md, "K = V = 256")."""
+    the whole-width tilings timed on the H100, K = 256 takes 64-column blocks, the reverse pass
+    a one-stage pipeline and the fused forward two stages with q in one slot of its own and single
+    publications (docs/mosaic-gpu.md, "K = V = 256")."""
     cfg = config.default_config(D, D, 2)
     f, s, cb = cfg.forward, cfg.state_backward, cfg.chunk_backward
-    fwd = lambda st: config.forward_smem_bytes(D, 64, st, 2, True, f.k_block)  # noqa: E731
+    fwd = lambda st: config.forward_smem_bytes(D, 64, st, 2, True, f.k_block, split_r=f.split_r,  # noqa: E731
+                                               publish_buffers=f.publish_buffers, q_stages=f.q_stages)
     sbwd = lambda st: config.state_backward_smem_bytes(D, 64, st, 2, s.k_block)  # noqa: E731
     assert fwd(f.stages) <= config.SMEM_BUDGET and sbwd(s.stages) <= config.SMEM_BUDGET
     assert config.chunk_backward_smem_bytes(D, 2, cb.block) <= config.SMEM_BUDGET
-    expect = {64: (3, 4, None, None), 128: (2, 2, None, None), 256: (1, 1, 64, 64)}[D]
+    expect = {64: (3, 4, None, None), 128: (2, 2, None, None), 256: (2, 1, 64, 64)}[D]
     assert (f.stages, s.stages, f.k_block, cb.block) == expect
+    assert (f.publish_buffers, f.q_stages) == ((1, 1) if D == 256 else (2, None))
     assert (f.key_block(D), s.key_block(D)) == ((64, 64) if D == 256 else (D, D))
     for size, stages in ((fwd, f.stages), (sbwd, s.stages)):  # one more stage would not fit
         assert stages == 4 or size(stages + 1) > config.SMEM_BUDGET
@@ -590,8 +615,9 @@ def test_default_config_split_r(D, gated):
             assert not cfg.state_backward.split_r
             for p, out in ((cfg.forward, True), (cfg.recompute, False)):
                 assert config.forward_smem_bytes(D, p.block_v, p.stages, 2, True, p.k_block, p.key_rows,
-                                                 with_output=out, split_r=p.split_r,
-                                                 gated=gated) <= config.SMEM_BUDGET
+                                                 with_output=out, split_r=p.split_r, gated=gated,
+                                                 publish_buffers=p.publish_buffers,
+                                                 q_stages=p.q_stages) <= config.SMEM_BUDGET
 
 
 def test_chunk_backward_config_warpgroups():

@@ -167,36 +167,48 @@ def causal_decay(g_row, g_col, *, strict: bool):
     return jnp.exp2(expo)
 
 
-def stream(issue, n_items: int, stages: int, in_free) -> None:
-    """The memory warpgroup's loop: ``issue(i, slot)`` TMA-loads item i into ``slot``; the first
-    ``stages`` items go at once, each later one when the consumers have freed its slot
-    (``in_free[slot]``); the last releases are observed before the warpgroup finishes."""
-    for i in range(min(stages, n_items)):
-        issue(i, i)
-
-    @pl.loop(stages, n_items)
-    def _refill(i):
-        slot = lax.rem(i, stages)
-        plgpu.barrier_wait(in_free.at[slot])
-        issue(i, slot)
-
-    for i in range(max(n_items - stages, 0), n_items):
-        plgpu.barrier_wait(in_free.at[i % stages])
-
-
-def memory_warpgroup(copies, n_items: int, stages: int, in_bar, in_free) -> None:
+def memory_warpgroup(rings, n_items: int) -> None:
     """The TMA producer warpgroup of the serial kernels: gives up registers (40 per thread) and
-    streams item i's inputs, ``copies(i)`` = its ``(GMEM view, SMEM buffer with a stage axis)``
-    pairs (an iterable, read as the copies are issued), into stage ``slot`` of each buffer on
-    barrier ``in_bar[slot]`` (see :func:`stream`)."""
+    streams items ``0 .. n_items − 1`` through one or more rings.
+
+    ``rings``: ``(copies, stages, in_bar, in_free)`` each. ``copies(i)``: item i's
+    ``(GMEM view, SMEM buffer with a stage axis)`` pairs (an iterable, read as the copies are
+    issued), loaded into stage ``slot = i mod stages`` on barrier ``in_bar[slot]``. The first
+    ``stages`` items go at once, each later one when the consumers have freed its slot
+    (``in_free[slot]``); the last releases are observed before the warpgroup finishes. Per item
+    the rings are refilled in the order given (a second ring: inputs that one consumer releases
+    earlier than the rest, e.g. the fused forward's q, PassConfig.q_stages).
+    """
     plgpu.set_max_registers(40, action="decrease")
 
-    def issue(i, slot):
-        bar = in_bar.at[slot]
+    def issue(ring, i, slot):
+        copies, _, in_bar, _ = ring
         for src, dst in copies(i):
-            plgpu.copy_gmem_to_smem(src, dst.at[slot], bar)
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], in_bar.at[slot])
 
-    stream(issue, n_items, stages, in_free)
+    for ring in rings:
+        for i in range(min(ring[1], n_items)):
+            issue(ring, i, i)
+    first = min(ring[1] for ring in rings)
+
+    @pl.loop(first, n_items)
+    def _refill(i):
+        for ring in rings:
+            stages, in_free = ring[1], ring[3]
+
+            def refill(ring=ring, stages=stages, in_free=in_free):
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(in_free.at[slot])
+                issue(ring, i, slot)
+
+            if stages == first:
+                refill()
+            else:  # a deeper ring: its first items went before the loop
+                pl.when(i >= stages)(refill)
+
+    for _, stages, _, in_free in rings:
+        for i in range(max(n_items - stages, 0), n_items):
+            plgpu.barrier_wait(in_free.at[i % stages])
 
 
 def finish_together(done) -> None:

@@ -51,6 +51,17 @@ class PassConfig:
         one more on WG1 (``P R_lo``, off the chain), plus a published ``[C, block_v]`` R_lo tile
         pair. R's rounding is the forward's largest bf16 error source (docs/mosaic-gpu.md,
         "Accuracy"); :func:`split_r_for` chooses it. The reverse state pass ignores it.
+    publish_buffers: the fused forward's tiles published from WG0 to WG1 (the chunk start state,
+        R, R_lo) are double-buffered (2: WG0 publishes chunk n + 1's while WG1 still reads chunk
+        n's) or single (1: WG0 waits for WG1's release of chunk n's tiles just before it stores
+        chunk n + 1's, after issuing the product that the store overlaps). One buffer costs
+        little in this pipeline: WG0 needs chunk n + 1's Ag, which WG1 builds only after that
+        release. It frees ``[block_v, K] + [C, block_v]`` of SMEM (40 KB at K = 256).
+    q_stages: the fused forward's q in a TMA ring of its own with this many slots (WG1 alone
+        reads q, so its slot is refilled as soon as WG1's Q S0 has read it); ``None``: q
+        travels with the other inputs in the ``stages`` pipeline. The reverse state pass
+        ignores both fields. At K = 256 (:func:`default_config`) one q slot and single
+        publications let the other inputs run two stages deep (220 KB) instead of one.
     """
 
     block_v: int = 64
@@ -58,6 +69,8 @@ class PassConfig:
     k_block: int | None = None
     key_rows: bool = False
     split_r: bool = False
+    publish_buffers: int = 2
+    q_stages: int | None = None
 
     def __post_init__(self):
         if self.block_v not in ((32, 64) if self.key_rows else (64,)):
@@ -67,6 +80,10 @@ class PassConfig:
             raise ValueError(f"PassConfig.stages must be in [1, 4], got {self.stages}")
         if self.k_block not in (None, 64, 128):
             raise ValueError(f"PassConfig.k_block must be None, 64 or 128, got {self.k_block}")
+        if self.publish_buffers not in (1, 2):
+            raise ValueError(f"PassConfig.publish_buffers must be 1 or 2, got {self.publish_buffers}")
+        if self.q_stages is not None and not 1 <= self.q_stages <= 4:
+            raise ValueError(f"PassConfig.q_stages must be None or in [1, 4], got {self.q_stages}")
 
     def key_block(self, K: int) -> int:
         """Key columns per register-state block at head dim K (a divisor of K)."""
@@ -130,20 +147,27 @@ class Config:
 
 def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_state: bool,
                        k_block: int | None = None, key_rows: bool = False,
-                       with_output: bool = True, split_r: bool = False, gated: bool = False) -> int:
+                       with_output: bool = True, split_r: bool = False, gated: bool = False,
+                       publish_buffers: int = 2, q_stages: int | None = None) -> int:
     """SMEM the fused forward needs (its scratch list, see forward.forward_part); the fp32
     state buffer holds one ``[block_v, k_block]`` block (``None``: the whole ``[block_v, K]``).
     ``with_output=False``: the states-only recompute (no q, no output tile). ``split_r``
-    (:attr:`PassConfig.split_r`): the published R_lo pair (with the output or in key rows) and,
-    gated in key rows, the decayed tail's lo stage."""
-    # per stage: q (with the output), k, v, Ag_hi (T0's buffer), Ag_lo, β and g
-    per_stage = (1 + with_output) * C * K * itemsize + C * block_v * itemsize + 2 * C * C * itemsize + 2 * C * 4
-    # the published state (2 halves), R (2), the output tile (2, with the output), the W stage
-    # (key rows only: value rows take the chain's left operands from registers); the fp32 state
-    fixed = 2 * block_v * K * itemsize + (2 + 2 * with_output + key_rows) * C * block_v * itemsize
+    (:attr:`PassConfig.split_r`): the published R_lo tiles (with the output or in key rows) and,
+    gated in key rows, the decayed tail's lo stage. ``publish_buffers``, ``q_stages``: as the
+    :class:`PassConfig` fields."""
+    own_q = with_output and q_stages is not None
+    # per stage: q (with the output, unless in its own ring), k, v, Ag_hi (T0's buffer), Ag_lo, β and g
+    per_stage = (1 + (with_output and not own_q)) * C * K * itemsize + C * block_v * itemsize \
+        + 2 * C * C * itemsize + 2 * C * 4
+    # the published state and R (publish_buffers each), the output tile (2, with the output),
+    # the W stage (key rows only: value rows take the chain's left operands from registers);
+    # q's own ring; the fp32 state
+    fixed = publish_buffers * (block_v * K + C * block_v) * itemsize
+    fixed += (2 * with_output + key_rows) * C * block_v * itemsize
+    fixed += q_stages * C * K * itemsize if own_q else 0
     fixed += block_v * (k_block or K) * 4 if with_state else 0
     if split_r:
-        fixed += (2 * (with_output or key_rows) + (key_rows and gated)) * C * block_v * itemsize
+        fixed += (publish_buffers * (with_output or key_rows) + (key_rows and gated)) * C * block_v * itemsize
     return stages * per_stage + fixed
 
 
@@ -212,8 +236,9 @@ def default_config(K: int, V: int, itemsize: int, backward: Literal["rewy", "wy"
                    policy: Literal["recompute", "save"] = "recompute") -> Config:
     """The defaults: the deepest input pipeline that fits SMEM, per kernel. K ≤ 128: whole-width
     tiles and at least two stages (the tilings timed on the H100); K = 256: the register state
-    in blocks of :func:`k_block_for`, whatever depth fits (one stage: a whole chunk's q and k
-    are 64 KB there) and the blocked per-chunk gradient kernel. ``backward`` picks the
+    in blocks of :func:`k_block_for`, whatever depth fits (the reverse pass one stage: a whole
+    chunk's q and k are 64 KB there; the fused forward two, with q in one slot of its own and
+    single publications, PassConfig.q_stages) and the blocked per-chunk gradient kernel. ``backward`` picks the
     per-chunk gradient kernel's products (:class:`ChunkBackwardConfig`; "wy" at K ≤ 128 only).
 
     ``heads``: the call's B·H (None: unknown). The fused forward's serial chain is latency-bound
@@ -255,13 +280,17 @@ def default_config(K: int, V: int, itemsize: int, backward: Literal["rewy", "wy"
     if backward != "rewy":
         raise ValueError(f"the blocked per-chunk gradient kernel (K = {K}) has the ReWY backward only")
     kb = k_block_for(K)
-    fwd = _deepest(lambda s: forward_smem_bytes(K, 64, s, itemsize, True, kb) <= SMEM_BUDGET, 1)
+    # the fused forward: q in one slot of its own and single publications, so that the other
+    # inputs get two stages (PassConfig.q_stages)
+    fwd = _deepest(lambda s: forward_smem_bytes(K, 64, s, itemsize, True, kb, split_r=split, publish_buffers=1,
+                                                q_stages=1) <= SMEM_BUDGET, 1)
     rec = _deepest(lambda s: forward_smem_bytes(K, 64, s, itemsize, True, kb, with_output=False)
                    <= SMEM_BUDGET, 1)
     bwd = _deepest(lambda s: state_backward_smem_bytes(K, 64, s, itemsize, kb) <= SMEM_BUDGET, 1)
     if chunk_backward_smem_bytes(K, itemsize, 64) > SMEM_BUDGET:
         raise ValueError(f"no Mosaic GPU chunk-gradient tiling fits SMEM at K={K}")
-    return Config(forward=PassConfig(block_v=64, stages=fwd, k_block=kb, split_r=split),
+    return Config(forward=PassConfig(block_v=64, stages=fwd, k_block=kb, split_r=split, publish_buffers=1,
+                                     q_stages=1),
                   state_backward=PassConfig(block_v=64, stages=bwd, k_block=kb),
                   recompute=PassConfig(block_v=64, stages=rec, k_block=kb, split_r=split),
                   chunk_backward=ChunkBackwardConfig(block=64))

@@ -11,13 +11,15 @@ One CTA per ``(b, h, 64 value columns)`` walks its chunks in order with three wa
       Wᵀ = Vᵀ − (Sᵀ Kᵀ) Γ                 (the values minus what the state already predicts)
       Rᵀ = Wᵀ Agᵀ                         (Ag = T0 ⊙ exp2(G_i − G_j) ⊙ β_j: the gated inverse)
       Sᵀ ← exp2(G_C) Sᵀ + (Rᵀ diag(exp2(G_C − G_j))) K
-  and publishes ``Sᵀ`` (chunk start state) and ``R`` in the input dtype through double-buffered SMEM.
+  and publishes ``Sᵀ`` (chunk start state) and ``R`` in the input dtype through double-buffered SMEM
+  (single-buffered with ``PassConfig.publish_buffers = 1``, K = 256).
   With ``PassConfig.split_r`` (DeltaNet at K = 64) R is the pair ``R_hi + R_lo`` in the state
   update (one more WGMMA per key block, same round trip) and in WG1's ``P R`` (one more there).
 * WG1 (output) builds ``Ag`` in place of T0 for WG0, then
       O = scale · (Γ Q S + (Q Kᵀ ⊙ exp2(G_i − G_j))_{j ≤ i} R)
   from the published tiles and stores it with TMA.
-* WG2 (memory) streams q, k, v, T0, the gates and β with TMA into ``stages`` buffers.
+* WG2 (memory) streams q, k, v, T0, the gates and β with TMA into ``stages`` buffers (q into a
+  ring of its own with ``PassConfig.q_stages``, K = 256: WG1 alone reads it and frees it earlier).
 
 Neither W, R nor the chunk states reach HBM, unless ``save_states`` asks for the chunk start states
 (``[B, H, N, V, K]`` in the input dtype; the backward's ``save`` policy reads them). The
@@ -94,6 +96,8 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
         raise ValueError("packed sequences need B == 1 and per-sequence initial states h0t")
     stages = cfg.stages
     split_r = cfg.split_r
+    pub = cfg.publish_buffers  # copies of each published tile (PassConfig.publish_buffers)
+    own_q = out_o and cfg.q_stages is not None  # q in a TMA ring of its own (PassConfig.q_stages)
 
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dtype)] if out_o else []
     if out_final:
@@ -101,20 +105,20 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
             h0t.shape if packed else ((B, H, K, V) if key_rows else (B, H, V, K)), F32))
     if save_states:
         out_type.append(jax.ShapeDtypeStruct((B, H, N, V, K), dtype))
-    n_copies = 4 + out_o + gated + packed  # (q), k, v, t0, beta (+ g) (+ meta)
+    n_copies = 4 + (out_o and not own_q) + gated + packed  # (q), k, v, t0, beta (+ g) (+ meta)
     # A WGMMA's operands share one swizzle: [C, 32] tiles (block_v = 32) allow at most 64 bytes.
     tile = lambda shape: smem(shape, dtype, 128 if bv == C else 64)  # noqa: E731
     scratch = dict(
         k_s=tile((stages, C, K)), v_s=tile((stages, C, bv)), t_s=tile((stages, C, C)),
         tl_s=tile((stages, C, C)), b_s=vectors(stages), g_s=vectors(stages),
-        s_pub=tile((2, bv, K)), r_pub=tile((2, C, bv)),
+        s_pub=tile((pub, bv, K)), r_pub=tile((pub, C, bv)),
     )
     if out_o:  # q and the output tile (not in the states-only recompute)
-        scratch.update(q_s=tile((stages, C, K)), o_out=tile((2, C, bv)))
+        scratch.update(q_s=tile((cfg.q_stages if own_q else stages, C, K)), o_out=tile((2, C, bv)))
     if key_rows:  # the chain's right operands W and the decayed R (value rows: registers)
         scratch["w_stage"] = tile((C, bv))
     if split_r and (out_o or key_rows):  # R_lo for P R_lo (WG1) and, in key rows, Kᵀ R_lo
-        scratch["rl_pub"] = tile((2, C, bv))
+        scratch["rl_pub"] = tile((pub, C, bv))
     if split_r and key_rows and gated:  # the decayed tail's lo half (the chain's right operand)
         scratch["wl_stage"] = tile((C, bv))
     if has_h0 or out_final:
@@ -126,14 +130,17 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
         in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         ag_ready=plgpu.Barrier(num_barriers=stages),
-        s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2),
+        s_ready=plgpu.Barrier(num_barriers=pub), s_free=plgpu.Barrier(num_barriers=pub),
         state_bar=plgpu.Barrier(), done=plgpu.Barrier(num_arrivals=3),
     )
+    if own_q:  # q's ring: loaded by WG2, read and released by WG1 alone
+        barriers.update(q_bar=plgpu.Barrier(num_barriers=cfg.q_stages),
+                        q_free=plgpu.Barrier(num_barriers=cfg.q_stages))
 
     def fused_forward_body(
             iv, *refs, k_s, v_s, t_s, tl_s, b_s, g_s, s_pub, r_pub, in_bar, in_free,
             ag_ready, s_ready, s_free, state_bar, done, q_s=None, o_out=None, w_stage=None,
-            state_s=None, meta_s=None, rl_pub=None, wl_stage=None):
+            state_s=None, meta_s=None, rl_pub=None, wl_stage=None, q_bar=None, q_free=None):
         refs = list(refs)
         q_ref = refs.pop(0) if out_o else None
         k_ref, v_ref, t_ref, b_ref = (refs.pop(0) for _ in range(4))
@@ -151,7 +158,7 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
         def _memory():
             def copies(n):
                 rows = pl.ds(n * C, C)
-                if out_o:
+                if out_o and not own_q:
                     yield q_ref.at[b, rows, h], q_s
                 yield from ((k_ref.at[b, rows, h], k_s),
                             (v_ref.at[b, rows, h, vcols], v_s), (t_ref.at[b, h, rows], t_s),
@@ -161,7 +168,10 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
                 if packed:
                     yield meta_ref.at[n], meta_s
 
-            memory_warpgroup(copies, N, stages, in_bar, in_free)
+            rings = [(copies, stages, in_bar, in_free)]
+            if own_q:
+                rings.append((lambda n: ((q_ref.at[b, pl.ds(n * C, C), h], q_s),), cfg.q_stages, q_bar, q_free))
+            memory_warpgroup(rings, N)
 
         # WG0's state layout (PassConfig.key_rows): where block j of a state lives in GMEM, how
         # the blocks are published as Sᵀ [bv, K], and the chunk's three chain products.
@@ -268,12 +278,16 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
             s0 = start_state(state_s, src, state_bar, tile, nkb)
 
             def step(n, s_t):
-                slot, half = lax.rem(n, stages), lax.rem(n, 2)
+                slot, half = lax.rem(n, stages), lax.rem(n, pub)
                 plgpu.barrier_wait(in_bar.at[slot])
 
-                @pl.when(n >= 2)
-                def _():  # WG1 is done with the tiles published two chunks ago
-                    plgpu.barrier_wait(s_free.at[half])
+                def wait_published_free():  # WG1 is done with the tiles published pub chunks ago
+                    @pl.when(n >= pub)
+                    def _():
+                        plgpu.barrier_wait(s_free.at[half])
+
+                if pub == 2:  # a free buffer: wait now, before the chunk's first product
+                    wait_published_free()
 
                 if packed:  # a sequence starts here: its initial state replaces the carry
                     reset, seq = meta_s[slot, 0], meta_s[slot, 1]
@@ -281,8 +295,10 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
                                         state_bar)
 
                 def publish_start():  # the chunk start state: WG1's Q S0, the saved states
-                    if save_states:  # the TMA store of chunk n − 2's state has read s_pub[half]
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    if pub == 1:  # one buffer: wait only now, with the first product issued
+                        wait_published_free()
+                    if save_states:  # the TMA store of chunk n − pub's state has read s_pub[half]
+                        plgpu.wait_smem_to_gmem(pub - 1, wait_read_only=True)
                     publish(s_pub.at[half], s_t)
                     if save_states:
                         plgpu.copy_smem_to_gmem(s_pub.at[half], st_ref.at[b, h, n, vcols])
@@ -299,8 +315,8 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
                 return s_new
 
             s_t = lax.fori_loop(0, N, step, s0)
-            for n in range(max(N - 2, 0), N):  # observe WG1's last releases of the published tiles
-                plgpu.barrier_wait(s_free.at[n % 2])
+            for n in range(max(N - pub, 0), N):  # observe WG1's last releases of the published tiles
+                plgpu.barrier_wait(s_free.at[n % pub])
             if out_final and not packed:  # no earlier store read state_s
                 store_state(state_s, s_t, lambda j: state_view(fin_ref, b, j), wait_first=False)
             plgpu.wait_smem_to_gmem(0)
@@ -311,7 +327,8 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
             plgpu.set_max_registers(232, action="increase")
 
             def step(n, carry):
-                slot, half = lax.rem(n, stages), lax.rem(n, 2)
+                slot, half = lax.rem(n, stages), lax.rem(n, pub)
+                o_half = half if pub == 2 else lax.rem(n, 2)  # the output tile is double-buffered
                 plgpu.barrier_wait(in_bar.at[slot])
                 if gated:
                     g_row = plgpu.load(g_s.at[slot], layout=ROWS)
@@ -333,10 +350,13 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
                     plgpu.barrier_arrive(s_free.at[half])
                     plgpu.barrier_arrive(in_free.at[slot])
                     return carry
+                q_slot = lax.rem(n, cfg.q_stages) if own_q else slot
+                if own_q:
+                    plgpu.barrier_wait(q_bar.at[q_slot])
                 # P, the left operand of P R, stays in registers (never staged)
-                p = (mma(q_s.at[slot], k_s.at[slot].T, (C, C)) * decay).astype(dtype)
+                p = (mma(q_s.at[q_slot], k_s.at[slot].T, (C, C)) * decay).astype(dtype)
                 plgpu.barrier_wait(s_ready.at[half])
-                qs0 = ((q_s.at[slot], s_pub.at[half].T),)  # Q S0
+                qs0 = ((q_s.at[q_slot], s_pub.at[half].T),)  # Q S0
                 pr = ((p, r_pub.at[half]),) + (((p, rl_pub.at[half]),) if split_r else ())  # P R
                 if gated:  # Γ Q S0 + P R: two accumulators, one round trip
                     o, pr = mma_group(((qs0, (C, bv)), (pr, (C, bv))))
@@ -345,10 +365,12 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
                     o = mma_sum(qs0 + pr, (C, bv))
                 plgpu.barrier_arrive(s_free.at[half])
                 plgpu.barrier_arrive(in_free.at[slot])
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # chunk n − 2's store read o_out[half]
-                o_out.at[half][...] = (o * scale).astype(dtype)
+                if own_q:
+                    plgpu.barrier_arrive(q_free.at[q_slot])
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # chunk n − 2's store read o_out[o_half]
+                o_out.at[o_half][...] = (o * scale).astype(dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[b, pl.ds(n * C, C), h, vcols])
+                plgpu.copy_smem_to_gmem(o_out.at[o_half], o_ref.at[b, pl.ds(n * C, C), h, vcols])
                 return carry
 
             lax.fori_loop(0, N, step, None)

@@ -236,7 +236,7 @@ def state_backward_part(q, k, do, t0, g2, beta, dfinal_t, *, scale: float, cfg: 
                 if packed:
                     yield meta_ref.at[N - 1 - i], meta_s
 
-            memory_warpgroup(copies, N, stages, in_bar, in_free)
+            memory_warpgroup([(copies, stages, in_bar, in_free)], N)
 
         @pl.when(wg == 1)
         def _chunk_local():

@@ -149,7 +149,7 @@ def vector_state_part(w, u, qg, kt, p, g2, h0t, *, cfg: VectorConfig, out_final:
                 if packed:
                     yield meta_ref.at[n], meta_s
 
-            memory_warpgroup(copies, N, stages, in_bar, in_free)
+            memory_warpgroup([(copies, stages, in_bar, in_free)], N)
 
         @pl.when(wg == 0)
         def _state_chain():

@@ -130,7 +130,7 @@ def vector_state_backward_part(kt, w, qg, p, do, g2, dfinal_t, *, cfg: PassConfi
                 if packed:
                     yield meta_ref.at[n], meta_s
 
-            memory_warpgroup(copies, N, stages, in_bar, in_free)
+            memory_warpgroup([(copies, stages, in_bar, in_free)], N)
 
         @pl.when(wg == 0)
         def _chain():
