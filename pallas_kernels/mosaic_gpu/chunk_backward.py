@@ -522,7 +522,7 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
         decay = decay_tile()
         strict = iota((C, C), 0) > iota((C, C), 1)
         dt_d = stage(t_s, jnp.where(strict, dt * -1.0, 0.0) * decay)  # dT ⊙ D (Ag is done)
-        da_d = stage(da_s, da * decay)  # dA ⊙ D (D is 0 above the diagonal)
+        da_d = stage(da_s, da * (decay * scale))  # scale·(dA ⊙ D) (D is 0 above the diagonal)
 
         # Phase B, per key block: dq, dk and the per-row gate and β sums. One pass over the value
         # blocks per key block forms dq's Σ dO S0ᵀ, e's Σ Λ S0ᵀ and Σ R dSᵀ (each S0ᵀ tile loaded
@@ -545,10 +545,10 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
             if gated:
                 for i, jv in enumerate(rev):
                     sds[jv] = parts[i] if sds[jv] is None else sds[jv] + parts[i]
-            # dq = scale·(Γ dO S0ᵀ + (dA ⊙ D) K) and its gate term ⟨q, dq⟩.
-            if gated:
-                dq = dq * rows_of(gam_r, (C, bk))
-            dq = (dq + mma(da_d, k_blk, (C, bk))) * scale
+            # dq = scale·Γ dO S0ᵀ + scale·(dA ⊙ D) K and its gate term ⟨q, dq⟩; e's (dT ⊙ D) K
+            # in the same round trip
+            dak, dtk = mma_group(((((da_d, k_blk),), (C, bk)), (((dt_d, k_blk),), (C, bk))))
+            dq = dq * (rows_of(gam_r * scale, (C, bk)) if gated else scale) + dak
             plgpu.barrier_wait(q_bar)
             if gated:
                 part = jnp.sum(plgpu.load(q_st, layout=WGMMA).astype(F32) * dq, axis=1)
@@ -557,8 +557,7 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
             stage(w_st, dq)
             plgpu.copy_smem_to_gmem(w_st, key_block(dq_ref.at[b, rows, h], jk, bk))
             # The erase-side terms e = −γ Λ S0ᵀ + (dT ⊙ D) K (dk = β e + ..., dβ = ⟨k, e⟩ + ⟨v, Λ⟩).
-            e = e * (rows_of(gam_r * -1.0, (C, bk)) if gated else -1.0)
-            e = e + mma(dt_d, k_blk, (C, bk))
+            e = e * (rows_of(gam_r * -1.0, (C, bk)) if gated else -1.0) + dtk
             k_f = plgpu.load(k_blk, layout=WGMMA).astype(F32)
             ke = jnp.sum(k_f * e, axis=1)
             db = db + ke
@@ -567,8 +566,7 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
             if gated:
                 part = jnp.sum(k_f * kbar, axis=1)
                 u_acc = part if u_acc is None else u_acc + part
-            kbar = kbar + mma(dt_d.T, stage(bk_st, k_f * rows_of(beta_r, (C, bk))), (C, bk))
-            kbar = kbar + mma(da_d.T, q_st, (C, bk)) * scale
+            kbar = kbar + mma_sum(((dt_d.T, stage(bk_st, k_f * rows_of(beta_r, (C, bk)))), (da_d.T, q_st)), (C, bk))
             dk = e * rows_of(beta_r, (C, bk)) + kbar
             if gated:
                 # dG_r = β_r ⟨k_r, e_r⟩ − ⟨k_r, kbar_r⟩ + ⟨q_r, dq_r⟩; the last row adds the state terms.
