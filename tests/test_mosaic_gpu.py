@@ -458,6 +458,21 @@ def test_wy_refused_where_not_implemented():
                        scale=0.1, cfg=config.ChunkBackwardConfig(block=64, backward="wy"))
 
 
+def test_blocked_chunk_backward_needs_forward_r():
+    """The blocked K = 256 kernel reads R from the forward (config.Config.saves_r): without it,
+    and a forward asked for R in key rows or without the states, a clear error."""
+    assert config.default_config(256, 256, 2).saves_r and not config.default_config(128, 128, 2).saves_r
+    s = _structs(1, 128, 1, 256)
+    with pytest.raises(ValueError, match="reads R"):
+        chunk_backward(*([s["tok"]] * 5 + [s["states"]] * 2 + [s["t0"], s["vec"], s["vec"]]),
+                       scale=0.1, cfg=config.ChunkBackwardConfig(block=64))
+    s = _structs(1, 128, 1, 64)
+    for cfg, states in ((config.PassConfig(block_v=32, key_rows=True), True), (config.PassConfig(), False)):
+        with pytest.raises(ValueError, match="save_r"):
+            fused_forward(*([s["tok"]] * 3 + [s["t0"], None, s["vec"], None]), scale=0.1, cfg=cfg,
+                          out_final=False, save_states=states, save_r=True)
+
+
 @pytest.mark.parametrize("D,key_rows", [
     (64, False), (128, False), (256, False),
     # the serial passes in the key-rows layout (32 value columns, 64-byte swizzles, states [.., K, V])
@@ -478,13 +493,15 @@ def test_kernels_lower_for_cuda(D, key_rows, gated, packed):
     if packed:
         s["st"] = jax.ShapeDtypeStruct((3, 2, D, D), jnp.float32)
 
+    save_r = cfg.saves_r  # K = 256: the forward stores R for the blocked per-chunk gradients
+
     def fwd(q, k, v, t0, g2, b, h0):
         return fused_forward(q, k, v, t0, pick(g2), b, h0, scale=0.1, cfg=cfg.forward, out_final=True,
-                             save_states=True, meta=meta)
+                             save_states=True, meta=meta, save_r=save_r)
 
     def recompute(k, v, t0, g2, b, h0):  # the recompute policy's states-only forward
         return fused_forward(None, k, v, t0, pick(g2), b, h0, scale=0.1, cfg=cfg.forward,
-                             out_final=False, save_states=True, meta=meta, out_o=False)
+                             out_final=False, save_states=True, meta=meta, out_o=False, save_r=save_r)
 
     def sbwd(q, k, do, t0, g2, b, df):
         return state_backward(q, k, do, t0, pick(g2), b, df, scale=0.1, cfg=cfg.state_backward,
@@ -492,11 +509,11 @@ def test_kernels_lower_for_cuda(D, key_rows, gated, packed):
 
     def cbwd(q, k, v, do, lam, st, dst, t0, g2, b):
         return chunk_backward(q, k, v, do, lam, st, dst, t0, pick(g2), b, scale=0.1,
-                              cfg=cfg.chunk_backward)
+                              cfg=cfg.chunk_backward, r=v if save_r else None)
 
     def passes(q, k, v, do, t0, g2, b, h0, df):  # the recompute policy's one launch of both
         rec = forward_part(None, k, v, t0, pick(g2), b, h0, scale=0.1, cfg=cfg.recompute,
-                           out_final=False, save_states=True, meta=meta, out_o=False)
+                           out_final=False, save_states=True, meta=meta, out_o=False, save_r=save_r)
         rev = state_backward_part(q, k, do, t0, pick(g2), b, df, scale=0.1, cfg=cfg.state_backward,
                                   meta=meta, **slots)
         return launch([rec, rev], B, 2)

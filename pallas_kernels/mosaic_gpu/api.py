@@ -155,11 +155,12 @@ def _forward(q, k, v, g, beta, h0, meta, scale, policy, cfg, interpret, *, resid
     with compat.x32():
         qp, kp, vp, t0, g2, beta_hm = prepare(q, k, v, g, beta, interpret)
         h0t = _state_layout(h0.astype(jnp.float32), cfg.forward)
-        o, final_t, states = fused_forward(qp, kp, vp, t0, g2, beta_hm, h0t, scale=scale,
-                                           cfg=cfg.forward, out_final=True,
-                                           save_states=residuals and policy == "save", meta=meta,
-                                           interpret=compat.interpret_params(interpret))
-    res = (qp, kp, vp, t0, g2, beta_hm, h0t, states, meta, g is None)
+        save = residuals and policy == "save"
+        o, final_t, states, *r = fused_forward(qp, kp, vp, t0, g2, beta_hm, h0t, scale=scale,
+                                               cfg=cfg.forward, out_final=True, save_states=save, meta=meta,
+                                               interpret=compat.interpret_params(interpret),
+                                               save_r=save and cfg.saves_r)
+    res = (qp, kp, vp, t0, g2, beta_hm, h0t, states, r[0] if r else None, meta, g is None)
     return (o[:, :T], _state_layout(final_t, cfg.forward)), res
 
 
@@ -169,7 +170,7 @@ def _backward(scale, policy, cfg, interpret, res, cts):
 
 
 def _backward_x32(scale, cfg, interpret, res, cts):
-    qp, kp, vp, t0, g2, beta_hm, h0t, states, meta, no_gate = res
+    qp, kp, vp, t0, g2, beta_hm, h0t, states, r, meta, no_gate = res
     do, dfinal = cts
     T = do.shape[1]
     Tp = kp.shape[1]
@@ -184,12 +185,14 @@ def _backward_x32(scale, cfg, interpret, res, cts):
         # the reverse state pass (they do not depend on each other; launch.py)
         h0r = _state_layout(_state_layout(h0t, cfg.forward), cfg.recompute)
         recompute = forward_part(None, kp, vp, t0, g2, beta_hm, h0r, scale=scale, cfg=cfg.recompute,
-                                 out_final=False, save_states=True, meta=meta, out_o=False)
-        (states,), (lam, dstates, dh0t) = launch([recompute, reverse], B, H, interpret=ip)
+                                 out_final=False, save_states=True, meta=meta, out_o=False,
+                                 save_r=cfg.saves_r)
+        (states, *r), (lam, dstates, dh0t) = launch([recompute, reverse], B, H, interpret=ip)
+        r = r[0] if r else None
     else:
         ((lam, dstates, dh0t),) = launch([reverse], B, H, interpret=ip)
     outs = chunk_backward(qp, kp, vp, dop, lam, states, dstates, t0, g2, beta_hm, scale=scale,
-                          cfg=cfg.chunk_backward, interpret=ip)
+                          cfg=cfg.chunk_backward, interpret=ip, r=r)
     dq, dk, dv, dbeta = outs[:4]
     dg = None if no_gate else _unpad_scalars(_gate_grad(*outs[4:], g2), T)
     return (dq[:, :T], dk[:, :T], dv[:, :T], dg, _unpad_scalars(dbeta, T),

@@ -46,16 +46,16 @@ kernel :func:`chunk_backward` holds every operand whole in SMEM (``[64, K]`` til
 ``[V, K]``): the program timed on the H100. At K = V = 256 that is 551,168 B of SMEM, so
 ``block=64`` selects :func:`_chunk_backward_blocked`, the same math over 64-column blocks:
 
-    phase A, per value block jv:  R_jv = Ag (V_jv − Γ Σ_jk K_jk S0ᵀ[jv, jk]ᵀ)   (R replaces V in SMEM)
-                                  dT += Λ_jv R_jvᵀ,  dA += dO_jv R_jvᵀ,  dv_jv = β Λ_jv
+    phase A, per value block jv:  dT += Λ_jv R_jvᵀ,  dA += dO_jv R_jvᵀ,  dv_jv = β Λ_jv
+                                  (R = Ag (V − Γ K S0) as the forward stored it, config.Config.saves_r)
     phase B, per key block jk:    one pass over jv: dq_jk = Σ_jv dO_jv S0ᵀ[jv, jk],
                                   e_jk = Σ_jv Λ_jv S0ᵀ[jv, jk],  (R dSᵀ)_jk = Σ_jv R_jv dSᵀ[jv, jk]
                                   (and sds from the same tile pairs)       (then dq and dk out)
     the per-row sums (dβ, dG, u) add up over the key blocks in registers.
 
-S0ᵀ and dSᵀ stream as ``[64, 64]`` tiles through two three-slot TMA rings: S0ᵀ's 16 tiles take 31
-loads per chunk (phase A, then phase B, whose first tile is phase A's last) and dSᵀ's 16 tiles
-one load each. Every sum over tiles (:func:`_ring_products`) accumulates in place and is
+S0ᵀ and dSᵀ stream as ``[64, 64]`` tiles through two three-slot TMA rings, one load per tile
+(phase B only: with R from the forward, phase A needs neither S0ᵀ nor k, so v shares k's buffer
+and k is loaded after it). Every sum over tiles (:func:`_ring_products`) accumulates in place and is
 pipelined: a tile's products are issued as soon as it arrives, and the warpgroup waits for the
 previous tile's products (and frees their slots for the loads two ahead) only after that, so the
 tensor cores are not left idle behind each load. The three accumulators of phase B
@@ -132,9 +132,10 @@ def _launch(body, out_type, scratch, grid, interpret, *args):
 
 
 def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: float,
-                   cfg: ChunkBackwardConfig = ChunkBackwardConfig(), interpret=None):
+                   cfg: ChunkBackwardConfig = ChunkBackwardConfig(), interpret=None, r=None):
     """``(dq, dk, dv, dbeta)`` and, with a gate, ``(dG, u, sds)``; see the module docstring.
-    ``cfg.block`` 64 (K = 256) runs the blocked kernel, ``None`` the whole-width one;
+    ``cfg.block`` 64 (K = 256) runs the blocked kernel, which reads each chunk's R ``r
+    [B, Tp, H, V]`` as the forward stored it (config.Config.saves_r), ``None`` the whole-width one;
     ``cfg.backward`` "wy" the whole-width kernel's seven-product body (same operands, outputs);
     ``cfg.warpgroups`` 2 the whole-width ReWY math on two warpgroups (:func:`_chunk_backward_2wg`)."""
     B, Tp, H, K = k.shape
@@ -153,7 +154,9 @@ def chunk_backward(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: fl
         if wy:
             raise ValueError("the blocked per-chunk gradient kernel (K = 256) has the ReWY backward "
                              "only; backward='wy' needs the whole-width kernel (K <= 128)")
-        return _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, scale=scale,
+        if r is None:
+            raise ValueError("the blocked per-chunk gradient kernel reads R from the forward (r=None)")
+        return _chunk_backward_blocked(q, k, v, r, do, lam, states, dstates, t0, g2, beta, scale=scale,
                                        bk=cfg.block, interpret=interpret)
     out_type = _out_types(k, v, gated)
     vec = plgpu.SMEM((C,), F32)
@@ -423,10 +426,11 @@ def _ring_products(specs, starts, n: int, shape, between=None):
     return lax.optimization_barrier(pl.run_scoped(body, *(plgpu.ACC(shape, F32) for _ in specs)))
 
 
-def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: float, bk: int,
+def _chunk_backward_blocked(q, k, v, r, do, lam, states, dstates, t0, g2, beta, *, scale: float, bk: int,
                             interpret=None):
     """:func:`chunk_backward` over ``bk``-column blocks (the module docstring's phases A and B);
-    same operands and outputs. ``K = V`` a multiple of ``bk``."""
+    same operands and outputs, and each chunk's R ``r [B, Tp, H, V]`` from the forward. ``K = V``
+    a multiple of ``bk``."""
     B, Tp, H, K = k.shape
     V = v.shape[-1]
     N = Tp // C
@@ -436,14 +440,9 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
         raise ValueError(f"K={K} is not a multiple of the block {bk}")
     nb = K // bk
     rev = list(reversed(range(nb)))
-    # Uses of the S0ᵀ tiles: phase A by value block (jk inner), then phase B by key block (jv
-    # descending, so that phase A's last tile is phase B's first: one shared load). dSᵀ tiles:
-    # phase B only, beside S0ᵀ's.
-    s0_uses = [(jv, jk) for jv in range(nb) for jk in range(nb)]
-    ds_uses = []
-    for jk in rev:
-        s0_uses += [(jv, jk) for jv in rev]
-        ds_uses += [(jv, jk) for jv in rev]
+    # Uses of the S0ᵀ and dSᵀ tiles: phase B only, by key block (jv descending inside).
+    s0_uses = [(jv, jk) for jk in rev for jv in rev]
+    ds_uses = list(s0_uses)
     s0_slots = min(BLOCKED_RING_SLOTS, _TileRing.n_loads(s0_uses))
     ds_slots = min(BLOCKED_RING_SLOTS, _TileRing.n_loads(ds_uses))
 
@@ -455,20 +454,24 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
         w_st=smem((C, bk), dtype), q_st=smem((C, bk), dtype), bk_st=smem((C, bk), dtype),
         s0_t=smem((s0_slots, bk, bk), dtype), ds_t=smem((ds_slots, bk, bk), dtype),
         b_s=vec, g_s=vec, db_s=vec, dg_s=vec, u_s=vec, sds_s=plgpu.SMEM((V,), F32),
-        bar=plgpu.Barrier(num_arrivals=6 + gated), q_bar=plgpu.Barrier(),
+        bar=plgpu.Barrier(num_arrivals=5 + gated), q_bar=plgpu.Barrier(), k_bar=plgpu.Barrier(),
         s0_bar=plgpu.Barrier(num_barriers=s0_slots), ds_bar=plgpu.Barrier(num_barriers=ds_slots),
     )
 
     def chunk_backward_blocked_body(
             *refs, k_s, vr_s, do_s, lam_s, t_s, da_s, w_st, q_st, bk_st, s0_t, ds_t, b_s, g_s, db_s,
-            dg_s, u_s, sds_s, bar, q_bar, s0_bar, ds_bar):
+            dg_s, u_s, sds_s, bar, q_bar, k_bar, s0_bar, ds_bar):
+        refs = list(refs)
+        r_ref = refs.pop(9 + gated)  # after the inputs of _kernel_refs
         (q_ref, k_ref, v_ref, do_ref, lam_ref, st_ref, dst_ref, t_ref, b_ref, g_ref,
          dq_ref, dk_ref, dv_ref, db_ref, dg_ref, u_ref, sds_ref) = _kernel_refs(refs, gated)
         b, h, n = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         rows = pl.ds(n * C, C)
-        for src, dst in ((k_ref.at[b, rows, h], k_s), (v_ref.at[b, rows, h], vr_s),
+        # v goes into k's buffer: phase A reads v (for ⟨v, Λ⟩) and no k, phase B k and no v. T0 is
+        # not read (R comes from the forward); its buffer stages dT ⊙ D.
+        for src, dst in ((v_ref.at[b, rows, h], k_s), (r_ref.at[b, rows, h], vr_s),
                          (do_ref.at[b, rows, h], do_s), (lam_ref.at[b, rows, h], lam_s),
-                         (t_ref.at[b, h, rows], t_s), (b_ref.at[b, h, rows], b_s)) + (
+                         (b_ref.at[b, h, rows], b_s)) + (
                              ((g_ref.at[b, h, rows], g_s),) if gated else ()):
             plgpu.copy_gmem_to_smem(src, dst, bar)
         s0_ring = _TileRing(s0_t, s0_bar, st_ref.at[b, h, n], s0_uses, bk)
@@ -486,42 +489,34 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
             g_last = g_s[C - 1]
             gam_r = jnp.exp2(g_row)
             tail_r = jnp.exp2(g_last - g_row)
-        # D is formed where it is used, before and after phase A, rather than held across it
-        # (one [C, C] fp32 tile, 32 registers, beside phase A's accumulators).
-        decay_tile = lambda: (causal_decay(g_row, plgpu.load(g_s, layout=COLS), strict=False)  # noqa: E731
-                              if gated else causal_decay(None, None, strict=False))
-        # Ag = T0 ⊙ D ⊙ β_j in registers: the left operand of every block's R = Ag W.
-        beta_c = plgpu.load(b_s, layout=COLS)
-        ag = (plgpu.load(t_s, layout=WGMMA).astype(F32) * decay_tile() * cols_of(beta_c, (C, C))).astype(dtype)
 
-        # Phase A, per value block: R = Ag (V − Γ K S0) from the saved chunk start state, and the
-        # three ReWY Gram terms' V-sums Λ Rᵀ and dO Rᵀ. Signs are applied as a product with −1,
-        # never as a negated accumulator (which gave zeros on sm_90 with jax 0.11.2 in jla's kernels).
+        # Phase A, per value block: the ReWY Gram terms' V-sums Λ Rᵀ and dO Rᵀ from the forward's
+        # R, dv = β Λ and dβ's ⟨v, Λ⟩. Signs are applied as a product with −1, never as a negated
+        # accumulator (which gave zeros on sm_90 with jax 0.11.2 in jla's kernels).
         dt = da = db = None
-        use = 0  # the next use of the S0ᵀ ring
         for jv in range(nb):
-            ks0 = _ring_products(((s0_ring, lambda t, jk: ((key_block(k_s, jk, bk), t.T),)),),
-                                 use, nb, (C, bk))[0][0]  # Σ_jk K_jk S0ᵀ[jv, jk]ᵀ
-            use += nb
-            if gated:
-                ks0 = ks0 * rows_of(gam_r, (C, bk))
-            v_blk, lam_blk = key_block(vr_s, jv, bk), key_block(lam_s, jv, bk)
-            v_f = plgpu.load(v_blk, layout=WGMMA).astype(F32)
+            r_blk, lam_blk = key_block(vr_s, jv, bk), key_block(lam_s, jv, bk)
+            v_f = plgpu.load(key_block(k_s, jv, bk), layout=WGMMA).astype(F32)
             lam_f = plgpu.load(lam_blk, layout=WGMMA).astype(F32)
             part = jnp.sum(v_f * lam_f, axis=1)  # ⟨v, Λ⟩ of dβ
             db = part if db is None else db + part
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's dv store read bk_st
-            bk_st[...] = (lam_f * rows_of(beta_r, (C, bk))).astype(dtype)  # dv = β Λ
-            w = stage(w_st, v_f - ks0)  # (its fence also publishes bk_st)
-            plgpu.copy_smem_to_gmem(bk_st, key_block(dv_ref.at[b, rows, h], jv, bk))
-            r = mma(ag, w, (C, bk))
-            stage(v_blk, r)  # R replaces V (every thread read its V block before the fence above)
-            lr, dor = mma_group(((((lam_blk, v_blk.T),), (C, C)),  # Λ Rᵀ and dO Rᵀ: one round trip
-                                 (((key_block(do_s, jv, bk), v_blk.T),), (C, C))))
+
+            def dv_out(lam_f=lam_f, jv=jv):  # dv = β Λ, stored while the products run
+                stage(bk_st, lam_f * rows_of(beta_r, (C, bk)))
+                plgpu.copy_smem_to_gmem(bk_st, key_block(dv_ref.at[b, rows, h], jv, bk))
+
+            lr, dor = mma_group(((((lam_blk, r_blk.T),), (C, C)),  # Λ Rᵀ and dO Rᵀ: one round trip
+                                 (((key_block(do_s, jv, bk), r_blk.T),), (C, C))), between=dv_out)
             dt, da = (lr, dor) if dt is None else (dt + lr, da + dor)
-        decay = decay_tile()
+        # k replaces v in its buffer (every thread read its v blocks before stage()'s fence above);
+        # phase B first reads it after its first key block's ring products
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_s, k_bar)
+        # D after phase A (not one more [C, C] fp32 tile beside its accumulators)
+        decay = (causal_decay(g_row, plgpu.load(g_s, layout=COLS), strict=False) if gated
+                 else causal_decay(None, None, strict=False))
         strict = iota((C, C), 0) > iota((C, C), 1)
-        dt_d = stage(t_s, jnp.where(strict, dt * -1.0, 0.0) * decay)  # dT ⊙ D (Ag is done)
+        dt_d = stage(t_s, jnp.where(strict, dt * -1.0, 0.0) * decay)  # dT ⊙ D (T0 is not read)
         da_d = stage(da_s, da * (decay * scale))  # scale·(dA ⊙ D) (D is 0 above the diagonal)
 
         # Phase B, per key block: dq, dk and the per-row gate and β sums. One pass over the value
@@ -531,7 +526,7 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
         sds = [None] * nb
         sds_part = lambda s0_tile, ds_tile: jnp.sum(  # noqa: E731
             plgpu.load(s0_tile, layout=WGMMA).astype(F32) * plgpu.load(ds_tile, layout=WGMMA).astype(F32), axis=1)
-        d = 0  # the next use of the dSᵀ ring
+        use = d = 0  # the next use of the S0ᵀ and dSᵀ rings
         for m, jk in enumerate(rev):
             k_blk = key_block(k_s, jk, bk)
             (dq, e, rds), parts = _ring_products(
@@ -547,6 +542,8 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
                     sds[jv] = parts[i] if sds[jv] is None else sds[jv] + parts[i]
             # dq = scale·Γ dO S0ᵀ + scale·(dA ⊙ D) K and its gate term ⟨q, dq⟩; e's (dT ⊙ D) K
             # in the same round trip
+            if m == 0:
+                plgpu.barrier_wait(k_bar)
             dak, dtk = mma_group(((((da_d, k_blk),), (C, bk)), (((dt_d, k_blk),), (C, bk))))
             dq = dq * (rows_of(gam_r * scale, (C, bk)) if gated else scale) + dak
             plgpu.barrier_wait(q_bar)
@@ -587,7 +584,7 @@ def _chunk_backward_blocked(q, k, v, do, lam, states, dstates, t0, g2, beta, *, 
                           rows, gated)
 
     return _launch(chunk_backward_blocked_body, out_type, scratch, (B, H, N), interpret,
-                   q, k, v, do, lam, states, dstates, t0, beta, *([g2] if gated else []))
+                   q, k, v, do, lam, states, dstates, t0, beta, *([g2] if gated else []), r)
 
 
 def _chunk_backward_2wg(q, k, v, do, lam, states, dstates, t0, g2, beta, *, scale: float,

@@ -144,6 +144,13 @@ class Config:
     chunk_backward: ChunkBackwardConfig = ChunkBackwardConfig()
     recompute: PassConfig = PassConfig()
 
+    @property
+    def saves_r(self) -> bool:
+        """The forward (policy "save") or the states-only recompute stores each chunk's R beside
+        its start state: the blocked per-chunk gradient kernel (K = 256) reads R instead of
+        forming it from S0ᵀ (phase A's ``K S0ᵀ`` products and S0ᵀ's first 15 tile loads)."""
+        return self.chunk_backward.block is not None
+
 
 def forward_smem_bytes(K: int, block_v: int, stages: int, itemsize: int, with_state: bool,
                        k_block: int | None = None, key_rows: bool = False,

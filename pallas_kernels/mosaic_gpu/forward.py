@@ -57,8 +57,10 @@ from pallas_kernels.mosaic_gpu.config import PassConfig
 
 
 def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
-                  out_final: bool, save_states: bool, meta=None, interpret=None, out_o: bool = True):
-    """``(o [B, Tp, H, V] | None, final ᵀ [B, H, V, K] fp32 | None, states [B, H, N, V, K] | None)``.
+                  out_final: bool, save_states: bool, meta=None, interpret=None, out_o: bool = True,
+                  save_r: bool = False):
+    """``(o [B, Tp, H, V] | None, final ᵀ [B, H, V, K] fp32 | None, states [B, H, N, V, K] | None)``,
+    and with ``save_r`` also R ``[B, Tp, H, V]`` (input dtype, the R of every chunk as WG1 reads it).
 
     ``g2`` is ``None`` for DeltaNet (no gate); ``h0t`` is ``None`` for a zero initial state.
     ``out_o=False`` is the backward's state recompute: WG1 only builds Ag and hands the published
@@ -66,19 +68,20 @@ def fused_forward(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig,
     """
     B, _, H, _ = k.shape
     part = forward_part(q, k, v, t0, g2, beta, h0t, scale=scale, cfg=cfg, out_final=out_final,
-                        save_states=save_states, meta=meta, out_o=out_o)
+                        save_states=save_states, meta=meta, out_o=out_o, save_r=save_r)
     (outs,) = launch([part], B, H, interpret=interpret)
     o = outs.pop(0) if out_o else None
     final = outs.pop(0) if out_final else None
     states = outs.pop(0) if save_states else None
-    return o, final, states
+    return (o, final, states) + ((outs.pop(0),) if save_r else ())
 
 
 def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, out_final: bool,
-                 save_states: bool, meta=None, out_o: bool = True) -> Part:
+                 save_states: bool, meta=None, out_o: bool = True, save_r: bool = False) -> Part:
     """This kernel as a :class:`launch.Part` (arguments as for :func:`fused_forward`; its
     outputs are o if ``out_o``, the final state if ``out_final``, the states if ``save_states``,
-    in that order). The recompute policy's backward launches the states-only part beside the
+    R if ``save_r``, in that order; ``save_r`` stores each chunk's R beside its start state, for
+    the blocked per-chunk gradient kernel, value rows only). The recompute policy's backward launches the states-only part beside the
     reverse state pass (state_backward.backward_passes)."""
     B, Tp, H, K = k.shape
     V = v.shape[-1]
@@ -105,6 +108,12 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
             h0t.shape if packed else ((B, H, K, V) if key_rows else (B, H, V, K)), F32))
     if save_states:
         out_type.append(jax.ShapeDtypeStruct((B, H, N, V, K), dtype))
+    if save_r:
+        if key_rows or not save_states:
+            raise ValueError("save_r stores R beside the chunk states, in the value-rows layout only")
+        out_type.append(jax.ShapeDtypeStruct((B, Tp, H, V), dtype))
+    # WG0's TMA stores per chunk (its start state, R): the bulk groups between two uses of a buffer
+    n_stores = save_states + save_r
     n_copies = 4 + (out_o and not own_q) + gated + packed  # (q), k, v, t0, beta (+ g) (+ meta)
     # A WGMMA's operands share one swizzle: [C, 32] tiles (block_v = 32) allow at most 64 bytes.
     tile = lambda shape: smem(shape, dtype, 128 if bv == C else 64)  # noqa: E731
@@ -150,6 +159,7 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
         o_ref = refs.pop(0) if out_o else None
         fin_ref = refs.pop(0) if out_final else None
         st_ref = refs.pop(0) if save_states else None
+        rs_ref = refs.pop(0) if save_r else None
         b, h = lax.axis_index("b"), lax.axis_index("h")
         vcols = pl.ds(iv * bv, bv)
         wg = lax.axis_index("wg")
@@ -187,7 +197,7 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
                 plgpu.commit_smem()
                 return ref
 
-            def update(slot, half, publish_start, s):
+            def update(slot, half, publish_start, s, n):
                 publish_start()  # S is the right operand of K S: published first
                 s_lo = s_pub.at[half]
                 pred = mma(k_s.at[slot], s_lo.T, (C, bv))  # K S [C, bv]
@@ -231,7 +241,7 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
             def publish(ref, blocks):
                 return stage_blocks(ref, blocks, kb)
 
-            def update(slot, half, publish_start, s_t):
+            def update(slot, half, publish_start, s_t, n):
                 # Every left operand of the chain comes from registers (Sᵀ, Wᵀ, then Rᵀ or its
                 # decayed tail), so no product waits for a store and fence: the tiles published
                 # for WG1 (S, then R) are stored while the product after them runs.
@@ -255,10 +265,14 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
                 r_halves = halves(r_t)
 
                 def publish_r():
+                    if save_r:  # the TMA store of chunk n − pub's R has read r_pub[half]
+                        plgpu.wait_smem_to_gmem(n_stores * pub - 1, wait_read_only=True)
                     r_pub.at[half].T[...] = r_halves[0]
                     if split_r and out_o:  # R_lo for WG1's P R_lo
                         rl_pub.at[half].T[...] = r_halves[1]
                     plgpu.commit_smem()
+                    if save_r:
+                        plgpu.copy_smem_to_gmem(r_pub.at[half], rs_ref.at[b, pl.ds(n * C, C), h, vcols])
                     plgpu.barrier_arrive(s_ready.at[half])
 
                 # The state update, one key block at a time (one fresh [BV, kb] accumulator live).
@@ -298,12 +312,12 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
                     if pub == 1:  # one buffer: wait only now, with the first product issued
                         wait_published_free()
                     if save_states:  # the TMA store of chunk n − pub's state has read s_pub[half]
-                        plgpu.wait_smem_to_gmem(pub - 1, wait_read_only=True)
+                        plgpu.wait_smem_to_gmem(n_stores * pub - 1, wait_read_only=True)
                     publish(s_pub.at[half], s_t)
                     if save_states:
                         plgpu.copy_smem_to_gmem(s_pub.at[half], st_ref.at[b, h, n, vcols])
 
-                s_new = update(slot, half, publish_start, s_t)
+                s_new = update(slot, half, publish_start, s_t, n)
                 if packed and out_final:  # a sequence ends here: store its final state
                     end, seq = meta_s[slot, 2], meta_s[slot, 1]
 
