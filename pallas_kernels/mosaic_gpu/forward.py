@@ -22,7 +22,8 @@ One CTA per ``(b, h, 64 value columns)`` walks its chunks in order with three wa
   ring of its own with ``PassConfig.q_stages``, K = 256: WG1 alone reads it and frees it earlier).
 
 Neither W, R nor the chunk states reach HBM, unless ``save_states`` asks for the chunk start states
-(``[B, H, N, V, K]`` in the input dtype; the backward's ``save`` policy reads them). The
+(``[B, H, N, V, K]`` in the input dtype; the backward's ``save`` policy reads them) and ``save_r``
+for R (``[B, Tp, H, V]``, K = 256: the blocked per-chunk gradient kernel reads it). The
 ``recompute`` policy's backward runs this kernel again with ``out_o=False``: the chain and Ag
 only, for the chunk start states, in one launch with the reverse state pass (:func:`forward_part`,
 launch.py). In value rows every left operand of the chain comes from
@@ -81,8 +82,8 @@ def forward_part(q, k, v, t0, g2, beta, h0t, *, scale: float, cfg: PassConfig, o
     """This kernel as a :class:`launch.Part` (arguments as for :func:`fused_forward`; its
     outputs are o if ``out_o``, the final state if ``out_final``, the states if ``save_states``,
     R if ``save_r``, in that order; ``save_r`` stores each chunk's R beside its start state, for
-    the blocked per-chunk gradient kernel, value rows only). The recompute policy's backward launches the states-only part beside the
-    reverse state pass (state_backward.backward_passes)."""
+    the blocked per-chunk gradient kernel, value rows only). The recompute policy's backward
+    launches the states-only part beside the reverse state pass (state_backward.backward_passes)."""
     B, Tp, H, K = k.shape
     V = v.shape[-1]
     N = Tp // C
