@@ -202,24 +202,29 @@ def test_chunk_backward_two_warpgroups_interpret(monkeypatch, op, policy, decay,
 
 
 @needs_interpreter
-@pytest.mark.parametrize("op,policy,decay,T,seed,n_seq", [
-    ("gdn", "save", "strong", 150, 30, None),
-    ("deltanet", "recompute", None, 130, 31, None),  # with split_r: R_lo single too
-    ("gdn", "save", "mild", 150, 32, 3),  # packed
-    pytest.param("gdn", "save", "strong", 150, 33, None, marks=[pytest.mark.key_rows, needs_pool_threads]),
+@pytest.mark.parametrize("op,policy,decay,T,seed,n_seq,pub,q_stages", [
+    ("gdn", "save", "strong", 150, 30, None, 1, 1),
+    ("deltanet", "recompute", None, 130, 31, None, 1, 1),  # with split_r: R_lo single too
+    ("gdn", "save", "mild", 150, 32, 3, 1, 1),  # packed
+    ("gdn", "save", "strong", 200, 34, None, 2, 4),  # q's ring deeper than the other inputs'
+    pytest.param("gdn", "save", "strong", 150, 33, None, 1, 1, marks=[pytest.mark.key_rows, needs_pool_threads]),
 ])
-def test_single_publication_and_own_q_ring(monkeypatch, op, policy, decay, T, seed, n_seq):
+def test_single_publication_and_own_q_ring(monkeypatch, op, policy, decay, T, seed, n_seq, pub, q_stages):
     """The fused forward with single-buffered published tiles and q in a one-slot ring of its
     own (PassConfig.publish_buffers = 1, q_stages = 1: the K = 256 default) at K = 64, in both
-    state layouts, every gradient against float64 (h0, β in [0, 2], T not a multiple of 64)."""
-    default = config.default_config
+    state layouts, and q in a ring deeper than the other inputs' (memory_warpgroup's refill of
+    the deeper ring), every gradient against float64 (h0, β in [0, 2], T not a multiple of 64)."""
+    default, used = config.default_config, []
 
     def single(*a, **kw):
         cfg = default(*a, **kw)
-        return dataclasses.replace(cfg, forward=dataclasses.replace(cfg.forward, publish_buffers=1, q_stages=1))
+        used.append(cfg.forward.key_rows)
+        return dataclasses.replace(cfg, forward=dataclasses.replace(cfg.forward, publish_buffers=pub,
+                                                                    q_stages=q_stages))
 
     monkeypatch.setattr(config, "default_config", single)
     _check_against_float64(op, policy, decay, T, seed, n_seq, 64, BF16)
+    assert used, "the op did not take its config from config.default_config"
 
 
 @needs_interpreter
